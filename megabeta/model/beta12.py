@@ -1,0 +1,155 @@
+"""Beta12Transformer: block-sequential computation of spec §3.
+
+Schedule (spec §5, block-sequential): for each block of c tokens in order, run layers 0 … L-1 on
+the block's tokens in parallel; every layer reads the finished KVs of earlier blocks (the
+history) for its source layers M(l), plus construction KVs inside the block. When a block has
+passed layer m, its finished KV of layer m (layer m's own norm and K/V weights on its OUTPUT,
+plus e_K/e_V) is computed once and appended to the history; the last block's are skipped in
+training because nobody reads them.
+
+The history is a list of per-block tensors per layer. Each block's key set is concatenated from
+it inside the block function, which is the activation-checkpoint unit: in backward the block is
+recomputed from its embedding slice and the same history tensors (spec §4.6), so the
+concatenations and the block's logits live only while one block is processed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megabeta.model.attention import KeySet, block_attention
+from megabeta.model.cache import DecodeCache
+from megabeta.model.transformer import DecoderLM
+
+History = list[tuple[Tensor, ...]]
+"""Per layer m, the finished K (or V) pieces covering tokens 0 … start(block)-1, in order."""
+
+
+def _tail(pieces: tuple[Tensor, ...], keep: int) -> list[Tensor]:
+    """The last `keep` tokens of a history given as pieces `[B, H, len, d_h]`."""
+    out: list[Tensor] = []
+    for piece in reversed(pieces):
+        if keep <= 0:
+            break
+        length = piece.shape[2]
+        out.append(piece if length <= keep else piece[:, :, length - keep:])
+        keep -= length
+    return out[::-1]
+
+
+class Beta12Transformer(DecoderLM):
+    """beta_1.2 (spec §1-§4): attention reads finished KVs of layers l … l+k of earlier blocks."""
+
+    beta_extras = True
+
+    def _groups(self, layer: int, block_start: int, hist_k: History, hist_v: History
+                ) -> list[tuple[int, Tensor, Tensor]]:
+        """Finished groups of spec §3 for queries of the block starting at `block_start`."""
+        window = self.config.deep_token_window
+        groups = []
+        for m in self.config.source_layers(layer):
+            if block_start == 0:
+                break
+            # Deeper groups see only the last w tokens before the block (deep_token_window).
+            keep = min(window, block_start) if window > 0 and m > layer else block_start
+            k, v = _tail(hist_k[m], keep), _tail(hist_v[m], keep)
+            groups.append((m - layer, torch.cat(k, dim=2), torch.cat(v, dim=2)))
+        return groups
+
+    def _block(self, x: Tensor, start: int, block_start: int, hist_k: History, hist_v: History,
+               prefix: list[tuple[Tensor, Tensor]] | None, targets: Tensor | None,
+               want_finished: bool, want_construction: bool) -> tuple:
+        """All layers on the tokens `x [B, n, d]` at positions `start …` of one block.
+
+        `prefix` holds per layer the construction KVs of the block's tokens before `start`
+        (decoding a partly filled block). Returns (finished K per layer, finished V per layer,
+        construction K per layer, construction V per layer, output), where output is the summed
+        loss when `targets` is given and the logits otherwise; lists are empty unless wanted.
+        """
+        cos, sin = self.rope(start, x.shape[1], x)
+        dropout = self.config.dropout if self.training else 0.0
+        fin_k, fin_v, con_k, con_v = [], [], [], []
+        for l, layer in enumerate(self.layers):
+            attn = layer.attention
+            xn = layer.attention_norm(x)
+            q = attn.query(xn, cos, sin)
+            k, v = attn.kv(xn, cos, sin, finished=False)
+            keys = KeySet(k=k, v=v, finished=self._groups(l, block_start, hist_k, hist_v))
+            if prefix is not None:
+                keys.prefix_k, keys.prefix_v = prefix[l]
+            o = block_attention(q, keys, attn.depth_slope(), attn.self_bias,
+                                self.config.use_sdpa, dropout)
+            x = layer.mlp_residual(layer.attention_residual(x, o))
+            if want_construction:
+                con_k.append(k)
+                con_v.append(v)
+            if want_finished:
+                fk, fv = attn.kv(layer.attention_norm(x), cos, sin, finished=True)
+                fin_k.append(fk)
+                fin_v.append(fv)
+        out = self.logits(x) if targets is None else self.loss_sum(x, targets)
+        return fin_k, fin_v, con_k, con_v, out
+
+    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Logits `[B, T, V]`, or the mean next-token loss when `targets [B, T]` is given."""
+        length = tokens.shape[1]
+        self._check_length(length)
+        c = self.config.block_size
+        x = self.tok_embeddings(tokens)
+        hist_k: list[list[Tensor]] = [[] for _ in self.layers]
+        hist_v: list[list[Tensor]] = [[] for _ in self.layers]
+        outs = []
+        for s in range(0, length, c):
+            e = min(s + c, length)
+            # Snapshots (tuples) of the history: the recompute must see exactly these pieces.
+            fin_k, fin_v, _, _, out = self._run(
+                self._block, x[:, s:e], s, s, [tuple(h) for h in hist_k],
+                [tuple(h) for h in hist_v], None, None if targets is None else targets[:, s:e],
+                e < length, False)
+            for l in range(len(self.layers)) if e < length else ():
+                hist_k[l].append(fin_k[l])
+                hist_v[l].append(fin_v[l])
+            outs.append(out)
+        if targets is None:
+            return torch.cat(outs, dim=1)
+        return self._mean_loss(outs, targets)
+
+    # ---- decoding (spec §4.5) -------------------------------------------------------------------
+    def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:
+        capacity = self._capacity(capacity)
+        block, layers = min(self.config.block_size, capacity), len(self.layers)
+        return DecodeCache(0, construction=self._kv_buffers(batch, layers, block),
+                           finished=self._kv_buffers(batch, layers, capacity),
+                           pending=self._kv_buffers(batch, layers, block))
+
+    @torch.no_grad()
+    def extend(self, tokens: Tensor, cache: DecodeCache) -> Tensor:
+        c = self.config.block_size
+        x = self.tok_embeddings(tokens)
+        logits = []
+        done = 0
+        while done < tokens.shape[1]:
+            pos = cache.position
+            block_start = pos - pos % c
+            n = min(block_start + c - pos, tokens.shape[1] - done)
+            visible = [buf.view(0, block_start) for buf in cache.finished]
+            hist_k = [(k,) for k, _ in visible]
+            hist_v = [(v,) for _, v in visible]
+            prefix = [buf.view() for buf in cache.construction]
+            fin_k, fin_v, con_k, con_v, out = self._block(
+                x[:, done:done + n], pos, block_start, hist_k, hist_v, prefix, None, True, True)
+            for l in range(len(self.layers)):
+                cache.construction[l].append(con_k[l], con_v[l])
+                cache.pending[l].append(fin_k[l], fin_v[l])
+            cache.position += n
+            done += n
+            logits.append(out)
+            if cache.position % c == 0:
+                # The block is complete: its finished KVs become visible, its construction KVs
+                # are no longer read by anyone.
+                for fin, pend, con in zip(cache.finished, cache.pending, cache.construction):
+                    fin.append(*pend.view())
+                    pend.clear()
+                    con.clear()
+        return torch.cat(logits, dim=1)

@@ -1,0 +1,191 @@
+"""The decoder-only language-model skeleton shared by all arms, and the two control arms.
+
+`DecoderLM` owns what every arm has (spec §1): token embedding, the layer stack, final RMSNorm,
+LM head, initialisation, the next-token loss and the decoding API. Subclasses decide how the
+layers are applied: `StandardTransformer` (full-sequence causal attention), `LoopedTransformer`
+(the weight-tied stack applied `loops` times, the article's looped-Transformer comparison) and
+`Beta12Transformer` (block by block, spec §3; in `beta12.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from megabeta.model.attention import KeySet, block_attention
+from megabeta.model.cache import DecodeCache, KVBuffer
+from megabeta.model.config import ConfigError, ModelConfig
+from megabeta.model.layers import RMSNorm, TransformerLayer, rope_tables
+
+IGNORE_INDEX = -100
+"""Targets equal to this are left out of the loss (PyTorch's cross-entropy convention)."""
+
+
+class DecoderLM(nn.Module):
+    """Embedding → layers → RMSNorm → LM head, with the next-token loss and KV-cache decoding."""
+
+    beta_extras = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.vocab_size < 1:
+            raise ConfigError("model.vocab_size = -1 must be resolved before building the model: "
+                              "set --model.vocab_size or take it from the dataset sidecar")
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(TransformerLayer(config, self.beta_extras)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.output = (None if config.tie_embedding
+                       else nn.Linear(config.d_model, config.vocab_size, bias=False))
+        self.init_weights()
+
+    # ---- parameters -----------------------------------------------------------------------------
+    def init_weights(self) -> None:
+        """Normal(0, init_std) matrices, residual projections scaled by 1/√(2L); norms 1; extras 0."""
+        std = self.config.init_std
+        depth_scale = 1.0 / math.sqrt(2 * self.config.num_layers)
+        for name, p in self.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, std=std * depth_scale)
+            elif p.dim() == 2:
+                nn.init.normal_(p, std=std)
+            elif name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                nn.init.zeros_(p)
+
+    def head_weight(self) -> Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def logits(self, h: Tensor) -> Tensor:
+        return F.linear(self.norm(h), self.head_weight())
+
+    def loss_sum(self, h: Tensor, targets: Tensor) -> Tensor:
+        """Summed next-token cross-entropy of final hidden states `h [B, n, d]`."""
+        logits = self.logits(h)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def rope(self, start: int, length: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """RoPE tables for positions `start … start+length-1` in `like`'s dtype and device.
+
+        Built in float64 on the fly (cheap: once per block) so that a float64 model is exact.
+        """
+        cos, sin = rope_tables(self.config.head_dim, start + length, self.config.rope_theta)
+        cos, sin = cos[start:], sin[start:]
+        return cos.to(like.device, like.dtype), sin.to(like.device, like.dtype)
+
+    # ---- helpers for subclasses -----------------------------------------------------------------
+    def _check_length(self, length: int) -> None:
+        if length > self.config.max_seq_len:
+            raise ValueError(f"sequence of {length} tokens exceeds model.max_seq_len = "
+                             f"{self.config.max_seq_len}; raise max_seq_len or shorten the input")
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call `fn`, recomputing it in backward when activation checkpointing is on."""
+        if self.config.activation_checkpoint != "none" and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    def _mean_loss(self, parts: list[Tensor], targets: Tensor) -> Tensor:
+        return torch.stack(parts).sum() / (targets != IGNORE_INDEX).sum()
+
+    # ---- decoding (spec §4.5) -------------------------------------------------------------------
+    def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:
+        raise NotImplementedError
+
+    def extend(self, tokens: Tensor, cache: DecodeCache) -> Tensor:
+        """Feed `tokens [B, n]` after what `cache` holds; return their logits `[B, n, V]`."""
+        raise NotImplementedError
+
+    def _kv_buffers(self, batch: int, count: int, capacity: int) -> list[KVBuffer]:
+        p = self.tok_embeddings.weight
+        return [KVBuffer(batch, self.config.num_kv_heads, capacity, self.config.head_dim,
+                         p.dtype, p.device) for _ in range(count)]
+
+    def _capacity(self, capacity: int | None) -> int:
+        capacity = self.config.max_seq_len if capacity is None else capacity
+        self._check_length(capacity)
+        return capacity
+
+    @torch.no_grad()
+    def prefill(self, tokens: Tensor, capacity: int | None = None) -> tuple[Tensor, DecodeCache]:
+        """Logits `[B, T, V]` of a prompt and the cache to continue it (at most `capacity` tokens)."""
+        cache = self.new_cache(tokens.shape[0], capacity)
+        return self.extend(tokens, cache), cache
+
+    @torch.no_grad()
+    def step(self, token: Tensor, cache: DecodeCache) -> Tensor:
+        """Logits `[B, V]` of the next token `token [B]`; the cache advances in place."""
+        return self.extend(token[:, None], cache)[:, -1]
+
+    def generate(self, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None) -> Tensor:
+        """Sample a continuation with the KV cache; see `megabeta.infer.generate`."""
+        from megabeta.infer.generate import generate
+
+        return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, seed=seed)
+
+
+class StandardTransformer(DecoderLM):
+    """Plain pre-norm RoPE/SwiGLU Transformer: each layer attends causally to its own input."""
+
+    def _stages(self) -> list[TransformerLayer]:
+        """The layer applications in order (the looped arm repeats the stack)."""
+        return list(self.layers)
+
+    def _layer(self, layer: TransformerLayer, x: Tensor, start: int,
+               cache: KVBuffer | None) -> tuple[Tensor, Tensor, Tensor]:
+        """One layer on tokens at positions `start …`; earlier tokens' KVs come from `cache`."""
+        cos, sin = self.rope(start, x.shape[1], x)
+        xn = layer.attention_norm(x)
+        q = layer.attention.query(xn, cos, sin)
+        k, v = layer.attention.kv(xn, cos, sin, finished=False)
+        keys = KeySet(k=k, v=v)
+        if cache is not None:
+            keys.prefix_k, keys.prefix_v = cache.view()
+        dropout = self.config.dropout if self.training else 0.0
+        o = block_attention(q, keys, None, None, self.config.use_sdpa, dropout)
+        return layer.mlp_residual(layer.attention_residual(x, o)), k, v
+
+    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Logits `[B, T, V]`, or the mean next-token loss when `targets [B, T]` is given."""
+        self._check_length(tokens.shape[1])
+        x = self.tok_embeddings(tokens)
+        for layer in self._stages():
+            x = self._run(lambda h, layer=layer: self._layer(layer, h, 0, None)[0], x)
+        if targets is None:
+            return self.logits(x)
+        # The loss is taken in chunks so that the [T, vocab] logits are never all alive at once.
+        chunk = max(self.config.block_size, 1024)
+        parts = [self._run(self.loss_sum, x[:, s:s + chunk], targets[:, s:s + chunk])
+                 for s in range(0, tokens.shape[1], chunk)]
+        return self._mean_loss(parts, targets)
+
+    def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:
+        capacity = self._capacity(capacity)
+        return DecodeCache(0, self._kv_buffers(batch, len(self._stages()), capacity))
+
+    @torch.no_grad()
+    def extend(self, tokens: Tensor, cache: DecodeCache) -> Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer, buffer in zip(self._stages(), cache.construction):
+            x, k, v = self._layer(layer, x, cache.position, buffer)
+            buffer.append(k, v)
+        cache.position += tokens.shape[1]
+        return self.logits(x)
+
+
+class LoopedTransformer(StandardTransformer):
+    """The weight-tied stack applied `config.loops` times (article §9: depth bought with FLOPs)."""
+
+    def _stages(self) -> list[TransformerLayer]:
+        return list(self.layers) * self.config.loops
