@@ -115,14 +115,15 @@ def _fused(q: Tensor, keys: KeySet, slope: Tensor | None, self_bias: Tensor | No
         v = torch.cat([*hist_v, keys.v], dim=2)
         return _sdpa(q, k, v, dropout_p, scale)
 
-    # Key order: history pieces, [sink], in-block keys shifted by one (the last is never visible).
+    # Key order: history pieces, then the block's keys. With the self slot, a sink goes first and
+    # the block's keys shift by one (the last one is never visible: it would be a self key).
     lengths = [p.shape[2] for p in hist_k]
-    k_main = [*hist_k, keys.k[:, :, :-1]]
-    v_main = [*hist_v, keys.v[:, :, :-1]]
     if use_self:
         sink = keys.k.new_zeros(batch, kv_heads, 1, head_dim)
-        k_main.insert(len(hist_k), sink)
-        v_main.insert(len(hist_v), sink)
+        k_main = [*hist_k, sink, keys.k[:, :, :-1]]
+        v_main = [*hist_v, sink, keys.v[:, :, :-1]]
+    else:
+        k_main, v_main = [*hist_k, keys.k], [*hist_v, keys.v]
     k = torch.cat(k_main, dim=2)
     v = torch.cat(v_main, dim=2)
     total = k.shape[2]

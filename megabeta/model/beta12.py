@@ -119,12 +119,13 @@ class Beta12Transformer(DecoderLM):
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:
         capacity = self._capacity(capacity)
         block, layers = min(self.config.block_size, capacity), len(self.layers)
-        return DecodeCache(0, construction=self._kv_buffers(batch, layers, block),
+        return DecodeCache(0, capacity, construction=self._kv_buffers(batch, layers, block),
                            finished=self._kv_buffers(batch, layers, capacity),
                            pending=self._kv_buffers(batch, layers, block))
 
     @torch.no_grad()
     def extend(self, tokens: Tensor, cache: DecodeCache) -> Tensor:
+        cache.reserve(tokens.shape[1])
         c = self.config.block_size
         x = self.tok_embeddings(tokens)
         logits = []

@@ -51,12 +51,22 @@ class DecodeCache:
     """Decoding state of one batch of sequences: how many tokens were consumed, and the KVs."""
 
     position: int
+    """Tokens consumed so far."""
+    capacity: int
+    """Most tokens this cache can hold."""
     construction: list[KVBuffer]
     """Per layer application: construction KVs (beta12: of the current block only)."""
     finished: list[KVBuffer] | None = None
     """beta12: per layer, finished KVs of all completed blocks."""
     pending: list[KVBuffer] | None = None
     """beta12: per layer, finished KVs of the current block, visible once it completes."""
+
+    def reserve(self, count: int) -> None:
+        """Check that `count` more tokens fit before any state is changed."""
+        if self.position + count > self.capacity:
+            raise ValueError(f"KV cache full: {self.position} + {count} tokens > capacity "
+                             f"{self.capacity}; prefill with a larger capacity "
+                             "(at most model.max_seq_len)")
 
     def memory_bytes(self) -> int:
         buffers = [*self.construction, *(self.finished or []), *(self.pending or [])]

@@ -69,7 +69,9 @@ class DecoderLM(nn.Module):
     def loss_sum(self, h: Tensor, targets: Tensor) -> Tensor:
         """Summed next-token cross-entropy of final hidden states `h [B, n, d]`."""
         logits = self.logits(h)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+        # Cross-entropy in at least float32 (bf16 logits lose the loss's small differences).
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
 
     def rope(self, start: int, length: int, like: Tensor) -> tuple[Tensor, Tensor]:
@@ -172,10 +174,11 @@ class StandardTransformer(DecoderLM):
 
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:
         capacity = self._capacity(capacity)
-        return DecodeCache(0, self._kv_buffers(batch, len(self._stages()), capacity))
+        return DecodeCache(0, capacity, self._kv_buffers(batch, len(self._stages()), capacity))
 
     @torch.no_grad()
     def extend(self, tokens: Tensor, cache: DecodeCache) -> Tensor:
+        cache.reserve(tokens.shape[1])
         x = self.tok_embeddings(tokens)
         for layer, buffer in zip(self._stages(), cache.construction):
             x, k, v = self._layer(layer, x, cache.position, buffer)

@@ -1,0 +1,120 @@
+"""Consequences of the spec that hold for any weights (spec §4.1, §4.2, §4.6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megabeta.model import build_model
+from model_helpers import VOCAB, tiny_config, tiny_model, tokens
+
+T = 19
+
+
+def standard_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """The standard arm with the beta model's shared weights (its extras have no home there)."""
+    twin = build_model(model.config.replace(arch="standard")).double()
+    missing, unexpected = twin.load_state_dict(model.state_dict(), strict=False)
+    assert not missing
+    assert all(k.endswith(("e_k", "e_v", "f_q", "depth_bias", "self_bias")) for k in unexpected)
+    return twin
+
+
+@pytest.mark.parametrize("use_sdpa", [True, False])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_one_block_is_the_standard_transformer(use_sdpa: bool, qk_norm: bool) -> None:
+    """c >= T, b_σ = 0 and f = 0: the logits equal the standard arm's (spec §4.1), whatever e_K,
+    e_V and θ are (no finished KV is read)."""
+    model = tiny_model(block_size=T, use_sdpa=use_sdpa, qk_norm=qk_norm)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attention.self_bias.zero_()
+            layer.attention.f_q.zero_()
+    x = tokens(length=T)
+    torch.testing.assert_close(model(x), standard_twin(model)(x), rtol=0, atol=1e-12)
+
+
+def test_smaller_blocks_change_the_function() -> None:
+    """c < T reads finished KVs: the same weights give different logits after the first block,
+    identical ones inside it."""
+    model = tiny_model(block_size=T)
+    x = tokens(length=T)
+    one_block = model(x)
+    model.config.block_size = 4
+    blocked = model(x)
+    torch.testing.assert_close(blocked[:, :4], one_block[:, :4], rtol=0, atol=1e-12)
+    assert (blocked[:, 4:] - one_block[:, 4:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch,block", [("beta12", 1), ("beta12", 4), ("standard", 4),
+                                        ("looped", 4)])
+def test_causality(arch: str, block: int) -> None:
+    """Changing token t changes no logit before t."""
+    model = tiny_model(arch=arch, block_size=block, deep_token_window=3)
+    x = tokens(length=T)
+    base = model(x)
+    for t in (0, 5, 11, T - 1):
+        y = x.clone()
+        y[:, t] = (y[:, t] + 1) % VOCAB
+        changed = model(y)
+        torch.testing.assert_close(changed[:, :t], base[:, :t], rtol=0, atol=0)
+        assert (changed[:, t:] - base[:, t:]).abs().max() > 0
+
+
+@pytest.mark.parametrize("arch", ["beta12", "standard", "looped"])
+def test_loss_is_mean_next_token_cross_entropy(arch: str) -> None:
+    """`model(x, y)` (computed block by block) equals cross-entropy of `model(x)`; -100 is ignored."""
+    model = tiny_model(arch=arch, block_size=4)
+    x, y = tokens(length=T), tokens(length=T, seed=3)
+    y[0, 2] = -100
+    expected = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+    torch.testing.assert_close(model(x, y), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch,use_sdpa", [("beta12", True), ("beta12", False),
+                                           ("standard", True), ("looped", True)])
+def test_block_checkpointing_keeps_loss_and_gradients(arch: str, use_sdpa: bool) -> None:
+    """Recomputing each block in backward reads the same history (spec §4.6)."""
+    x, y = tokens(length=T), tokens(length=T, seed=2)
+    runs = []
+    for mode in ("none", "block"):
+        model = tiny_model(arch=arch, block_size=4, use_sdpa=use_sdpa,
+                           activation_checkpoint=mode)
+        loss = model(x, y)
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                     if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = runs
+    assert loss_a == loss_b
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 0
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=0, atol=1e-12, msg=name)
+
+
+def test_checkpointing_recomputes_blocks_in_backward() -> None:
+    """With block checkpointing, backward runs every block's layers again (T/c more calls)."""
+    calls = {"n": 0}
+    model = tiny_model(block_size=5, activation_checkpoint="block")
+    model.layers[0].feed_forward.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+    loss = model(tokens(length=T), tokens(length=T, seed=2))
+    forward_calls = calls["n"]
+    loss.backward()
+    assert forward_calls == 4  # ceil(19 / 5) blocks
+    assert calls["n"] == 2 * forward_calls
+
+
+def test_finished_kvs_skipped_for_a_single_block() -> None:
+    """With one block (c >= T) nobody reads finished KVs, so none are computed: e_K gets no grad."""
+    model = tiny_model(block_size=T)
+    model(tokens(length=T), tokens(length=T, seed=2)).backward()
+    assert all(layer.attention.e_k.grad is None for layer in model.layers)
+    model = tiny_model(block_size=4)
+    model(tokens(length=T), tokens(length=T, seed=2)).backward()
+    assert all(layer.attention.e_k.grad.abs().sum() > 0 for layer in model.layers)
+
+
+def test_sequence_longer_than_max_seq_len_is_refused() -> None:
+    model = build_model(tiny_config(max_seq_len=8))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(tokens(length=9))
