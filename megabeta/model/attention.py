@@ -12,9 +12,12 @@ A block of `n` consecutive queries of one layer attends to, in this order:
 `use_sdpa=False` builds the score matrix and bias literally (matmul, softmax). `use_sdpa=True`
 makes ONE `F.scaled_dot_product_attention` call with a constant causal mask. The learnable biases
 must not enter through the mask: a mask that requires grad sends SDPA to its slow math kernel
-(measured 5x slower on CPU). They enter through extra head dimensions instead:
+(measured 5x slower on CPU). They enter through extra head dimensions instead (`KeyLayout`):
 
-- depth bias: the query gets `-λ_h/scale`, keys of a finished group get `m - l`;
+- depth bias: keys carry their source layer index m (construction keys of layer l carry l) and
+  the query `-λ_h/scale`, adding `-λ_h·m` to every score. That differs from `-λ_h·(m - l)` by
+  `λ_h·l`, the same for all keys of the query, which softmax ignores. Keys get the column once,
+  when they are made, so that the per-block key set is a single concatenation.
 - self slot: a "sink" key placed before the in-block keys, which every query sees, gets score
   `q_i·k_i·scale + b_σ` (the query carries `q_i·k_i + b_σ/scale` in an extra dimension, the sink a
   one there) and value `e` (one in an extra value dimension). Its output channel is therefore the
@@ -35,28 +38,62 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+@dataclass(frozen=True)
+class KeyLayout:
+    """How keys and values are stored for one model: `head_dim` features, then for the fused path
+    a depth column (source layer index) and a self column (sink marker), when used."""
+
+    head_dim: int
+    depth: bool = False
+    self_slot: bool = False
+
+    @property
+    def extra(self) -> int:
+        return int(self.depth) + int(self.self_slot)
+
+    @property
+    def width(self) -> int:
+        return self.head_dim + self.extra
+
+    def keys(self, k: Tensor, layer: int) -> Tensor:
+        """Keys `[B, H_kv, n, d_h]` of (source) layer `layer` in this layout."""
+        if not self.extra:
+            return k
+        wide = F.pad(k, (0, self.extra))
+        if self.depth:
+            wide[..., self.head_dim] = layer
+        return wide
+
+    def values(self, v: Tensor) -> Tensor:
+        return F.pad(v, (0, self.extra)) if self.extra else v
+
+
 @dataclass
 class KeySet:
-    """The keys one block of queries reads; all tensors `[B, H_kv, len, d_h]`."""
+    """The keys one block of queries reads; all tensors `[B, H_kv, len, layout.width]`."""
 
     k: Tensor
     """Construction keys of the queries themselves (in-block keys and self slots)."""
     v: Tensor
     finished: list[tuple[int, Tensor, Tensor]] = field(default_factory=list)
-    """(depth offset m - l, keys, values) per finished group."""
+    """(depth offset m - l, keys, values) per piece of a finished group (a group may come in
+    several pieces, e.g. one per earlier block)."""
     prefix_k: Tensor | None = None
     """Construction keys of this block's earlier tokens that are not queries now (decoding)."""
     prefix_v: Tensor | None = None
 
 
-def block_attention(q: Tensor, keys: KeySet, slope: Tensor | None, self_bias: Tensor | None,
-                    use_sdpa: bool, dropout_p: float = 0.0) -> Tensor:
-    """Attention output `[B, H, n, d_h]` of queries `q [B, H, n, d_h]` over `keys` (spec §3).
+def block_attention(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
+                    self_bias: Tensor | None, use_sdpa: bool, layer: int,
+                    dropout_p: float = 0.0) -> Tensor:
+    """Attention output `[B, H, n, d_h]` of queries `q [B, H, n, d_h]` of `layer` over `keys`.
 
     `slope` is λ per head `[H]` (None: no depth bias); `self_bias` the scalar b_σ (None: 0).
+    The fused path expects keys in `layout` with `layout.depth`/`layout.self_slot` matching
+    `slope`/`self_bias`; the explicit path reads only the first `head_dim` features.
     """
     if use_sdpa:
-        return _fused(q, keys, slope, self_bias, dropout_p)
+        return _fused(q, keys, layout, slope, self_bias, layer, dropout_p)
     return _explicit(q, keys, slope, self_bias, dropout_p)
 
 
@@ -76,8 +113,8 @@ def _explicit(q: Tensor, keys: KeySet, slope: Tensor | None, self_bias: Tensor |
               dropout_p: float) -> Tensor:
     heads, n, head_dim = q.shape[1], q.shape[2], q.shape[3]
     hist_k, hist_v, offsets = _pieces(keys)
-    k = torch.cat([*hist_k, keys.k], dim=2)
-    v = torch.cat([*hist_v, keys.v], dim=2)
+    k = torch.cat([*hist_k, keys.k], dim=2)[..., :head_dim]
+    v = torch.cat([*hist_v, keys.v], dim=2)[..., :head_dim]
     group = heads // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
@@ -100,61 +137,45 @@ def _explicit(q: Tensor, keys: KeySet, slope: Tensor | None, self_bias: Tensor |
     return probs @ v
 
 
-def _fused(q: Tensor, keys: KeySet, slope: Tensor | None, self_bias: Tensor | None,
-           dropout_p: float) -> Tensor:
+def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
+           self_bias: Tensor | None, layer: int, dropout_p: float) -> Tensor:
     batch, heads, n, head_dim = q.shape
     kv_heads = keys.k.shape[1]
     scale = 1.0 / math.sqrt(head_dim)
-    hist_k, hist_v, offsets = _pieces(keys)
-    use_depth = slope is not None and any(offsets)
-    use_self = self_bias is not None
-
-    if not (use_depth or use_self):
+    hist_k, hist_v, _ = _pieces(keys)
+    if (slope is not None) != layout.depth or (self_bias is not None) != layout.self_slot:
+        raise ValueError("block_attention: key layout does not match the biases in use")
+    if not layout.extra:
         # Plain causal attention over history + block; the diagonal is the self slot with bias 0.
         k = torch.cat([*hist_k, keys.k], dim=2)
         v = torch.cat([*hist_v, keys.v], dim=2)
         return _sdpa(q, k, v, dropout_p, scale)
 
-    # Key order: history pieces, then the block's keys. With the self slot, a sink goes first and
-    # the block's keys shift by one (the last one is never visible: it would be a self key).
-    lengths = [p.shape[2] for p in hist_k]
-    if use_self:
-        sink = keys.k.new_zeros(batch, kv_heads, 1, head_dim)
-        k_main = [*hist_k, sink, keys.k[:, :, :-1]]
-        v_main = [*hist_v, sink, keys.v[:, :, :-1]]
-    else:
-        k_main, v_main = [*hist_k, keys.k], [*hist_v, keys.v]
-    k = torch.cat(k_main, dim=2)
-    v = torch.cat(v_main, dim=2)
-    total = k.shape[2]
-
-    # Extra dimensions: [depth offset] then [self]; built as one small [S, extra] table.
-    extra = int(use_depth) + int(use_self)
-    k_extra = q.new_zeros(total, extra)
-    v_extra = q.new_zeros(total, extra)
     q_extra = []
-    if use_depth:
-        start = 0
-        for offset, length in zip(offsets, lengths):
-            k_extra[start:start + length, 0] = offset
-            start += length
+    if layout.depth:
         q_extra.append((-slope / scale).view(1, heads, 1, 1).expand(batch, heads, n, 1))
-    if use_self:
-        sink_at = sum(lengths)
-        k_extra[sink_at, extra - 1] = 1.0
-        v_extra[sink_at, extra - 1] = 1.0
-        own_k = keys.k.repeat_interleave(heads // kv_heads, dim=1)
-        self_score = (q * own_k).sum(-1, keepdim=True) + self_bias / scale
-        q_extra.append(self_score)
-    q = torch.cat([q, *q_extra], dim=-1)
-    k = torch.cat([k, k_extra.expand(batch, kv_heads, total, extra)], dim=-1)
-    v = torch.cat([v, v_extra.expand(batch, kv_heads, total, extra)], dim=-1)
-
-    out = _sdpa(q, k, v, dropout_p, scale)
+    k_main, v_main = [*hist_k], [*hist_v]
+    if layout.self_slot:
+        # The sink (see module doc): depth column = this layer, like the in-block keys, so the
+        # depth term shifts its score exactly as theirs; a one in the self column of K and V.
+        sink_k = layout.keys(keys.k.new_zeros(batch, kv_heads, 1, head_dim), layer)
+        sink_k[..., -1] = 1.0
+        sink_v = layout.values(keys.v.new_zeros(batch, kv_heads, 1, head_dim))
+        sink_v[..., -1] = 1.0
+        own_k = keys.k[..., :head_dim].repeat_interleave(heads // kv_heads, dim=1)
+        q_extra.append((q * own_k).sum(-1, keepdim=True) + self_bias / scale)
+        # In-block keys shift by one behind the sink; the last would only be a self key.
+        k_main += [sink_k, keys.k[:, :, :-1]]
+        v_main += [sink_v, keys.v[:, :, :-1]]
+    else:
+        k_main.append(keys.k)
+        v_main.append(keys.v)
+    out = _sdpa(torch.cat([q, *q_extra], dim=-1), torch.cat(k_main, dim=2),
+                torch.cat(v_main, dim=2), dropout_p, scale)
     o = out[..., :head_dim]
-    if use_self:
-        p_self = out[..., head_dim + extra - 1:head_dim + extra]
-        o = o + p_self * keys.v.repeat_interleave(heads // kv_heads, dim=1)
+    if layout.self_slot:
+        p_self = out[..., -1:]
+        o = o + p_self * keys.v[..., :head_dim].repeat_interleave(heads // kv_heads, dim=1)
     return o
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megabeta.model.attention import KeySet, block_attention
+from megabeta.model.attention import KeyLayout, KeySet, block_attention
 from megabeta.model.cache import DecodeCache
 from megabeta.model.transformer import DecoderLM
 
@@ -43,18 +43,24 @@ class Beta12Transformer(DecoderLM):
 
     beta_extras = True
 
+    @property
+    def key_layout(self) -> KeyLayout:
+        """Fused attention stores the depth/self columns with the keys (see attention.py)."""
+        c = self.config
+        return KeyLayout(c.head_dim, depth=c.use_sdpa and c.depth_bias and c.depth_window > 0,
+                         self_slot=c.use_sdpa and c.self_slot)
+
     def _groups(self, layer: int, block_start: int, hist_k: History, hist_v: History
                 ) -> list[tuple[int, Tensor, Tensor]]:
-        """Finished groups of spec §3 for queries of the block starting at `block_start`."""
+        """Finished groups of spec §3 for queries of the block starting at `block_start`, as
+        history pieces (concatenated once, by the attention call)."""
         window = self.config.deep_token_window
         groups = []
-        for m in self.config.source_layers(layer):
-            if block_start == 0:
-                break
+        for m in self.config.source_layers(layer) if block_start > 0 else ():
             # Deeper groups see only the last w tokens before the block (deep_token_window).
             keep = min(window, block_start) if window > 0 and m > layer else block_start
-            k, v = _tail(hist_k[m], keep), _tail(hist_v[m], keep)
-            groups.append((m - layer, torch.cat(k, dim=2), torch.cat(v, dim=2)))
+            groups += [(m - layer, k, v)
+                       for k, v in zip(_tail(hist_k[m], keep), _tail(hist_v[m], keep))]
         return groups
 
     def _block(self, x: Tensor, start: int, block_start: int, hist_k: History, hist_v: History,
@@ -69,25 +75,28 @@ class Beta12Transformer(DecoderLM):
         """
         cos, sin = self.rope(start, x.shape[1], x)
         dropout = self.config.dropout if self.training else 0.0
+        layout = self.key_layout
         fin_k, fin_v, con_k, con_v = [], [], [], []
         for l, layer in enumerate(self.layers):
             attn = layer.attention
             xn = layer.attention_norm(x)
             q = attn.query(xn, cos, sin)
             k, v = attn.kv(xn, cos, sin, finished=False)
+            k, v = layout.keys(k, l), layout.values(v)
             keys = KeySet(k=k, v=v, finished=self._groups(l, block_start, hist_k, hist_v))
             if prefix is not None:
                 keys.prefix_k, keys.prefix_v = prefix[l]
-            o = block_attention(q, keys, attn.depth_slope(), attn.self_bias,
-                                self.config.use_sdpa, dropout)
+            slope = attn.depth_slope() if layout.depth or not self.config.use_sdpa else None
+            o = block_attention(q, keys, layout, slope, attn.self_bias, self.config.use_sdpa, l,
+                                dropout)
             x = layer.mlp_residual(layer.attention_residual(x, o))
             if want_construction:
                 con_k.append(k)
                 con_v.append(v)
             if want_finished:
                 fk, fv = attn.kv(layer.attention_norm(x), cos, sin, finished=True)
-                fin_k.append(fk)
-                fin_v.append(fv)
+                fin_k.append(layout.keys(fk, l))
+                fin_v.append(layout.values(fv))
         out = self.logits(x) if targets is None else self.loss_sum(x, targets)
         return fin_k, fin_v, con_k, con_v, out
 

@@ -25,13 +25,14 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope_tables(head_dim: int, length: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos/sin tables `[length, head_dim]` for the rotate-half RoPE, in float64.
+def rope_tables(head_dim: int, start: int, length: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin tables `[length, head_dim]` of positions `start …` for the rotate-half RoPE.
 
-    Inverse frequencies `theta^(-2i/d_h)`; each frequency is repeated for both halves.
+    Inverse frequencies `theta^(-2i/d_h)`, each repeated for both halves; float64 throughout.
     """
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
+    positions = torch.arange(start, start + length, dtype=torch.float64)
+    angles = torch.outer(positions, inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 

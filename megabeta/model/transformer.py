@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from megabeta.model.attention import KeySet, block_attention
+from megabeta.model.attention import KeyLayout, KeySet, block_attention
 from megabeta.model.cache import DecodeCache, KVBuffer
 from megabeta.model.config import ConfigError, ModelConfig
 from megabeta.model.layers import RMSNorm, TransformerLayer, rope_tables
@@ -60,6 +60,11 @@ class DecoderLM(nn.Module):
             else:
                 nn.init.zeros_(p)
 
+    @property
+    def key_layout(self) -> KeyLayout:
+        """How this arm stores keys and values for attention (plain for the control arms)."""
+        return KeyLayout(self.config.head_dim)
+
     def head_weight(self) -> Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
@@ -79,8 +84,7 @@ class DecoderLM(nn.Module):
 
         Built in float64 on the fly (cheap: once per block) so that a float64 model is exact.
         """
-        cos, sin = rope_tables(self.config.head_dim, start + length, self.config.rope_theta)
-        cos, sin = cos[start:], sin[start:]
+        cos, sin = rope_tables(self.config.head_dim, start, length, self.config.rope_theta)
         return cos.to(like.device, like.dtype), sin.to(like.device, like.dtype)
 
     # ---- helpers for subclasses -----------------------------------------------------------------
@@ -108,7 +112,7 @@ class DecoderLM(nn.Module):
 
     def _kv_buffers(self, batch: int, count: int, capacity: int) -> list[KVBuffer]:
         p = self.tok_embeddings.weight
-        return [KVBuffer(batch, self.config.num_kv_heads, capacity, self.config.head_dim,
+        return [KVBuffer(batch, self.config.num_kv_heads, capacity, self.key_layout.width,
                          p.dtype, p.device) for _ in range(count)]
 
     def _capacity(self, capacity: int | None) -> int:
@@ -144,10 +148,9 @@ class StandardTransformer(DecoderLM):
         """The layer applications in order (the looped arm repeats the stack)."""
         return list(self.layers)
 
-    def _layer(self, layer: TransformerLayer, x: Tensor, start: int,
+    def _layer(self, layer: TransformerLayer, x: Tensor, cos: Tensor, sin: Tensor,
                cache: KVBuffer | None) -> tuple[Tensor, Tensor, Tensor]:
-        """One layer on tokens at positions `start …`; earlier tokens' KVs come from `cache`."""
-        cos, sin = self.rope(start, x.shape[1], x)
+        """One layer on tokens with RoPE tables `cos/sin`; earlier tokens' KVs come from `cache`."""
         xn = layer.attention_norm(x)
         q = layer.attention.query(xn, cos, sin)
         k, v = layer.attention.kv(xn, cos, sin, finished=False)
@@ -155,15 +158,17 @@ class StandardTransformer(DecoderLM):
         if cache is not None:
             keys.prefix_k, keys.prefix_v = cache.view()
         dropout = self.config.dropout if self.training else 0.0
-        o = block_attention(q, keys, None, None, self.config.use_sdpa, dropout)
+        o = block_attention(q, keys, self.key_layout, None, None, self.config.use_sdpa, 0,
+                            dropout)
         return layer.mlp_residual(layer.attention_residual(x, o)), k, v
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
         """Logits `[B, T, V]`, or the mean next-token loss when `targets [B, T]` is given."""
         self._check_length(tokens.shape[1])
         x = self.tok_embeddings(tokens)
+        cos, sin = self.rope(0, tokens.shape[1], x)
         for layer in self._stages():
-            x = self._run(lambda h, layer=layer: self._layer(layer, h, 0, None)[0], x)
+            x = self._run(lambda h, layer=layer: self._layer(layer, h, cos, sin, None)[0], x)
         if targets is None:
             return self.logits(x)
         # The loss is taken in chunks so that the [T, vocab] logits are never all alive at once.
@@ -180,8 +185,9 @@ class StandardTransformer(DecoderLM):
     def extend(self, tokens: Tensor, cache: DecodeCache) -> Tensor:
         cache.reserve(tokens.shape[1])
         x = self.tok_embeddings(tokens)
+        cos, sin = self.rope(cache.position, tokens.shape[1], x)
         for layer, buffer in zip(self._stages(), cache.construction):
-            x, k, v = self._layer(layer, x, cache.position, buffer)
+            x, k, v = self._layer(layer, x, cos, sin, buffer)
             buffer.append(k, v)
         cache.position += tokens.shape[1]
         return self.logits(x)

@@ -1,0 +1,196 @@
+"""Model benchmark: beta_1.2 against the standard arm on the same shape, in one run.
+
+    python -m megabeta.bench model            # or: megabeta bench model
+
+Measures forward+backward seconds per batch and analytic FLOP throughput for the standard arm and
+beta_1.2 at c = 32, 256 and T; prefill ms/token at a long context and decode ms/token; peak
+memory; and a t19_flash-shaped forward+backward at 16384 tokens with block checkpointing. Every
+figure is also printed as a ratio to the standard arm measured in the same run. Each case runs
+in a subprocess of its own so that its peak resident memory is its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from megabeta.model import build_model, get_preset
+from megabeta.model.flops import training_flops
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median seconds of `repeats` calls, after one warm-up call when `repeats` > 1."""
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    if repeats > 1:
+        fn()
+        sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _peak_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Run one measurement in this process; returns the figures as a dict."""
+    device = torch.device(case["device"])
+    torch.manual_seed(0)
+    config = get_preset(case["preset"], vocab_size=case["vocab"], **case.get("overrides", {}))
+    model = build_model(config).to(device=device, dtype=DTYPES[case["dtype"]])
+    batch, length = case["batch"], case["length"]
+    tokens = torch.randint(0, config.vocab_size, (batch, length + 1), device=device)
+    out: dict[str, Any] = {}
+    if case["kind"] == "train":
+        def train_step() -> None:
+            model.zero_grad(set_to_none=True)
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+
+        seconds = _timed(train_step, device, case["repeats"])
+        flops = batch * training_flops(config, length)
+        out.update(seconds=seconds, flops=flops, flops_per_s=flops / seconds)
+    else:
+        model.eval()
+        prompt = tokens[:, :length]
+        capacity = length + case["decode_tokens"] + 1
+        seconds = _timed(lambda: model.prefill(prompt, capacity), device, case["repeats"])
+        _, cache = model.prefill(prompt, capacity)
+        step_tokens = tokens[:, -1]
+        decode = _timed(lambda: model.step(step_tokens, cache), device, case["decode_tokens"])
+        out.update(prefill_ms_per_token=seconds * 1e3 / (batch * length),
+                   decode_ms_per_token=decode * 1e3 / batch)
+    out["peak_mib"] = _peak_mib(device)
+    return out
+
+
+def _in_subprocess(case: dict[str, Any]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "megabeta.bench.model", "--case", json.dumps(case)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmark case {case['name']} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}x"
+
+
+def _verdict(ok: bool) -> str:
+    return "meets target" if ok else "MISSES target"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m megabeta.bench model", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="beta_1.2_test",
+                        help="beta arm whose shape is measured (default: %(default)s)")
+    parser.add_argument("--control", default="t16_std_tf_rope",
+                        help="standard arm of the same shape (default: %(default)s)")
+    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
+    parser.add_argument("--batch", type=int, default=4, help="training batch (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="training sequence length")
+    parser.add_argument("--blocks", default="32,256", help="block sizes besides c = T")
+    parser.add_argument("--prefill-len", type=int, default=8192, help="prefill context")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--checkpoint", choices=["none", "block"], default="block",
+                        help="activation checkpointing of every arm in the training case")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--skip-t19", action="store_true",
+                        help="skip the t19_flash 16K-token memory case (minutes on a CPU)")
+    parser.add_argument("--t19-len", type=int, default=16384, help="t19_flash sequence length")
+    parser.add_argument("--json", help="also write all figures to this JSON file")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.case:
+        print(json.dumps(run_case(json.loads(args.case))))
+        return
+
+    common = dict(device=args.device, dtype=args.dtype, vocab=args.vocab, repeats=args.repeats)
+    arms = [("standard", args.control, {})]
+    arms += [(f"beta c={c}", args.preset, dict(block_size=int(c))) for c in args.blocks.split(",")]
+    arms.append((f"beta c=T={args.seq_len}", args.preset, dict(block_size=args.seq_len)))
+    print(f"# model benchmark: {args.preset} vs {args.control}, device {args.device}, "
+          f"{args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    results: dict[str, Any] = {}
+
+    print(f"\n## forward+backward, batch {args.batch} x {args.seq_len} tokens, "
+          f"activation_checkpoint={args.checkpoint}")
+    print("| arm | s/batch | vs standard | GFLOP/batch | GFLOP/s | FLOP/s vs standard | peak MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for name, preset, over in arms:
+        over = dict(over, activation_checkpoint=args.checkpoint, max_seq_len=args.seq_len)
+        res = _in_subprocess(dict(common, name=name, kind="train", preset=preset, overrides=over,
+                                  batch=args.batch, length=args.seq_len))
+        results[f"train {name}"] = res
+        base = results["train standard"]
+        print(f"| {name} | {res['seconds']:.3f} | {_ratio(res['seconds'], base['seconds'])} | "
+              f"{res['flops'] / 1e9:.1f} | {res['flops_per_s'] / 1e9:.1f} | "
+              f"{_ratio(res['flops_per_s'], base['flops_per_s'])} | {res['peak_mib']:.0f} |")
+
+    print(f"\n## prefill at {args.prefill_len} tokens, then {args.decode_tokens} decode steps "
+          "(batch 1)")
+    print("| arm | prefill ms/token | vs standard | decode ms/token | vs standard | peak MiB |")
+    print("|---|---|---|---|---|---|")
+    for name, preset, over in arms[:-1]:
+        over = dict(over, max_seq_len=args.prefill_len + args.decode_tokens + 2)
+        res = _in_subprocess(dict(common, name=name, kind="prefill", preset=preset,
+                                  overrides=over, batch=1, length=args.prefill_len,
+                                  decode_tokens=args.decode_tokens))
+        results[f"prefill {name}"] = res
+        base = results["prefill standard"]
+        print(f"| {name} | {res['prefill_ms_per_token']:.3f} | "
+              f"{_ratio(res['prefill_ms_per_token'], base['prefill_ms_per_token'])} | "
+              f"{res['decode_ms_per_token']:.2f} | "
+              f"{_ratio(res['decode_ms_per_token'], base['decode_ms_per_token'])} | "
+              f"{res['peak_mib']:.0f} |")
+
+    train = {k.removeprefix("train "): v for k, v in results.items() if k.startswith("train")}
+    base = train["standard"]
+    print("\n## targets")
+    full = train[f"beta c=T={args.seq_len}"]["seconds"] / base["seconds"]
+    print(f"- c = T time within 1.05x of standard: {full:.3f}x, {_verdict(full <= 1.05)}")
+    for c, floor in (("256", 0.9), ("32", 0.7)):
+        if f"beta c={c}" in train:
+            r = train[f"beta c={c}"]["flops_per_s"] / base["flops_per_s"]
+            print(f"- FLOP/s at c = {c} >= {floor}x standard: {r:.2f}x, {_verdict(r >= floor)}")
+
+    if not args.skip_t19:
+        res = _in_subprocess(dict(common, name="t19_flash", kind="train", preset="t19_flash",
+                                  vocab=55000, repeats=1, batch=1, length=args.t19_len,
+                                  overrides=dict(activation_checkpoint="block",
+                                                 max_seq_len=args.t19_len)))
+        results["train t19_flash"] = res
+        gib = res["peak_mib"] / 1024
+        print(f"- t19_flash fwd+bwd at {args.t19_len} tokens (batch 1, {args.dtype}, block "
+              f"checkpointing, vocab 55000): {res['seconds']:.1f} s, peak {gib:.2f} GiB, "
+              f"{_verdict(gib < 8)} (< 8 GiB)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
