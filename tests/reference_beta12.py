@@ -173,7 +173,7 @@ class _Layer:
         self.e_v = weights.get(p + "attention.e_v", (Hkv * dh,)) if use_enc else None
         self.f_q = weights.get(p + "attention.f_q", (H * dh,)) if use_enc else None
         self.theta = weights.get(p + "attention.depth_bias", (H,)) if beta and shape.depth_bias else None
-        self.self_bias = weights.get(p + "attention.self_bias", ()) if beta and shape.self_slot else None
+        self.self_bias = weights.get(p + "attention.self_bias", (1,)) if beta and shape.self_slot else None
 
     def _qk_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         """N_qk of §2: per-head RMS norm over d_h when qk_norm, identity otherwise."""

@@ -60,7 +60,7 @@ def make_state(cfg: SimpleNamespace, seed: int = 0) -> dict[str, torch.Tensor]:
             p + "attention.e_v": rnd(kv_out, scale=0.5),
             p + "attention.f_q": rnd(q_out, scale=0.5),
             p + "attention.depth_bias": rnd(cfg.num_heads),
-            p + "attention.self_bias": rnd(()),
+            p + "attention.self_bias": rnd(1),
             p + "feed_forward.w1.weight": rnd(hd, d, scale=d ** -0.5),
             p + "feed_forward.w3.weight": rnd(hd, d, scale=d ** -0.5),
             p + "feed_forward.w2.weight": rnd(d, hd, scale=hd ** -0.5),

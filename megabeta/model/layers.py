@@ -83,7 +83,8 @@ class Attention(nn.Module):
         self.f_q = nn.Parameter(torch.zeros(config.num_heads * hd)) if enc else None
         has_depth = beta_extras and config.depth_bias
         self.depth_bias = nn.Parameter(torch.zeros(config.num_heads)) if has_depth else None
-        self.self_bias = nn.Parameter(torch.zeros(())) if beta_extras and config.self_slot else None
+        # Shape [1], not []: FSDP2 cannot shard 0-d parameters.
+        self.self_bias = nn.Parameter(torch.zeros(1)) if beta_extras and config.self_slot else None
 
     def _heads(self, x: Tensor, heads: int, norm: RMSNorm | None) -> Tensor:
         x = x.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)
