@@ -1,0 +1,252 @@
+"""``megabeta-data`` (``python -m data_tools``): train a tokenizer, tokenize, merge, inspect.
+
+Exit status: 0 on success, 2 on bad input or a failed check (the message, printed as ``error: ...``,
+names the file or flag and the fix), 130 when interrupted. No failed run leaves files under the
+output names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from data_tools.corpus import BAD_UTF8_POLICIES, SPLIT_MODES, ReadOptions
+from data_tools.inspect_dataset import InspectConfig, inspect
+from data_tools.merge import MergeConfig, merge
+from data_tools.mpi import MPI_MODES, FailedElsewhere
+from data_tools.tokenize_corpus import TokenizeConfig, TokenizeResult, tokenize
+from data_tools.train_tokenizer import MODEL_TYPES, TokenizerTrainingConfig, train_tokenizer
+from megabeta.data.errors import DataError
+
+_DESCRIPTION = """\
+Offline data preparation for megabeta: train a sentencepiece tokenizer, tokenize a corpus into a
+memory-mapped token dataset (Megatron-LM MMIDIDX .bin/.idx plus a JSON sidecar), merge datasets,
+and inspect one. Training runs read the datasets with megabeta.data. See docs/data.md."""
+
+_EXAMPLES = """\
+examples:
+  megabeta-data train-tokenizer --inputs corpus/*.jsonl.gz --vocab-size 32000 --output tok/m
+  megabeta-data tokenize --tokenizer tok/m.model --inputs corpus/*.jsonl.gz \\
+      --output-prefix data/corpus --workers 8
+  mpirun -n 4 megabeta-data tokenize --tokenizer tok/m.model --inputs corpus/*.jsonl.gz \\
+      --output-prefix data/corpus --workers 8
+  megabeta-data merge --inputs data/a data/b --output-prefix data/ab
+  megabeta-data inspect data/corpus"""
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Shows a default where there is one worth showing (not for required or on/off flags)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        shown = not (action.required or action.default is None or action.default is False
+                     or action.default == argparse.SUPPRESS)
+        return f"{action.help} (default: %(default)s)" if shown else action.help
+
+
+class _TopFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the examples' line breaks."""
+
+
+def _add_read_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("reading the inputs")
+    group.add_argument("--text-key", default=ReadOptions.text_key, metavar="KEY",
+                       help="JSONL field holding each document's text")
+    group.add_argument("--split", choices=SPLIT_MODES, default=ReadOptions.split,
+                       help="how a .txt file splits into documents: none (whole file), line (one "
+                            "per line), paragraph (blank-line separated); a JSONL line is always "
+                            "one document")
+    group.add_argument("--on-bad-utf8", choices=BAD_UTF8_POLICIES, default=ReadOptions.on_bad_utf8,
+                       help="documents with undecodable UTF-8: replace bad bytes with U+FFFD, "
+                            "skip the document, or stop with an error; replaced and skipped "
+                            "documents are counted and reported at the end")
+
+
+def _read_options(args: argparse.Namespace) -> ReadOptions:
+    return ReadOptions(args.text_key, args.split, args.on_bad_utf8)
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace existing output files instead of refusing")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bar or summary (the bar is also off when stderr is not "
+                             "a terminal)")
+
+
+def _say(args: argparse.Namespace, *lines: str) -> None:
+    if not args.quiet:
+        for line in lines:
+            print(line, file=sys.stderr)
+
+
+def _run_train_tokenizer(args: argparse.Namespace) -> int:
+    config = TokenizerTrainingConfig(
+        inputs=args.inputs, output=args.output, vocab_size=args.vocab_size,
+        model_type=args.model_type, max_sentences=args.max_sentences, seed=args.seed,
+        character_coverage=args.character_coverage, num_threads=args.num_threads,
+        read=_read_options(args), overwrite=args.overwrite, quiet=args.quiet)
+    sidecar = train_tokenizer(config)
+    report = sidecar["report"]
+    _say(args, f"wrote {args.output}.model, .vocab, .model.json: {sidecar['model_type']} "
+               f"vocabulary of {sidecar['vocab_size']} from {sidecar['sentences_sampled']:,} of "
+               f"{sidecar['lines_seen']:,} lines; pad {sidecar['pad_id']}, bos "
+               f"{sidecar['bos_id']}, eos {sidecar['eos_id']}, unk {sidecar['unk_id']}; sha256 "
+               f"{sidecar['sha256']}")
+    _warn_skipped(args, report)
+    return 0
+
+
+def _warn_skipped(args: argparse.Namespace, report: dict) -> None:
+    if report.get("empty_documents_skipped"):
+        _say(args, f"warning: {report['empty_documents_skipped']} empty document(s) skipped "
+                   f"(first at {report['first_empty_document']})")
+    if report.get("undecodable_documents"):
+        action = ("bad bytes replaced by U+FFFD" if report["undecodable_policy"] == "replace"
+                  else "skipped")
+        _say(args, f"warning: {report['undecodable_documents']} document(s) with undecodable "
+                   f"UTF-8, {action} (first at {report['first_undecodable_document']}); "
+                   "--on-bad-utf8 chooses")
+
+
+def _run_tokenize(args: argparse.Namespace) -> int:
+    config = TokenizeConfig(
+        tokenizer=args.tokenizer, inputs=args.inputs, output_prefix=args.output_prefix,
+        workers=args.workers, chunk_bytes=max(1, int(args.chunk_mb * 1e6)),
+        read=_read_options(args), mpi=args.mpi, overwrite=args.overwrite, quiet=args.quiet)
+    result = tokenize(config)
+    if result.rank == 0:
+        _summarize_tokenize(args, result)
+    return 0
+
+
+def _summarize_tokenize(args: argparse.Namespace, result: TokenizeResult) -> None:
+    sidecar, seconds = result.sidecar, max(result.seconds, 1e-9)
+    _say(args, f"wrote {args.output_prefix}.bin, .idx, .json: {sidecar['num_documents']:,} "
+               f"documents, {sidecar['num_tokens']:,} {sidecar['dtype']} tokens from "
+               f"{result.input_bytes / 1e6:,.1f} MB in {seconds:.1f} s "
+               f"({sidecar['num_documents'] / seconds:,.0f} docs/s, "
+               f"{result.input_bytes / 1e6 / seconds:,.2f} MB/s)")
+    _warn_skipped(args, sidecar["report"])
+
+
+def _run_merge(args: argparse.Namespace) -> int:
+    sidecar = merge(MergeConfig(args.inputs, args.output_prefix, args.overwrite))
+    _say(args, f"wrote {args.output_prefix}.bin, .idx, .json: {sidecar['num_documents']:,} "
+               f"documents, {sidecar['num_tokens']:,} tokens from {len(args.inputs)} datasets")
+    return 0
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    failures = inspect(InspectConfig(args.prefix, args.tokenizer, args.samples,
+                                     args.sample_tokens), sys.stdout)
+    if failures:
+        print(f"error: {len(failures)} check(s) failed for {args.prefix} (see above)",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megabeta-data", description=_DESCRIPTION,
+                                     epilog=_EXAMPLES, formatter_class=_TopFormatter)
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    train = commands.add_parser(
+        "train-tokenizer", formatter_class=_Formatter,
+        help="train a sentencepiece tokenizer (OUTPUT.model, .vocab, .model.json)",
+        description="Train a sentencepiece model (BPE or unigram) whose decode gives the text "
+                    "back exactly: no normalization, spaces/tabs/newlines kept, byte fallback. "
+                    "Special ids are fixed: pad 0, bos 1, eos 2, unk 3. At most --max-sentences "
+                    "lines are sampled (seeded reservoir sampling), so memory stays bounded and "
+                    "the same inputs, seed and --num-threads give the same model.")
+    train.add_argument("--inputs", nargs="+", required=True, metavar="FILE",
+                       help="training text: .txt, .jsonl, .txt.gz, .jsonl.gz")
+    train.add_argument("--vocab-size", type=int, required=True, metavar="N",
+                       help="vocabulary size, including the 4 specials and 256 byte pieces")
+    train.add_argument("--output", required=True, metavar="PREFIX",
+                       help="writes PREFIX.model, PREFIX.vocab and PREFIX.model.json")
+    train.add_argument("--model-type", choices=MODEL_TYPES,
+                       default=TokenizerTrainingConfig.model_type, help="sentencepiece algorithm")
+    train.add_argument("--max-sentences", type=int, metavar="N",
+                       default=TokenizerTrainingConfig.max_sentences,
+                       help="lines sampled for training at most (bounds memory)")
+    train.add_argument("--seed", type=int, default=TokenizerTrainingConfig.seed,
+                       help="seed of the line sample")
+    train.add_argument("--character-coverage", type=float, metavar="F",
+                       default=TokenizerTrainingConfig.character_coverage,
+                       help="share of characters given pieces; rarer ones fall back to bytes")
+    train.add_argument("--num-threads", type=int, metavar="N",
+                       default=TokenizerTrainingConfig.num_threads,
+                       help="sentencepiece training threads; the model depends on this number, "
+                            "keep it fixed to reproduce a model")
+    _add_read_arguments(train)
+    _add_output_arguments(train)
+    train.set_defaults(run=_run_train_tokenizer)
+
+    tok = commands.add_parser(
+        "tokenize", formatter_class=_Formatter,
+        help="tokenize a corpus into PREFIX.bin, .idx, .json",
+        description="Stream the inputs, encode them with --workers processes, append EOS after "
+                    "each document (no BOS) and write a Megatron-compatible indexed dataset "
+                    "(uint16 tokens when the vocabulary fits, int32 otherwise) plus a JSON "
+                    "sidecar. Under mpirun/srun each rank tokenizes a contiguous share of the "
+                    "input files into a part next to the output, and rank 0 merges the parts. "
+                    "The output is byte-identical for any number of workers or ranks.")
+    tok.add_argument("--tokenizer", required=True, metavar="MODEL",
+                     help="sentencepiece .model from train-tokenizer")
+    tok.add_argument("--inputs", nargs="+", required=True, metavar="FILE",
+                     help="corpus files: .txt, .jsonl, .txt.gz, .jsonl.gz")
+    tok.add_argument("--output-prefix", required=True, metavar="PREFIX",
+                     help="writes PREFIX.bin, PREFIX.idx and PREFIX.json")
+    tok.add_argument("--workers", type=int, default=TokenizeConfig.workers, metavar="N",
+                     help="encoding processes per rank; 1 encodes in the reading process")
+    tok.add_argument("--chunk-mb", type=float, default=TokenizeConfig.chunk_bytes / 1e6,
+                     metavar="MB", help="input megabytes per unit of work sent to a worker")
+    tok.add_argument("--mpi", choices=MPI_MODES, default=TokenizeConfig.mpi,
+                     help="auto: use MPI when launched by mpirun/srun; on: require it; off: never")
+    _add_read_arguments(tok)
+    _add_output_arguments(tok)
+    tok.set_defaults(run=_run_tokenize)
+
+    mrg = commands.add_parser(
+        "merge", formatter_class=_Formatter, help="concatenate datasets into one",
+        description="Concatenate datasets made separately, in the order given. They must hold "
+                    "the same token type and, where they have sidecars, come from the same "
+                    "tokenizer model.")
+    mrg.add_argument("--inputs", nargs="+", required=True, metavar="PREFIX",
+                     help="dataset prefixes (without .bin/.idx)")
+    mrg.add_argument("--output-prefix", required=True, metavar="PREFIX",
+                     help="writes PREFIX.bin, PREFIX.idx and PREFIX.json")
+    _add_output_arguments(mrg)
+    mrg.set_defaults(run=_run_merge)
+
+    ins = commands.add_parser(
+        "inspect", formatter_class=_Formatter, help="counts, histogram, samples and checks",
+        description="Print counts, a histogram of document lengths and decoded samples, and "
+                    "check that index and .bin agree, every id is below the vocabulary size, the "
+                    "sidecar matches and documents end with EOS. Exit status 2 if a check fails.")
+    ins.add_argument("prefix", metavar="PREFIX", help="dataset prefix (without .bin/.idx)")
+    ins.add_argument("--tokenizer", metavar="MODEL", default=InspectConfig.tokenizer,
+                     help="model for decoding and the hash check (default: the sidecar's, when "
+                          "the file is present and matches)")
+    ins.add_argument("--samples", type=int, default=InspectConfig.samples, metavar="N",
+                     help="documents to decode, spread over the dataset")
+    ins.add_argument("--sample-tokens", type=int, default=InspectConfig.sample_tokens,
+                     metavar="N", help="tokens shown per decoded document")
+    ins.set_defaults(run=_run_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except FailedElsewhere:
+        return 2
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; nothing was written under the output names", file=sys.stderr)
+        return 130

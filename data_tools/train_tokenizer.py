@@ -1,0 +1,231 @@
+"""``train-tokenizer``: a sentencepiece model that gives text back exactly, from a bounded sample.
+
+Settings that make text survive encode → decode, source code included: no normalization
+(``identity``: no NFKC folding), no collapsing or trimming of spaces, byte fallback (any character
+encodes, as UTF-8 bytes if need be), newline and tab as pieces of their own, whitespace-only pieces
+allowed (runs of indentation become single tokens), no dummy prefix space. Special ids are fixed:
+pad 0, bos 1, eos 2, unk 3.
+
+The training sample is at most ``--max-sentences`` lines (long lines cut into pieces), drawn by
+reservoir sampling with a seeded generator while streaming the inputs: memory stays bounded by the
+sample, and the same inputs, seed and ``--num-threads`` give a byte-identical model.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import io
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import sentencepiece as spm
+
+from data_tools.atomic import AtomicFiles
+from data_tools.corpus import (
+    DocumentCounts,
+    InputFile,
+    ReadOptions,
+    RecordReader,
+    decode_document,
+    input_files,
+)
+from data_tools.progress import ByteProgress
+from megabeta.data.errors import DataError
+from megabeta.data.format import file_sha256
+
+MODEL_TYPES = ("bpe", "unigram")
+SPECIAL_IDS = {"pad_id": 0, "bos_id": 1, "eos_id": 2, "unk_id": 3}
+USER_DEFINED_SYMBOLS = ("\n", "\t")
+# A training "sentence" is a line cut to at most this many characters: sentencepiece drops
+# sentences longer than max_sentence_length bytes (4 bytes per character at most in UTF-8).
+_MAX_PIECE_CHARS = 4096
+_MAX_SENTENCE_BYTES = 4 * _MAX_PIECE_CHARS
+TOKENIZER_SIDECAR_FORMAT = "megabeta.tokenizer"
+
+
+@dataclass(frozen=True)
+class TokenizerTrainingConfig:
+    """What ``megabeta-data train-tokenizer`` does."""
+
+    inputs: list[str]
+    """Training text (.txt, .jsonl, optionally .gz)."""
+    output: str
+    """Writes OUTPUT.model, OUTPUT.vocab and OUTPUT.model.json."""
+    vocab_size: int = 32000
+    """Pieces in the vocabulary, specials and 256 byte pieces included."""
+    model_type: str = "bpe"
+    """bpe or unigram."""
+    max_sentences: int = 1_000_000
+    """Lines sampled for training at most (bounds memory)."""
+    seed: int = 0
+    """Seed of the line sample."""
+    character_coverage: float = 0.9995
+    """Share of characters covered by pieces; the rare rest falls back to bytes."""
+    num_threads: int = 1
+    """sentencepiece training threads; the model depends on this number too."""
+    read: ReadOptions = field(default_factory=ReadOptions)
+    """How files become documents."""
+    overwrite: bool = False
+    """Replace an existing model at OUTPUT."""
+    quiet: bool = False
+    """No progress bar or summary."""
+
+
+@dataclass
+class TrainingSample:
+    """The lines to train on, how many lines the corpus had, what reading it skipped."""
+
+    sentences: list[str]
+    lines_seen: int
+    counts: DocumentCounts
+
+
+def training_pieces(text: str) -> Iterator[str]:
+    """Lines of ``text`` with their newline, cut to at most ``_MAX_PIECE_CHARS`` characters."""
+    for match in re.finditer(r"[^\n]*\n|[^\n]+$", text):
+        line = match.group()
+        for start in range(0, len(line), _MAX_PIECE_CHARS):
+            yield line[start:start + _MAX_PIECE_CHARS]
+
+
+def sample_sentences(files: list[InputFile], options: ReadOptions, max_sentences: int, seed: int,
+                     progress: ByteProgress) -> TrainingSample:
+    """Uniform sample of at most ``max_sentences`` lines of the corpus (reservoir sampling)."""
+    rng = random.Random(seed)
+    reservoir: list[str] = []
+    seen = 0
+    counts = DocumentCounts()
+    for file in files:
+        reader = RecordReader(file, options.split)
+        position = 0
+        for raw, line in reader:
+            text = decode_document(raw, file, line, options, counts)
+            for piece in training_pieces(text or ""):
+                if seen < max_sentences:
+                    reservoir.append(piece)
+                else:
+                    slot = rng.randrange(seen + 1)
+                    if slot < max_sentences:
+                        reservoir[slot] = piece
+                seen += 1
+            progress.advance(reader.position - position, 1 if text is not None else 0)
+            position = reader.position
+    return TrainingSample(reservoir, seen, counts)
+
+
+def train_tokenizer(config: TokenizerTrainingConfig) -> dict:
+    """Train and write the model, its vocabulary and its sidecar; returns the sidecar."""
+    _check(config)
+    files = input_files(config.inputs)
+    output = Path(config.output)
+    model, vocab, sidecar_path = (Path(f"{output}{suffix}")
+                                  for suffix in (".model", ".vocab", ".model.json"))
+    with AtomicFiles([model, vocab, sidecar_path], config.overwrite) as outputs:
+        with ByteProgress(sum(f.size for f in files), "sample", config.quiet) as progress:
+            sample = sample_sentences(files, config.read, config.max_sentences, config.seed,
+                                      progress)
+        if not sample.sentences:
+            raise DataError(f"no text to train on in {', '.join(str(f.path) for f in files)}; "
+                            "check --text-key, --split and --on-bad-utf8")
+        outputs.temp(model).write_bytes(_run_sentencepiece(config, sample.sentences))
+        processor = spm.SentencePieceProcessor(model_file=str(outputs.temp(model)))
+        outputs.temp(vocab).write_text(vocabulary_listing(processor), encoding="utf-8")
+        sidecar = _sidecar(config, files, sample, outputs.temp(model), processor)
+        outputs.temp(sidecar_path).write_text(json.dumps(sidecar, indent=2) + "\n",
+                                              encoding="utf-8")
+        outputs.commit()
+    return sidecar
+
+
+def _check(config: TokenizerTrainingConfig) -> None:
+    if config.model_type not in MODEL_TYPES:
+        raise DataError(f"--model-type {config.model_type}: choose one of {', '.join(MODEL_TYPES)}")
+    if config.max_sentences < 1:
+        raise DataError(f"--max-sentences {config.max_sentences}: must be at least 1")
+    if not 0 < config.character_coverage <= 1:
+        raise DataError(f"--character-coverage {config.character_coverage}: must be in (0, 1]")
+    if config.num_threads < 1:
+        raise DataError(f"--num-threads {config.num_threads}: must be at least 1")
+    fixed = len(SPECIAL_IDS) + len(USER_DEFINED_SYMBOLS) + 256
+    if config.vocab_size <= fixed:
+        raise DataError(f"--vocab-size {config.vocab_size}: the {len(SPECIAL_IDS)} special, "
+                        f"{len(USER_DEFINED_SYMBOLS)} whitespace and 256 byte pieces take {fixed}; "
+                        f"raise --vocab-size above {fixed}")
+
+
+def vocabulary_listing(processor: spm.SentencePieceProcessor) -> str:
+    """The ``.vocab`` text: ``piece<TAB>score`` per line, in id order.
+
+    As sentencepiece lists it, except that a backslash and unprintable characters in a piece are
+    escaped as in a Python literal: the newline and tab pieces would break the line format.
+    """
+    lines = []
+    for piece_id in range(processor.vocab_size()):
+        piece = "".join(char if char.isprintable() and char != "\\"
+                        else char.encode("unicode_escape").decode("ascii")
+                        for char in processor.id_to_piece(piece_id))
+        lines.append(f"{piece}\t{processor.get_score(piece_id):g}\n")
+    return "".join(lines)
+
+
+def _run_sentencepiece(config: TokenizerTrainingConfig, sentences: list[str]) -> bytes:
+    """The trained model's bytes."""
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            character_coverage=config.character_coverage,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_by_whitespace=True,
+            split_digits=True,
+            user_defined_symbols=list(USER_DEFINED_SYMBOLS),
+            max_sentence_length=_MAX_SENTENCE_BYTES,
+            # The sample is already drawn; sentencepiece must take it whole and in order.
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            num_threads=config.num_threads,
+            minloglevel=2,  # errors only; they come back as exceptions
+            **SPECIAL_IDS,
+        )
+    except RuntimeError as err:
+        message = str(err).splitlines()[-1] if str(err) else repr(err)
+        hint = ("lower --vocab-size, or give more text (more --inputs, a larger --max-sentences)"
+                if "too high" in message else "check --vocab-size, --model-type and the inputs")
+        raise DataError(f"sentencepiece could not train --vocab-size {config.vocab_size} "
+                        f"--model-type {config.model_type}: {message}; {hint}") from None
+    return model.getvalue()
+
+
+def _sidecar(config: TokenizerTrainingConfig, files: list[InputFile], sample: TrainingSample,
+             model: Path, processor: spm.SentencePieceProcessor) -> dict:
+    return {
+        "format": TOKENIZER_SIDECAR_FORMAT,
+        "sha256": file_sha256(model),
+        "model_type": config.model_type,
+        "vocab_size": processor.vocab_size(),
+        **{key: getattr(processor, key)() for key in SPECIAL_IDS},
+        "user_defined_symbols": list(USER_DEFINED_SYMBOLS),
+        "byte_fallback": True,
+        "normalization_rule_name": "identity",
+        "character_coverage": config.character_coverage,
+        "seed": config.seed,
+        "max_sentences": config.max_sentences,
+        "sentences_sampled": len(sample.sentences),
+        "lines_seen": sample.lines_seen,
+        "num_threads": config.num_threads,
+        "sentencepiece_version": spm.__version__,
+        "inputs": [{"path": str(f.path), "bytes": f.size} for f in files],
+        "arguments": {"text_key": config.read.text_key, "split": config.read.split,
+                      "on_bad_utf8": config.read.on_bad_utf8},
+        "report": sample.counts.as_report(config.read.on_bad_utf8),
+    }

@@ -1,0 +1,50 @@
+"""Readers of pre-tokenized, memory-mapped token datasets (written by ``megabeta-data tokenize``).
+
+Public API (documented in ``docs/data.md``):
+
+- :class:`IndexedDataset` -- zero-copy reader of a Megatron-compatible ``PREFIX.bin/.idx`` pair.
+- :class:`PackedDataset` -- ``seq_len + 1``-token samples across document boundaries.
+- :func:`split_documents` -- train/validation split by document ranges.
+- :class:`BlendedDataset` -- Megatron-style weighted blend of several sample datasets.
+- :func:`epoch_permutation`, :class:`GlobalSampler` -- seeded shuffling; a distributed sampler
+  whose state is global (samples consumed, seed, epoch, data fingerprint).
+- :class:`StatefulLoader` -- DataLoader batches that advance the sampler when handed out.
+- :func:`build_train_val` -- prefixes to train/validation datasets in one call.
+- :class:`DataError` -- every data problem, with a message naming the file and the fix.
+- :mod:`megabeta.data.format` -- the on-disk format, shared with the writer in ``data_tools``.
+"""
+
+from megabeta.data.blend import BlendedDataset, blend_schedule
+from megabeta.data.build import TrainValData, build_train_val
+from megabeta.data.errors import DataError
+from megabeta.data.format import file_sha256
+from megabeta.data.indexed import IndexedDataset
+from megabeta.data.packed import PackedDataset
+from megabeta.data.sampler import GlobalSampler, epoch_permutation
+from megabeta.data.split import split_documents
+
+__all__ = [
+    "BlendedDataset",
+    "DataError",
+    "GlobalSampler",
+    "IndexedDataset",
+    "PackedDataset",
+    "StatefulLoader",
+    "TrainValData",
+    "blend_schedule",
+    "build_train_val",
+    "collate_tokens",
+    "epoch_permutation",
+    "file_sha256",
+    "split_documents",
+]
+
+
+def __getattr__(name: str):
+    # The loader needs torch; importing it lazily keeps `megabeta-data` and its worker processes,
+    # which only need the format, free of torch's import time.
+    if name in ("StatefulLoader", "collate_tokens"):
+        from megabeta.data import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,123 @@
+"""One call from dataset prefixes to the training and validation sample datasets of a run.
+
+``build_train_val`` opens each prefix, checks that every dataset was made by the same tokenizer (the
+one the run names, when it names one), splits each into train/validation document ranges, packs
+each range into ``seq_len + 1``-token samples and blends several datasets by weight.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megabeta.data.blend import BlendedDataset, SampleDataset
+from megabeta.data.errors import DataError
+from megabeta.data.indexed import IndexedDataset
+from megabeta.data.packed import PackedDataset
+from megabeta.data.sampler import GlobalSampler
+from megabeta.data.split import split_documents
+
+
+@dataclass
+class TrainValData:
+    """The sample datasets of a run and what the model needs to know about their tokens."""
+
+    train: SampleDataset
+    val: SampleDataset | None
+    """None when ``val_fraction`` is 0."""
+    sources: list[IndexedDataset]
+    vocab_size: int | None
+    """From the sidecars (None when the datasets have none)."""
+    tokenizer_sha256: str | None
+    special_ids: dict[str, int]
+    """``pad_id``, ``bos_id``, ``eos_id``, ``unk_id`` from the sidecars (empty without them)."""
+
+    def train_sampler(self, world_size: int, rank: int, seed: int) -> GlobalSampler:
+        """Endless shuffled stream over ``train``, keyed to its fingerprint for safe resumes."""
+        return GlobalSampler(len(self.train), world_size, rank, seed,
+                             fingerprint=self.train.fingerprint)
+
+    def val_sampler(self, world_size: int, rank: int) -> GlobalSampler:
+        """One pass over ``val`` in order (every evaluation sees the same samples)."""
+        if self.val is None:
+            raise DataError("no validation data: build with val_fraction > 0")
+        return GlobalSampler(len(self.val), world_size, rank, shuffle=False, num_epochs=1,
+                             fingerprint=self.val.fingerprint)
+
+
+def build_train_val(prefixes: Sequence[str | os.PathLike], weights: Sequence[float] | None = None,
+                    seq_len: int = 2048, val_fraction: float = 0.0,
+                    expected_tokenizer_hash: str | None = None,
+                    verify_token_ids: bool = False) -> TrainValData:
+    """Train and validation datasets of ``seq_len + 1``-token samples.
+
+    ``weights`` (one per prefix, default: proportional to size) blend several datasets;
+    ``val_fraction`` of each dataset's documents (its last ones) become validation data;
+    ``expected_tokenizer_hash`` (``megabeta.data.file_sha256`` of the run's tokenizer model) makes
+    a dataset made by another tokenizer an error; ``verify_token_ids`` scans every token against
+    the vocabulary size (O(tokens), off by default).
+    """
+    if not prefixes:
+        raise DataError("no dataset prefixes given; pass at least one PREFIX (of PREFIX.bin/.idx)")
+    if weights is not None and len(weights) != len(prefixes):
+        raise DataError(f"{len(weights)} weights for {len(prefixes)} datasets; give one weight "
+                        "per dataset prefix")
+    sources = [IndexedDataset(prefix) for prefix in prefixes]
+    tokenizer_hash = _common_tokenizer(sources, expected_tokenizer_hash)
+    vocab_size = sources[0].vocab_size
+    if verify_token_ids:
+        for source in sources:
+            source.check_token_ids()
+    train_parts, val_parts = [], []
+    for source in sources:
+        train_docs, val_docs = split_documents(source.num_documents, val_fraction,
+                                               str(source.paths.prefix))
+        train_parts.append(PackedDataset(source, seq_len, source.document_token_range(
+            train_docs.start, train_docs.stop), name="training split"))
+        if val_docs:
+            val_parts.append(PackedDataset(source, seq_len, source.document_token_range(
+                val_docs.start, val_docs.stop), name=f"validation split, val_fraction "
+                f"{val_fraction}"))
+    special = (sources[0].sidecar or {}).get("tokenizer", {})
+    return TrainValData(
+        train=_combine(train_parts, weights),
+        val=_combine(val_parts, weights) if val_parts else None,
+        sources=sources,
+        vocab_size=vocab_size,
+        tokenizer_sha256=tokenizer_hash,
+        special_ids={key: special[key] for key in ("pad_id", "bos_id", "eos_id", "unk_id")
+                     if key in special},
+    )
+
+
+def _combine(parts: list[PackedDataset], weights: Sequence[float] | None) -> SampleDataset:
+    if len(parts) == 1:
+        return parts[0]
+    return BlendedDataset(parts, weights)
+
+
+def _common_tokenizer(sources: list[IndexedDataset], expected: str | None) -> str | None:
+    """The tokenizer hash shared by all datasets; DataError naming the odd one out."""
+    first = sources[0]
+    for source in sources:
+        if expected is not None and source.tokenizer_sha256 != expected:
+            if source.sidecar is None:
+                raise DataError(f"{source.paths.sidecar}: missing, so the dataset's tokenizer "
+                                "cannot be checked against the run's; re-run megabeta-data "
+                                "tokenize to write it, or do not name a tokenizer to check")
+            raise DataError(f"{source.paths.prefix}: tokenized with a model of sha256 "
+                            f"{source.tokenizer_sha256} ({_tokenizer_path(source)}), but this run "
+                            f"names one of sha256 {expected}; re-tokenize the data with the run's "
+                            "tokenizer or point the run at the tokenizer the data was made with")
+        if (source.tokenizer_sha256, source.vocab_size) != (first.tokenizer_sha256,
+                                                            first.vocab_size):
+            raise DataError(f"{source.paths.prefix} and {first.paths.prefix}: made by different "
+                            f"tokenizers (sha256 {source.tokenizer_sha256} vs "
+                            f"{first.tokenizer_sha256}); a blend needs one tokenizer, re-tokenize "
+                            "one of them")
+    return first.tokenizer_sha256
+
+
+def _tokenizer_path(source: IndexedDataset) -> str:
+    return str((source.sidecar or {}).get("tokenizer", {}).get("path", "unknown path"))

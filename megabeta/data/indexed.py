@@ -1,0 +1,224 @@
+"""Zero-copy reader of an MMIDIDX token dataset: ``PREFIX.bin``, ``PREFIX.idx`` [, ``PREFIX.json``].
+
+``IndexedDataset(prefix)[i]`` is sequence ``i`` as a read-only NumPy view into the memory-mapped
+``.bin``; ``.tokens`` is the whole flat token array. Opening checks what is cheap to check (header,
+exact file sizes, the ends of the pointer and document arrays, the sidecar's counts) so a truncated
+or mismatched pair fails at once with the file name; :meth:`IndexedDataset.validate` and
+:meth:`IndexedDataset.check_token_ids` do the full O(tokens) checks that ``inspect`` runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from functools import cached_property
+
+import numpy as np
+
+from megabeta.data.errors import DataError
+from megabeta.data.format import (
+    INDEX_HEADER,
+    LENGTH_DTYPE,
+    POINTER_DTYPE,
+    IndexHeader,
+    dataset_paths,
+    read_index_header,
+    read_sidecar,
+)
+
+# Elements per block when a full check walks a large array; bounds the temporary memory.
+_CHECK_BLOCK = 1 << 22
+_REBUILD_HINT = "re-run megabeta-data tokenize (or merge) to rebuild it"
+
+
+class IndexedDataset:
+    """Sequences of token ids of a memory-mapped MMIDIDX dataset; ``len`` counts sequences."""
+
+    def __init__(self, prefix: str | os.PathLike) -> None:
+        self.paths = dataset_paths(prefix)
+        for path in (self.paths.idx, self.paths.bin):
+            if not path.is_file():
+                raise DataError(f"{path}: missing; a dataset prefix names PREFIX.bin and "
+                                "PREFIX.idx (pass the prefix without suffix, or run megabeta-data "
+                                "tokenize)")
+        self.header: IndexHeader = read_index_header(self.paths.idx)
+        self._open_index()
+        self._open_tokens()
+        self.sidecar: dict | None = read_sidecar(self.paths.sidecar)
+        if self.sidecar is not None:
+            self._check_sidecar_counts()
+
+    def _open_index(self) -> None:
+        idx, header = self.paths.idx, self.header
+        size = idx.stat().st_size
+        if size != header.index_nbytes:
+            raise DataError(f"{idx}: {size} bytes, but its header describes "
+                            f"{header.sequence_count} sequences and {header.document_count} "
+                            f"documents ({header.index_nbytes} bytes); the index is truncated or "
+                            "damaged, " + _REBUILD_HINT)
+        raw = np.memmap(idx, dtype=np.uint8, mode="r")
+        count = header.sequence_count
+        offset = INDEX_HEADER.size
+        self.sequence_lengths = np.frombuffer(raw, LENGTH_DTYPE, count, offset)
+        offset += self.sequence_lengths.nbytes
+        self.sequence_pointers = np.frombuffer(raw, POINTER_DTYPE, count, offset)
+        offset += self.sequence_pointers.nbytes
+        self.document_indices = np.frombuffer(raw, POINTER_DTYPE, header.document_index_count,
+                                              offset)
+        docs = self.document_indices
+        if docs[0] != 0 or docs[-1] != count:
+            raise DataError(f"{idx}: document indices run from {docs[0]} to {docs[-1]}, expected 0 "
+                            f"to {count}; the index is damaged, " + _REBUILD_HINT)
+        if count and self.sequence_pointers[0] != 0:
+            raise DataError(f"{idx}: first sequence pointer is {self.sequence_pointers[0]}, not 0; "
+                            "the index is damaged, " + _REBUILD_HINT)
+
+    def _open_tokens(self) -> None:
+        itemsize = self.header.dtype.itemsize
+        self.num_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
+        expected = self.num_tokens * itemsize
+        if self.header.sequence_count:
+            last_end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize
+            if last_end != expected:
+                raise DataError(f"{self.paths.idx}: last sequence ends at byte {last_end} but the "
+                                f"lengths add up to {expected} bytes; the index is damaged, "
+                                + _REBUILD_HINT)
+        size = self.paths.bin.stat().st_size
+        if size != expected:
+            raise DataError(f"{self.paths.bin}: {size} bytes, but {self.paths.idx} describes "
+                            f"{self.num_tokens} {self.header.dtype} tokens ({expected} bytes); the "
+                            "files are truncated or come from different runs, " + _REBUILD_HINT)
+        if self.num_tokens:
+            self.tokens = np.memmap(self.paths.bin, dtype=self.header.dtype, mode="r",
+                                    shape=(self.num_tokens,))
+        else:  # mmap refuses an empty file
+            self.tokens = np.empty(0, dtype=self.header.dtype)
+
+    def _check_sidecar_counts(self) -> None:
+        sidecar = self.sidecar
+        found = {"num_documents": self.num_documents, "num_sequences": len(self),
+                 "num_tokens": self.num_tokens, "dtype": str(self.header.dtype)}
+        wrong = {key: (sidecar.get(key), value) for key, value in found.items()
+                 if sidecar.get(key) != value}
+        if wrong:
+            detail = ", ".join(f"{key} {said!r} in sidecar vs {value!r} in index"
+                               for key, (said, value) in wrong.items())
+            raise DataError(f"{self.paths.sidecar}: does not match {self.paths.idx} ({detail}); "
+                            "the sidecar belongs to another dataset, " + _REBUILD_HINT)
+
+    def __len__(self) -> int:
+        return self.header.sequence_count
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        count = len(self)
+        if not -count <= index < count:
+            raise IndexError(f"sequence {index} out of range for {count} sequences")
+        index %= count
+        start = int(self.sequence_pointers[index]) // self.header.dtype.itemsize
+        return self.tokens[start:start + int(self.sequence_lengths[index])]
+
+    # Pickle the prefix, not the mapping: DataLoader workers started by spawn reopen the files
+    # instead of receiving a copy of every token.
+    def __getstate__(self) -> dict:
+        return {"prefix": self.paths.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["prefix"])
+
+    @property
+    def num_documents(self) -> int:
+        return self.header.document_count
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.header.dtype
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Vocabulary size recorded in the sidecar (None without one)."""
+        return self._tokenizer_field("vocab_size")
+
+    @property
+    def tokenizer_sha256(self) -> str | None:
+        """SHA-256 of the tokenizer model that made the dataset (None without a sidecar)."""
+        return self._tokenizer_field("sha256")
+
+    def _tokenizer_field(self, key: str):
+        if self.sidecar is None:
+            return None
+        return (self.sidecar.get("tokenizer") or {}).get(key)
+
+    def document_token_range(self, first: int, stop: int) -> tuple[int, int]:
+        """Token offsets ``[start, end)`` in ``.tokens`` covering documents ``first … stop-1``."""
+        if not 0 <= first <= stop <= self.num_documents:
+            raise IndexError(f"documents [{first}, {stop}) out of range for {self.num_documents}")
+        return self._sequence_token_offset(int(self.document_indices[first])), \
+            self._sequence_token_offset(int(self.document_indices[stop]))
+
+    def _sequence_token_offset(self, sequence: int) -> int:
+        if sequence == len(self):
+            return self.num_tokens
+        return int(self.sequence_pointers[sequence]) // self.header.dtype.itemsize
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Hash of the index, the token-file size and its first and last MiB: what a resumed run
+        compares to know it reads the same data."""
+        digest = hashlib.sha256()
+        with open(self.paths.idx, "rb") as stream:
+            for block in iter(lambda: stream.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(str(self.num_tokens).encode())
+        digest.update(np.asarray(self.tokens[: 1 << 19]).tobytes())
+        digest.update(np.asarray(self.tokens[-(1 << 19):]).tobytes())
+        return digest.hexdigest()
+
+    def validate(self) -> None:
+        """Full check of the index (every pointer and document index); DataError if damaged."""
+        idx = self.paths.idx
+        lengths, pointers = self.sequence_lengths, self.sequence_pointers
+        if len(self) and int(lengths.min()) < 0:
+            raise DataError(f"{idx}: negative sequence length; the index is damaged, "
+                            + _REBUILD_HINT)
+        itemsize = self.header.dtype.itemsize
+        running = 0
+        for start in range(0, len(self), _CHECK_BLOCK):
+            block = lengths[start:start + _CHECK_BLOCK].astype(np.int64) * itemsize
+            expected = running + np.concatenate(([0], np.cumsum(block[:-1])))
+            bad = np.flatnonzero(pointers[start:start + _CHECK_BLOCK] != expected)
+            if bad.size:
+                at = start + int(bad[0])
+                raise DataError(f"{idx}: sequence {at} starts at byte {int(pointers[at])}, "
+                                f"expected {int(expected[bad[0]])} (sequences must be back to "
+                                "back); the index is damaged, " + _REBUILD_HINT)
+            running += int(block.sum())
+        if np.any(np.diff(self.document_indices) < 0):
+            raise DataError(f"{idx}: document indices decrease; the index is damaged, "
+                            + _REBUILD_HINT)
+
+    def check_token_ids(self, vocab_size: int | None = None) -> int:
+        """Scan every token: DataError at the first id outside ``[0, vocab_size)``; returns the max.
+
+        ``vocab_size`` defaults to the sidecar's. O(tokens): ``inspect`` runs it; training runs
+        call it when asked to (``build_train_val(..., verify_token_ids=True)``).
+        """
+        limit = self.vocab_size if vocab_size is None else vocab_size
+        highest = -1
+        for start in range(0, self.num_tokens, _CHECK_BLOCK):
+            block = self.tokens[start:start + _CHECK_BLOCK]
+            low, high = int(block.min()), int(block.max())
+            if low < 0 or (limit is not None and high >= limit):
+                outside = (block < 0) if limit is None else (block < 0) | (block >= limit)
+                position = start + int(np.argmax(outside))
+                raise DataError(f"{self.paths.bin}: token {position} (document "
+                                f"{self._document_of_token(position)}) has id "
+                                f"{int(self.tokens[position])}, outside the vocabulary "
+                                f"[0, {limit}); the dataset was made with another tokenizer or the "
+                                "file is damaged: re-tokenize with the model this run uses")
+            highest = max(highest, high)
+        return highest
+
+    def _document_of_token(self, position: int) -> int:
+        itemsize = self.header.dtype.itemsize
+        sequence = int(np.searchsorted(self.sequence_pointers, position * itemsize, "right")) - 1
+        return int(np.searchsorted(self.document_indices, sequence, "right")) - 1
