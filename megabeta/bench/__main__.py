@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = {"model": "megabeta.bench.model", "data": "megabeta.bench.data"}
+BENCHMARKS = {"model": "megabeta.bench.model", "data": "megabeta.bench.data",
+              "train": "megabeta.bench.train"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: python -m megabeta.bench {{{','.join(BENCHMARKS)}}} [options]\n"
               "  model  beta_1.2 vs the standard arm: time, FLOP/s, prefill/decode, memory\n"
               "  data   tokenization and loader throughput, tokenizer memory\n"
+              "  train  tokens/s and MFU per parallel backend, framework overhead, checkpoints\n"
               "Each takes --help.", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:])

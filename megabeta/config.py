@@ -1,0 +1,404 @@
+"""Run configuration: dataclass sections loaded from TOML, with `--section.key=value` overrides.
+
+Every field has a default and a one-line doc (the string under it); `megabeta train --help-config`
+prints them all. A config is validated once, at start-up, and saved into the run directory as
+`config.toml`, which loads back to the same config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from megabeta.model.config import ConfigError, ModelConfig, get_preset
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    path: list[str] = field(default_factory=list)
+    """Dataset prefixes (PREFIX.bin/.idx made by `megabeta-data tokenize`); comma-separated on the CLI."""
+    weights: list[float] = field(default_factory=list)
+    """Blend weights, one per path; empty = proportional to size."""
+    seq_len: int = 256
+    """Tokens per training sample (each sample reads seq_len + 1 tokens)."""
+    val_fraction: float = 0.01
+    """Share of each dataset's documents (its last ones) held out for evaluation."""
+    tokenizer: str = ""
+    """Tokenizer .model of the run: datasets made by another tokenizer are refused; used to decode."""
+    num_workers: int = 1
+    """DataLoader worker processes per rank (0 = load in the training process)."""
+    verify_token_ids: bool = False
+    """Scan every token id against the vocabulary at start-up (O(tokens))."""
+
+
+@dataclass
+class TrainLoopConfig:
+    """The step loop."""
+
+    steps: int = 100
+    """Optimizer steps to run (the run ends at this step)."""
+    global_batch: int = 8
+    """Sequences per optimizer step, over all ranks and accumulation steps."""
+    micro_batch: int = 4
+    """Sequences per forward/backward on one rank; accumulation = global / (micro * world)."""
+    seed: int = 1234
+    """Seed of parameters, data order and every RNG."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms (bitwise-repeatable runs, slower kernels)."""
+    precision: str = "fp32"
+    """`fp32` or `bf16` (autocast for the forward; parameters and optimizer stay fp32)."""
+    max_nonfinite: int = 5
+    """Stop the run after this many non-finite steps in a row (each one is skipped)."""
+    exit_after: int = 0
+    """Save and exit 0 after this many steps of this launch (time-sliced queues); 0 = off."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with decay on matrices only (norm weights, biases and beta_1.2's extras undecayed)."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of the decay group."""
+    beta1: float = 0.9
+    """Adam β1."""
+    beta2: float = 0.95
+    """Adam β2."""
+    eps: float = 1e-8
+    """Adam ε."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = off)."""
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule over train.steps."""
+
+    kind: str = "cosine"
+    """`cosine` (warmup + cosine), `linear` (warmup + linear decay), `wsd` (warmup-stable-decay) or `constant`."""
+    warmup_steps: int = 10
+    """Linear warm-up steps from 0 to optim.lr."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of optim.lr."""
+    decay_fraction: float = 0.2
+    """`wsd` only: share of train.steps spent in the final decay."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is distributed; the model code knows nothing of it."""
+
+    backend: str = "single"
+    """`single`, `ddp`, `fsdp` (FSDP2) or `deepspeed` (ZeRO)."""
+    dist_backend: str = "auto"
+    """torch.distributed backend: `auto` (nccl on GPU, gloo on CPU), `gloo` or `nccl`."""
+    fsdp_param_dtype: str = "fp32"
+    """FSDP2 MixedPrecisionPolicy parameter dtype: `fp32` or `bf16`."""
+    fsdp_reduce_dtype: str = "fp32"
+    """FSDP2 gradient reduction dtype: `fp32` or `bf16`."""
+    zero_stage: int = 1
+    """DeepSpeed ZeRO stage 1, 2 or 3."""
+    deepspeed_optimizer: str = "torch"
+    """`torch` (torch.optim.AdamW handed to the engine) or `deepspeed` (its own AdamW)."""
+    compile: bool = False
+    """torch.compile each layer's computation (per block)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints under <run_dir>/checkpoints."""
+
+    interval: int = 0
+    """Save every N steps (0 = only at the end and on preemption)."""
+    keep: int = 3
+    """Keep the newest K complete checkpoints."""
+    async_save: bool = False
+    """FSDP/DDP/single: write with dcp.async_save, overlapping the next steps."""
+    save_at_end: bool = True
+    """Save after the last step."""
+    requeue: bool = False
+    """Under SLURM, requeue the job (scontrol requeue) after saving on a stop signal."""
+
+
+@dataclass
+class LoggingConfig:
+    """What rank 0 reports."""
+
+    interval: int = 1
+    """Log every N steps (stdout, TensorBoard, metrics.jsonl)."""
+    tensorboard: bool = True
+    """Write TensorBoard events under <run_dir>/tb."""
+
+
+@dataclass
+class EvalConfig:
+    """Periodic evaluation on the validation split."""
+
+    interval: int = 0
+    """Evaluate every N steps (0 = only at the end)."""
+    batches: int = 8
+    """Micro-batches per evaluation (per rank); 0 = the whole validation split."""
+
+
+@dataclass
+class TrainConfig:
+    """A whole training run."""
+
+    run_dir: str = "runs/default"
+    """Directory of this run: config, metrics, TensorBoard, checkpoints."""
+    resume: str = ""
+    """`` (start fresh), `auto` (newest complete checkpoint in run_dir, if any) or a checkpoint path."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first invalid setting (the model validates itself)."""
+
+        def need(ok: bool, name: str, value: Any, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"{name} = {value!r}: {why}")
+
+        d, t, p = self.data, self.train, self.parallel
+        need(d.seq_len >= 1, "data.seq_len", d.seq_len, "must be >= 1")
+        need(d.seq_len <= self.model.max_seq_len, "data.seq_len", d.seq_len,
+             f"exceeds model.max_seq_len = {self.model.max_seq_len}")
+        need(not d.weights or len(d.weights) == len(d.path), "data.weights", d.weights,
+             f"give one weight per data.path ({len(d.path)} paths)")
+        need(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in [0, 1)")
+        need(d.num_workers >= 0, "data.num_workers", d.num_workers, "must be >= 0")
+        need(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
+        need(t.micro_batch >= 1, "train.micro_batch", t.micro_batch, "must be >= 1")
+        need(t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1")
+        need(t.precision in ("fp32", "bf16"), "train.precision", t.precision, "must be fp32 or bf16")
+        need(t.max_nonfinite >= 1, "train.max_nonfinite", t.max_nonfinite, "must be >= 1")
+        need(t.exit_after >= 0, "train.exit_after", t.exit_after, "must be >= 0 (0 = off)")
+        need(self.optim.lr > 0, "optim.lr", self.optim.lr, "must be positive")
+        need(self.optim.grad_clip >= 0, "optim.grad_clip", self.optim.grad_clip, "must be >= 0")
+        need(self.schedule.kind in ("cosine", "linear", "wsd", "constant"), "schedule.kind",
+             self.schedule.kind, "must be one of cosine, linear, wsd, constant")
+        need(self.schedule.warmup_steps >= 0, "schedule.warmup_steps", self.schedule.warmup_steps,
+             "must be >= 0")
+        need(0.0 <= self.schedule.min_lr_ratio <= 1.0, "schedule.min_lr_ratio",
+             self.schedule.min_lr_ratio, "must be in [0, 1]")
+        need(0.0 < self.schedule.decay_fraction <= 1.0, "schedule.decay_fraction",
+             self.schedule.decay_fraction, "must be in (0, 1]")
+        need(p.backend in ("single", "ddp", "fsdp", "deepspeed"), "parallel.backend", p.backend,
+             "must be one of single, ddp, fsdp, deepspeed")
+        need(p.dist_backend in ("auto", "gloo", "nccl"), "parallel.dist_backend", p.dist_backend,
+             "must be auto, gloo or nccl")
+        for name in ("fsdp_param_dtype", "fsdp_reduce_dtype"):
+            need(getattr(p, name) in ("fp32", "bf16"), f"parallel.{name}", getattr(p, name),
+                 "must be fp32 or bf16")
+        need(p.zero_stage in (1, 2, 3), "parallel.zero_stage", p.zero_stage, "must be 1, 2 or 3")
+        need(p.deepspeed_optimizer in ("torch", "deepspeed"), "parallel.deepspeed_optimizer",
+             p.deepspeed_optimizer, "must be torch or deepspeed")
+        need(self.checkpoint.interval >= 0, "checkpoint.interval", self.checkpoint.interval,
+             "must be >= 0")
+        need(self.checkpoint.keep >= 1, "checkpoint.keep", self.checkpoint.keep, "must be >= 1")
+        need(self.logging.interval >= 1, "logging.interval", self.logging.interval, "must be >= 1")
+        need(self.eval.interval >= 0, "eval.interval", self.eval.interval, "must be >= 0")
+        need(self.eval.batches >= 0, "eval.batches", self.eval.batches, "must be >= 0")
+
+    def grad_accumulation(self, world_size: int) -> int:
+        """Micro-batches per rank per optimizer step; the global batch must split evenly."""
+        per_step = self.train.micro_batch * world_size
+        if self.train.global_batch % per_step:
+            raise ConfigError(f"train.global_batch = {self.train.global_batch} is not a multiple of "
+                              f"train.micro_batch ({self.train.micro_batch}) x world size "
+                              f"({world_size}); change one of them")
+        return self.train.global_batch // per_step
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "train": TrainLoopConfig, "optim": OptimConfig,
+    "schedule": ScheduleConfig, "parallel": ParallelConfig, "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig, "eval": EvalConfig,
+}
+"""TOML section name -> its dataclass (the fields of TrainConfig with the same names)."""
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, kind: Any, name: str) -> Any:
+    """Convert a TOML value or CLI string to the field's declared type."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = [k for k in typing.get_args(kind) if k is not type(None)]
+        if isinstance(value, str) and value.lower() in ("none", "null", ""):
+            return None
+        return _coerce(value, options[0], name)
+    if origin is list:
+        (item,) = typing.get_args(kind)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{name} = {value!r}: expected a list (comma-separated on the CLI)")
+        return [_coerce(v, item, name) for v in value]
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if kind is float:
+            return float(value)
+        if kind is str:
+            return str(value)
+    except ValueError:
+        raise ConfigError(f"{name} = {value!r}: expected {kind.__name__}") from None
+    raise ConfigError(f"{name}: unsupported field type {kind}")
+
+
+def _unknown(name: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(known))}"
+    return ConfigError(f"unknown config key {name!r}{hint}")
+
+
+def _all_keys() -> list[str]:
+    keys = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS]
+    for section, cls in SECTIONS.items():
+        keys += [f"{section}.{k}" for k in _field_types(cls)]
+    return keys + ["model.preset"]
+
+
+def _apply(table: dict[str, dict[str, Any]], top: dict[str, Any]) -> TrainConfig:
+    """Build a TrainConfig from section tables and top-level keys (all already coerced)."""
+    model_table = dict(table.get("model", {}))
+    preset = model_table.pop("preset", None)
+    model = get_preset(preset, **model_table) if preset else ModelConfig(**model_table)
+    sections = {name: SECTIONS[name](**table.get(name, {}))
+                for name in SECTIONS if name != "model"}
+    config = TrainConfig(model=model, **sections, **top)
+    config.validate()
+    return config
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """TOML file (optional) plus `--section.key=value` / `--key=value` overrides, validated."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist; pass --config PATH of a TOML "
+                              "file (see configs/)") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                flat[f"{key}.{sub}"] = v
+        else:
+            flat[key] = value
+    for item in overrides:
+        key, sep, value = item.removeprefix("--").partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like --section.key=value")
+        flat[key] = value
+    return config_from_flat(flat, source=str(path) if path else "defaults")
+
+
+def config_from_flat(flat: dict[str, Any], source: str = "config") -> TrainConfig:
+    """TrainConfig from `{"section.key": value}` (values coerced to the declared types)."""
+    known = _all_keys()
+    tables: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    top_types = _field_types(TrainConfig)
+    for key, value in flat.items():
+        if key not in known:
+            raise _unknown(key, known)
+        if "." in key:
+            section, name = key.split(".", 1)
+            kind = str if name == "preset" else _field_types(SECTIONS[section])[name]
+            tables.setdefault(section, {})[name] = _coerce(value, kind, key)
+        else:
+            top[key] = _coerce(value, top_types[key], key)
+    try:
+        return _apply(tables, top)
+    except TypeError as err:  # a dataclass refused an argument: report it as a config problem
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def config_to_dict(config: TrainConfig) -> dict[str, Any]:
+    """Plain nested dict (None values dropped: TOML has no null)."""
+    def clean(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {k: clean(v) for k, v in obj.items() if v is not None}
+        return obj
+
+    return clean(dataclasses.asdict(config))
+
+
+def save_config(config: TrainConfig, path: str | os.PathLike) -> None:
+    """Write `config` as TOML, atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        tomli_w.dump(config_to_dict(config), f)
+    os.replace(tmp, path)
+
+
+def describe_fields() -> str:
+    """Every config key with its default and one-line doc (for --help-config)."""
+    lines = []
+    docs = _field_docs()
+    for key in _all_keys():
+        section, _, name = key.rpartition(".")
+        if key == "model.preset":
+            lines.append("model.preset = ''  # named model configuration to start from "
+                         "(e.g. t19_flash, beta_1.2_test)")
+            continue
+        cls = SECTIONS[section] if section else TrainConfig
+        default = {f.name: f for f in dataclasses.fields(cls)}[name]
+        value = (default.default if default.default is not dataclasses.MISSING
+                 else default.default_factory())
+        lines.append(f"{key} = {value!r}  # {docs.get((cls.__name__, name), '')}")
+    return "\n".join(lines)
+
+
+def _field_docs() -> dict[tuple[str, str], str]:
+    """The docstring under each dataclass field, read from the source."""
+    import ast
+    import inspect
+
+    docs: dict[tuple[str, str], str] = {}
+    for cls in [TrainConfig, *SECTIONS.values()]:
+        tree = ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant)):
+                docs[(cls.__name__, node.target.id)] = str(nxt.value.value).split("\n")[0]
+    return docs

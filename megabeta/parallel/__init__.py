@@ -1,0 +1,1 @@
+"""Parallelism: rank discovery, process-group start-up and the wrappers built on them."""

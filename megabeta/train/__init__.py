@@ -1,0 +1,1 @@
+"""Training: config, loop, optimizer, metrics, preemption."""

@@ -1,0 +1,5 @@
+import sys
+
+from megabeta.train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,56 @@
+"""`megabeta train --config configs/NAME.toml [--section.key=value ...]` (or python -m megabeta.train).
+
+Works unchanged under torchrun, srun and mpirun: ranks are discovered from the launcher's
+environment (megabeta.parallel.env).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megabeta.checkpoint import CheckpointError
+from megabeta.config import describe_fields, load_config
+from megabeta.data import DataError
+from megabeta.model import ConfigError
+
+EPILOG = """overrides:
+  --SECTION.KEY=VALUE   any config field, e.g. --optim.lr=3e-4 --train.steps=1000
+  --run_dir=DIR         where config, metrics.jsonl, tb/ and checkpoints/ go
+  --resume=auto|PATH    continue from the newest checkpoint in run_dir, or from PATH
+  --data.path=A,B --data.weights=0.7,0.3   blend several datasets
+
+`megabeta train --help-config` lists every field with its default and meaning.
+examples:
+  megabeta train --config configs/tiny_cpu.toml --data.path=data/corpus --run_dir=runs/t1
+  torchrun --nproc_per_node=8 -m megabeta.train --config configs/t19_flash.toml --resume=auto
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megabeta train", description=__doc__,
+                                     epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="TOML file with the run configuration (see configs/)")
+    parser.add_argument("--help-config", action="store_true",
+                        help="print every config key with its default and meaning, then exit")
+    args, overrides = parser.parse_known_args(argv)
+    if args.help_config:
+        print(describe_fields())
+        return 0
+    try:
+        config = load_config(args.config, overrides)
+        from megabeta.train.loop import TrainingStopped, run
+
+        run(config)
+    except (ConfigError, DataError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except TrainingStopped as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

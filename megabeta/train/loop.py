@@ -1,0 +1,278 @@
+"""The training loop: set up, then step, log, evaluate, checkpoint, until done or preempted.
+
+    setup:  ranks → seeds → data → model (vocab from the data) → backend → resume
+    step:   lr → micro-batches (forward, backward) → clip, skip if non-finite, update → log
+    every:  eval.interval → evaluate; checkpoint.interval → save
+    signal: SIGTERM / SIGUSR1 / SIGINT → finish the step, save, (requeue under SLURM), exit 0
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
+
+from megabeta.checkpoint import CheckpointError, CheckpointManager, TrainState
+from megabeta.checkpoint.manager import read_train_state
+from megabeta.config import TrainConfig, save_config
+from megabeta.data import DataError, StatefulLoader, build_train_val, file_sha256
+from megabeta.model import ConfigError, build_model, count_parameters
+from megabeta.model.flops import training_flops
+from megabeta.parallel.backend import DeepSpeedBackend, TorchBackend
+from megabeta.parallel.env import DistEnv, init_distributed, setup_logging
+from megabeta.train.metrics import MetricsLogger, device_peak_flops, memory_gib
+from megabeta.train.optim import lr_at
+from megabeta.train.signals import PreemptionHandler, maybe_requeue
+
+log = logging.getLogger("megabeta")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (too many non-finite steps); the message says why."""
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def _all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        value = value.clone()
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value
+
+
+def _device(env: DistEnv) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+class Trainer:
+    """One training run of `config` on this process's rank."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.env = init_distributed(config.parallel.dist_backend,
+                                    group_for_one=config.parallel.backend != "single")
+        setup_logging(self.env)
+        self.device = _device(self.env)
+        self.run_dir = Path(config.run_dir)
+        if self.env.is_rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        seed_everything(config.train.seed, config.train.deterministic)
+        self.grad_accumulation = config.grad_accumulation(self.env.world_size)
+        self._setup_data()
+        self.checkpoints = CheckpointManager(self.run_dir, config.checkpoint.keep)
+        resume_from = self.checkpoints.resolve(config.resume)
+        resharding = False
+        if resume_from is not None:
+            saved = read_train_state(resume_from)
+            self._check_compatible(saved)
+            resharding = saved.world_size != self.env.world_size
+        model = build_model(config.model)  # same seed on every rank: identical initial weights
+        if config.parallel.backend == "deepspeed":
+            self.backend = DeepSpeedBackend(model, config, self.device, self.grad_accumulation,
+                                            load_universal=resharding)
+        else:
+            self.backend = TorchBackend(model, config, self.device)
+        self.state = TrainState(backend=config.parallel.backend, world_size=self.env.world_size,
+                                model_config=asdict(config.model))
+        if resume_from is not None:
+            self._resume(resume_from)
+        if self.env.is_rank0:
+            save_config(config, self.run_dir / "config.toml")
+        dtype = torch.bfloat16 if config.train.precision == "bf16" else torch.float32
+        self.peak_flops, peak_source = device_peak_flops(self.device, dtype)
+        self.step_flops = config.train.global_batch * training_flops(config.model,
+                                                                     config.data.seq_len)
+        log.info("run %s | %s on %d rank(s) (%s) | %s | %d params | accumulation %d | "
+                 "peak %.3g FLOP/s per rank (%s)", self.run_dir, config.parallel.backend,
+                 self.env.world_size, self.env.launcher, config.model.arch,
+                 count_parameters(config.model), self.grad_accumulation,
+                 self.peak_flops, peak_source)
+
+    # ---- set-up -----------------------------------------------------------------------------------
+    def _setup_data(self) -> None:
+        config = self.config
+        if not config.data.path:
+            raise ConfigError("data.path is empty: pass --data.path=PREFIX (a dataset made by "
+                              "`megabeta-data tokenize`)")
+        tokenizer_hash = file_sha256(config.data.tokenizer) if config.data.tokenizer else None
+        self.data = build_train_val(config.data.path, config.data.weights or None,
+                                    config.data.seq_len, config.data.val_fraction,
+                                    expected_tokenizer_hash=tokenizer_hash,
+                                    verify_token_ids=config.data.verify_token_ids)
+        vocab = self.data.vocab_size
+        if config.model.vocab_size == -1:
+            if vocab is None:
+                raise ConfigError("model.vocab_size = -1 but the dataset has no sidecar with a "
+                                  "vocabulary size; set --model.vocab_size")
+            config.model = config.model.replace(vocab_size=vocab)
+        elif vocab is not None and config.model.vocab_size < vocab:
+            raise ConfigError(f"model.vocab_size = {config.model.vocab_size} is smaller than the "
+                              f"dataset's vocabulary ({vocab}); set -1 to take it from the data")
+        self.sampler = self.data.train_sampler(self.env.world_size, self.env.rank,
+                                               config.train.seed)
+        self.loader = StatefulLoader(self.data.train, self.sampler, config.train.micro_batch,
+                                     num_workers=config.data.num_workers)
+
+    def _check_compatible(self, saved: TrainState) -> None:
+        if saved.backend != self.config.parallel.backend:
+            raise CheckpointError(f"checkpoint was written by parallel.backend = "
+                                  f"{saved.backend!r}, this run uses "
+                                  f"{self.config.parallel.backend!r}; resume with the same backend "
+                                  "(or `megabeta export` it and start from the export)")
+        if saved.model_config and saved.model_config != asdict(self.config.model):
+            changed = sorted(k for k, v in saved.model_config.items()
+                             if asdict(self.config.model).get(k) != v)
+            raise CheckpointError(f"checkpoint model differs from this run's in {changed}; "
+                                  "resume with the model config it was trained with")
+
+    def _resume(self, path: Path) -> None:
+        saved = read_train_state(path)
+        try:
+            self.backend.load(path / "model")
+        except (Exception, DCPCheckpointException) as err:  # noqa: BLE001 - any failure here
+            # means an unusable checkpoint (DCP's exception derives from BaseException)
+            raise CheckpointError(f"could not load model/optimizer shards from {path}: {err}; "
+                                  "it may be truncated or written by another run") from err
+        self.loader.load_state_dict(saved.data)
+        exact_rng = self.checkpoints.load_rng(path, self.env.world_size)
+        if not exact_rng:
+            log.warning("checkpoint %s was written by %d ranks, this run has %d: RNG streams "
+                        "restart from the seed", path, saved.world_size, self.env.world_size)
+        self.state.step, self.state.tokens_seen = saved.step, saved.tokens_seen
+        self.state.skipped_steps = saved.skipped_steps
+        log.info("resumed from %s at step %d (%d tokens seen)", path, saved.step,
+                 saved.tokens_seen)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        """Run to `train.steps` (or a stop signal). Returns the last logged metrics."""
+        config = self.config
+        metrics = MetricsLogger(self.run_dir, self.env.is_rank0, config.logging.tensorboard)
+        batches = iter(self.loader)
+        nonfinite_in_a_row = 0
+        last: dict[str, Any] = {}
+        tokens_per_step = config.train.global_batch * config.data.seq_len
+        first_step = self.state.step
+        with PreemptionHandler() as preemption:
+            while self.state.step < config.train.steps:
+                start = time.perf_counter()
+                lr = lr_at(self.state.step, config.train.steps, config.optim, config.schedule)
+                self.backend.set_lr(lr)
+                losses = []
+                for micro in range(self.grad_accumulation):
+                    batch = next(batches).to(self.device, non_blocking=True)
+                    losses.append(self.backend.forward_backward(
+                        batch[:, :-1], batch[:, 1:], micro == self.grad_accumulation - 1,
+                        1.0 / self.grad_accumulation))
+                loss = float(_all_reduce_mean(torch.stack(losses).mean()))
+                grad_norm, applied = self.backend.step(math.isfinite(loss))
+                self.state.step += 1
+                self.state.tokens_seen += tokens_per_step
+                if applied:
+                    nonfinite_in_a_row = 0
+                else:
+                    nonfinite_in_a_row += 1
+                    self.state.skipped_steps += 1
+                    log.warning("step %d skipped: loss %s, grad norm %s (%d in a row)",
+                                self.state.step, loss, grad_norm, nonfinite_in_a_row)
+                seconds = time.perf_counter() - start
+                if self.state.step % config.logging.interval == 0 or not applied:
+                    last = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
+                            "tokens_per_s": tokens_per_step / seconds, "s_per_batch": seconds,
+                            "mfu": self.step_flops / seconds / self.env.world_size
+                            / self.peak_flops,
+                            "memory_gib": memory_gib(self.device),
+                            "tokens": self.state.tokens_seen,
+                            "samples": self.sampler.samples_consumed,
+                            "skipped": self.state.skipped_steps}
+                    metrics.log(self.state.step, last)
+                if nonfinite_in_a_row >= config.train.max_nonfinite:
+                    metrics.close()
+                    raise TrainingStopped(
+                        f"{nonfinite_in_a_row} non-finite steps in a row (train.max_nonfinite = "
+                        f"{config.train.max_nonfinite}) at step {self.state.step}: lower optim.lr, "
+                        "check the data, or resume from an earlier checkpoint")
+                done = self.state.step >= config.train.steps
+                if config.eval.interval and self.state.step % config.eval.interval == 0 and not done:
+                    metrics.log(self.state.step, self.evaluate(), prefix="eval")
+                exit_now = (config.train.exit_after and not done
+                            and self.state.step - first_step >= config.train.exit_after)
+                if preemption.should_stop() or exit_now:
+                    log.info("%s: saving at step %d and exiting",
+                                "train.exit_after reached" if exit_now else "preempted",
+                                self.state.step)
+                    self.save()
+                    self.checkpoints.finalize()
+                    if not exit_now:
+                        maybe_requeue(config.checkpoint.requeue)
+                    metrics.close()
+                    return last
+                if (config.checkpoint.interval and self.state.step % config.checkpoint.interval == 0
+                        and not done):
+                    self.save()
+        final_eval = self.evaluate()
+        if final_eval:
+            metrics.log(self.state.step, final_eval, prefix="eval")
+            last.update({f"eval_{k}": v for k, v in final_eval.items()})
+        if config.checkpoint.save_at_end:
+            self.save()
+        self.checkpoints.finalize()
+        metrics.close()
+        return last
+
+    def save(self) -> Path:
+        self.state.data = self.loader.state_dict()
+        return self.checkpoints.save(self.state.step, self.state, self.backend.save
+                                     if not self.config.checkpoint.async_save else
+                                     lambda path: self.backend.save(path, async_save=True))
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss and perplexity over the validation split (or `eval.batches` of it)."""
+        if self.data.val is None:
+            return {}
+        sampler = self.data.val_sampler(self.env.world_size, self.env.rank)
+        loader = StatefulLoader(self.data.val, sampler, self.config.train.micro_batch)
+        was_training = self.backend.model.training
+        self.backend.model.eval()
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        for i, batch in enumerate(loader):
+            if self.config.eval.batches and i >= self.config.eval.batches:
+                break
+            batch = batch.to(self.device)
+            total += float(self.backend.eval_loss(batch[:, :-1], batch[:, 1:])) * batch.shape[0]
+            count += batch.shape[0]
+        self.backend.model.train(was_training)
+        totals = torch.tensor([float(total), float(count)], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        loss = float(totals[0] / max(totals[1], 1))
+        return {"loss": loss, "ppl": math.exp(min(loss, 700.0))}
+
+
+def run(config: TrainConfig) -> dict[str, Any]:
+    """Train `config` on this rank; the entry point of `megabeta train`."""
+    return Trainer(config).train()
+
+
+__all__ = ["Trainer", "TrainingStopped", "run", "DataError"]
