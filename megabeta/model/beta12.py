@@ -10,7 +10,8 @@ training because nobody reads them.
 The history is a list of per-block tensors per layer. Each block's key set is concatenated from
 it inside the block function, which is the activation-checkpoint unit: in backward the block is
 recomputed from its embedding slice and the same history tensors (spec §4.6), so the
-concatenations and the block's logits live only while one block is processed.
+concatenations live only while one block (one layer's attention, when recomputing) is processed.
+The LM head and loss run after the block loop, in chunks (`DecoderLM.head`).
 """
 
 from __future__ import annotations
@@ -64,14 +65,14 @@ class Beta12Transformer(DecoderLM):
         return groups
 
     def _block(self, x: Tensor, start: int, block_start: int, hist_k: History, hist_v: History,
-               prefix: list[tuple[Tensor, Tensor]] | None, targets: Tensor | None,
-               want_finished: bool, want_construction: bool) -> tuple:
+               prefix: list[tuple[Tensor, Tensor]] | None, want_finished: bool,
+               want_construction: bool) -> tuple:
         """All layers on the tokens `x [B, n, d]` at positions `start …` of one block.
 
         `prefix` holds per layer the construction KVs of the block's tokens before `start`
         (decoding a partly filled block). Returns (finished K per layer, finished V per layer,
-        construction K per layer, construction V per layer, output), where output is the summed
-        loss when `targets` is given and the logits otherwise; lists are empty unless wanted.
+        construction K per layer, construction V per layer, final hidden states); the lists are
+        empty unless wanted.
         """
         cos, sin = self.rope(start, x.shape[1], x)
         dropout = self.config.dropout if self.training else 0.0
@@ -87,8 +88,11 @@ class Beta12Transformer(DecoderLM):
             if prefix is not None:
                 keys.prefix_k, keys.prefix_v = prefix[l]
             slope = attn.depth_slope() if layout.depth or not self.config.use_sdpa else None
-            o = block_attention(q, keys, layout, slope, attn.self_bias, self.config.use_sdpa, l,
-                                dropout)
+            # Nested in the block's checkpoint, the attention call is checkpointed on its own: its
+            # key set (a copy of the whole history) then lives for one layer at a time when the
+            # block is recomputed in backward, not for all L layers at once.
+            o = self._run(block_attention, q, keys, layout, slope, attn.self_bias,
+                          self.config.use_sdpa, l, dropout)
             x = layer.mlp_residual(layer.attention_residual(x, o))
             if want_construction:
                 con_k.append(k)
@@ -97,8 +101,7 @@ class Beta12Transformer(DecoderLM):
                 fk, fv = attn.kv(layer.attention_norm(x), cos, sin, finished=True)
                 fin_k.append(layout.keys(fk, l))
                 fin_v.append(layout.values(fv))
-        out = self.logits(x) if targets is None else self.loss_sum(x, targets)
-        return fin_k, fin_v, con_k, con_v, out
+        return fin_k, fin_v, con_k, con_v, x
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
         """Logits `[B, T, V]`, or the mean next-token loss when `targets [B, T]` is given."""
@@ -108,21 +111,18 @@ class Beta12Transformer(DecoderLM):
         x = self.tok_embeddings(tokens)
         hist_k: list[list[Tensor]] = [[] for _ in self.layers]
         hist_v: list[list[Tensor]] = [[] for _ in self.layers]
-        outs = []
+        hidden = []
         for s in range(0, length, c):
             e = min(s + c, length)
             # Snapshots (tuples) of the history: the recompute must see exactly these pieces.
-            fin_k, fin_v, _, _, out = self._run(
-                self._block, x[:, s:e], s, s, [tuple(h) for h in hist_k],
-                [tuple(h) for h in hist_v], None, None if targets is None else targets[:, s:e],
-                e < length, False)
+            fin_k, fin_v, _, _, h = self._run(
+                self._block, x[:, s:e], s, s, [tuple(p) for p in hist_k],
+                [tuple(p) for p in hist_v], None, e < length, False)
             for l in range(len(self.layers)) if e < length else ():
                 hist_k[l].append(fin_k[l])
                 hist_v[l].append(fin_v[l])
-            outs.append(out)
-        if targets is None:
-            return torch.cat(outs, dim=1)
-        return self._mean_loss(outs, targets)
+            hidden.append(h)
+        return self.head(torch.cat(hidden, dim=1), targets)
 
     # ---- decoding (spec §4.5) -------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:
@@ -147,14 +147,14 @@ class Beta12Transformer(DecoderLM):
             hist_k = [(k,) for k, _ in visible]
             hist_v = [(v,) for _, v in visible]
             prefix = [buf.view() for buf in cache.construction]
-            fin_k, fin_v, con_k, con_v, out = self._block(
-                x[:, done:done + n], pos, block_start, hist_k, hist_v, prefix, None, True, True)
+            fin_k, fin_v, con_k, con_v, h = self._block(
+                x[:, done:done + n], pos, block_start, hist_k, hist_v, prefix, True, True)
             for l in range(len(self.layers)):
                 cache.construction[l].append(con_k[l], con_v[l])
                 cache.pending[l].append(fin_k[l], fin_v[l])
             cache.position += n
             done += n
-            logits.append(out)
+            logits.append(self.logits(h))
             if cache.position % c == 0:
                 # The block is complete: its finished KVs become visible, its construction KVs
                 # are no longer read by anyone.

@@ -24,6 +24,8 @@ from megabeta.model.layers import RMSNorm, TransformerLayer, rope_tables
 
 IGNORE_INDEX = -100
 """Targets equal to this are left out of the loss (PyTorch's cross-entropy convention)."""
+LOSS_CHUNK = 1024
+"""Tokens per piece of the chunked training loss (see `DecoderLM.head`)."""
 
 
 class DecoderLM(nn.Module):
@@ -99,7 +101,18 @@ class DecoderLM(nn.Module):
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
-    def _mean_loss(self, parts: list[Tensor], targets: Tensor) -> Tensor:
+    def head(self, h: Tensor, targets: Tensor | None) -> Tensor:
+        """Logits of final hidden states `h [B, T, d]`, or the mean next-token loss.
+
+        The loss is taken in chunks of LOSS_CHUNK tokens, each recomputed in backward under
+        activation checkpointing, so the `[T, vocab]` logits never exist at once in training.
+        Chunks are not blocks: the LM head's weight gradient (vocab x d) is formed once per
+        chunk, and per 32-token block it dominated a t19_flash step.
+        """
+        if targets is None:
+            return self.logits(h)
+        parts = [self._run(self.loss_sum, h[:, s:s + LOSS_CHUNK], targets[:, s:s + LOSS_CHUNK])
+                 for s in range(0, h.shape[1], LOSS_CHUNK)]
         return torch.stack(parts).sum() / (targets != IGNORE_INDEX).sum()
 
     # ---- decoding (spec §4.5) -------------------------------------------------------------------
@@ -169,13 +182,7 @@ class StandardTransformer(DecoderLM):
         cos, sin = self.rope(0, tokens.shape[1], x)
         for layer in self._stages():
             x = self._run(lambda h, layer=layer: self._layer(layer, h, cos, sin, None)[0], x)
-        if targets is None:
-            return self.logits(x)
-        # The loss is taken in chunks so that the [T, vocab] logits are never all alive at once.
-        chunk = max(self.config.block_size, 1024)
-        parts = [self._run(self.loss_sum, x[:, s:s + chunk], targets[:, s:s + chunk])
-                 for s in range(0, tokens.shape[1], chunk)]
-        return self._mean_loss(parts, targets)
+        return self.head(x, targets)
 
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:
         capacity = self._capacity(capacity)
