@@ -38,7 +38,7 @@ import psutil
 import sentencepiece as spm
 import torch
 
-from megabeta.data import GlobalSampler, StatefulLoader, build_train_val
+from megabeta.data import StatefulLoader, build_train_val
 
 T19_FLASH_PARAMETERS = 0.19e9
 FLOPS_PER_PARAMETER_TOKEN = 6  # forward 2 + backward 4, per parameter per token

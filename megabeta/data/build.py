@@ -39,7 +39,8 @@ class TrainValData:
                              fingerprint=self.train.fingerprint)
 
     def val_sampler(self, world_size: int, rank: int) -> GlobalSampler:
-        """One pass over ``val`` in order (every evaluation sees the same samples)."""
+        """One pass over ``val`` in order, so every evaluation sees the same samples. Build one per
+        evaluation: a :class:`StatefulLoader` advances it to the end."""
         if self.val is None:
             raise DataError("no validation data: build with val_fraction > 0")
         return GlobalSampler(len(self.val), world_size, rank, shuffle=False, num_epochs=1,
