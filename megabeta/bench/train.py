@@ -32,8 +32,10 @@ REPO = Path(__file__).resolve().parents[2]
 SHAPES = {
     "tiny": ["--model.d_model=64", "--model.hidden_dim=192", "--model.num_heads=4",
              "--model.num_layers=2", "--model.block_size=16"],
-    "beta_1.2_test": ["--model.preset=beta_1.2_test", "--model.vocab_size=-1",
-                      "--model.max_seq_len=256", "--model.activation_checkpoint=block"],
+    # The preset's shape, spelled out: keys in the config file would override a preset.
+    "beta_1.2_test": ["--model.d_model=192", "--model.hidden_dim=512", "--model.num_heads=3",
+                      "--model.num_layers=20", "--model.block_size=32", "--model.depth_window=2",
+                      "--model.activation_checkpoint=block"],
 }
 BACKENDS = [("single", 1, []), ("ddp", 2, []), ("fsdp", 2, []),
             ("deepspeed", 2, ["--parallel.zero_stage=1"]),
@@ -50,7 +52,8 @@ def _median_step(run_dir: Path, warmup: int) -> tuple[float, float, float]:
 
 def _common(data: Path, shape: str, steps: int, seq_len: int) -> list[str]:
     return [f"--config={REPO / 'configs' / 'tiny_cpu.toml'}", *SHAPES[shape],
-            f"--data.path={data}", f"--data.seq_len={seq_len}", f"--train.steps={steps}",
+            f"--data.path={data}", f"--data.seq_len={seq_len}", f"--model.max_seq_len={seq_len}",
+            f"--train.steps={steps}",
             "--train.global_batch=8", "--train.micro_batch=4", "--checkpoint.interval=0",
             "--checkpoint.save_at_end=false", "--eval.interval=0", "--data.val_fraction=0",
             "--logging.interval=1", "--logging.tensorboard=false", "--data.num_workers=0"]
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="megabeta-bench-train-"))
     data = Path(args.data) if args.data else None
     if data is None:
-        subprocess.run([sys.executable, "-m", "megabeta.demo", "--quick", "--steps=1",
+        subprocess.run([sys.executable, "-m", "megabeta.demo", "--quick",
                         f"--workdir={work / 'demo'}"], check=True, capture_output=True)
         data = work / "demo" / "data" / "stdlib"
     env = dict(os.environ, OMP_NUM_THREADS="1")
