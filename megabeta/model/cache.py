@@ -25,15 +25,8 @@ class KVBuffer:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0
 
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
     def append(self, k: Tensor, v: Tensor) -> None:
-        end = self.length + k.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"KV cache full: {end} tokens > capacity {self.capacity}; "
-                             "prefill with a larger capacity (at most model.max_seq_len)")
+        end = self.length + k.shape[2]  # DecodeCache.reserve checked the capacity
         self.k[:, :, self.length:end] = k
         self.v[:, :, self.length:end] = v
         self.length = end

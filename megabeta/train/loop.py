@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpoin
 from megabeta.checkpoint import CheckpointError, CheckpointManager, TrainState
 from megabeta.checkpoint.manager import read_train_state
 from megabeta.config import TrainConfig, save_config
-from megabeta.data import DataError, StatefulLoader, build_train_val, file_sha256
+from megabeta.data import StatefulLoader, build_train_val, file_sha256
 from megabeta.model import ConfigError, build_model, count_parameters
 from megabeta.model.flops import training_flops
 from megabeta.parallel.backend import DeepSpeedBackend, TorchBackend
@@ -242,9 +243,9 @@ class Trainer:
 
     def save(self) -> Path:
         self.state.data = self.loader.state_dict()
-        return self.checkpoints.save(self.state.step, self.state, self.backend.save
-                                     if not self.config.checkpoint.async_save else
-                                     lambda path: self.backend.save(path, async_save=True))
+        write = functools.partial(self.backend.save,
+                                  async_save=self.config.checkpoint.async_save)
+        return self.checkpoints.save(self.state.step, self.state, write)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -275,4 +276,4 @@ def run(config: TrainConfig) -> dict[str, Any]:
     return Trainer(config).train()
 
 
-__all__ = ["Trainer", "TrainingStopped", "run", "DataError"]
+__all__ = ["Trainer", "TrainingStopped", "run"]
