@@ -25,13 +25,17 @@ must not enter through the mask: a mask that requires grad sends SDPA to its slo
   the sink in front, the in-block keys shift by one, so query i sees exactly `j < i` through an
   ordinary bottom-right causal mask (`is_causal` when there is no history).
 
-Both paths are exact (tests compare them with a naive reference) and fully differentiable.
+The history part of the key set comes either as pieces (`KeySet.finished`, concatenated here) or
+as `KeySet.stored`, which attends over a history kept in buffers plus the block's own keys (the
+"tail": sink and in-block keys); see history.py. Both paths are exact (tests compare them with a
+naive reference) and fully differentiable.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +72,13 @@ class KeyLayout:
         return F.pad(v, (0, self.extra)) if self.extra else v
 
 
+class StoredKeys(Protocol):
+    """A history kept outside the key set (history.py): attention over it plus a tail of keys."""
+
+    def attend(self, layer: int, q: Tensor, k_tail: Tensor, v_tail: Tensor, dropout_p: float,
+               scale: float) -> Tensor: ...
+
+
 @dataclass
 class KeySet:
     """The keys one block of queries reads; all tensors `[B, H_kv, len, layout.width]`."""
@@ -81,6 +92,8 @@ class KeySet:
     prefix_k: Tensor | None = None
     """Construction keys of this block's earlier tokens that are not queries now (decoding)."""
     prefix_v: Tensor | None = None
+    stored: StoredKeys | None = None
+    """The history as stored keys instead of `finished`/`prefix` pieces (fused path only)."""
 
 
 def block_attention(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
@@ -94,6 +107,8 @@ def block_attention(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | 
     """
     if use_sdpa:
         return _fused(q, keys, layout, slope, self_bias, layer, dropout_p)
+    if keys.stored is not None:
+        raise ValueError("block_attention: the explicit path needs the history as pieces")
     return _explicit(q, keys, slope, self_bias, dropout_p)
 
 
@@ -142,19 +157,13 @@ def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
     batch, heads, n, head_dim = q.shape
     kv_heads = keys.k.shape[1]
     scale = 1.0 / math.sqrt(head_dim)
-    hist_k, hist_v, _ = _pieces(keys)
     if (slope is not None) != layout.depth or (self_bias is not None) != layout.self_slot:
         raise ValueError("block_attention: key layout does not match the biases in use")
-    if not layout.extra:
-        # Plain causal attention over history + block; the diagonal is the self slot with bias 0.
-        k = torch.cat([*hist_k, keys.k], dim=2)
-        v = torch.cat([*hist_v, keys.v], dim=2)
-        return _sdpa(q, k, v, dropout_p, scale)
-
-    q_extra = []
+    # The keys after the history (the "tail"): the queries' own keys, behind a sink with the self
+    # slot; the diagonal then is the self slot with bias 0.
+    k_tail, v_tail, q_extra = keys.k, keys.v, []
     if layout.depth:
         q_extra.append((-slope / scale).view(1, heads, 1, 1).expand(batch, heads, n, 1))
-    k_main, v_main = [*hist_k], [*hist_v]
     if layout.self_slot:
         # The sink (see module doc): depth column = this layer, like the in-block keys, so the
         # depth term shifts its score exactly as theirs; a one in the self column of K and V.
@@ -165,13 +174,17 @@ def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
         own_k = keys.k[..., :head_dim].repeat_interleave(heads // kv_heads, dim=1)
         q_extra.append((q * own_k).sum(-1, keepdim=True) + self_bias / scale)
         # In-block keys shift by one behind the sink; the last would only be a self key.
-        k_main += [sink_k, keys.k[:, :, :-1]]
-        v_main += [sink_v, keys.v[:, :, :-1]]
+        k_tail = torch.cat([sink_k, keys.k[:, :, :-1]], dim=2)
+        v_tail = torch.cat([sink_v, keys.v[:, :, :-1]], dim=2)
+    q_full = torch.cat([q, *q_extra], dim=-1) if q_extra else q
+    if keys.stored is not None:
+        out = keys.stored.attend(layer, q_full, k_tail, v_tail, dropout_p, scale)
     else:
-        k_main.append(keys.k)
-        v_main.append(keys.v)
-    out = _sdpa(torch.cat([q, *q_extra], dim=-1), torch.cat(k_main, dim=2),
-                torch.cat(v_main, dim=2), dropout_p, scale)
+        hist_k, hist_v, _ = _pieces(keys)
+        out = sdpa(q_full, torch.cat([*hist_k, k_tail], dim=2),
+                   torch.cat([*hist_v, v_tail], dim=2), dropout_p, scale)
+    if not layout.extra:
+        return out
     o = out[..., :head_dim]
     if layout.self_slot:
         p_self = out[..., -1:]
@@ -179,13 +192,15 @@ def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
     return o
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float) -> Tensor:
-    """SDPA with query r seeing keys `j <= (S - n) + r` (bottom-right causal)."""
+def sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float,
+         mask: Tensor | None = None) -> Tensor:
+    """SDPA with query r seeing keys `j <= (S - n) + r` (bottom-right causal), or `mask`."""
     n, total = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if total == n:
+    if mask is None and total == n:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
                                               scale=scale, enable_gqa=gqa)
-    mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+    if mask is None:
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           scale=scale, enable_gqa=gqa)

@@ -4,14 +4,13 @@ Schedule (spec §5, block-sequential): for each block of c tokens in order, run 
 the block's tokens in parallel; every layer reads the finished KVs of earlier blocks (the
 history) for its source layers M(l), plus construction KVs inside the block. When a block has
 passed layer m, its finished KV of layer m (layer m's own norm and K/V weights on its OUTPUT,
-plus e_K/e_V) is computed once and appended to the history; the last block's are skipped in
+plus e_K/e_V) is computed once and added to the history; the last block's are skipped in
 training because nobody reads them.
 
-The history is a list of per-block tensors per layer. Each block's key set is concatenated from
-it inside the block function, which is the activation-checkpoint unit: in backward the block is
-recomputed from its embedding slice and the same history tensors (spec §4.6), so the
-concatenations live only while one block (one layer's attention, when recomputing) is processed.
-The LM head and loss run after the block loop, in chunks (`DecoderLM.head`).
+The history lives in `history.py`: buffers read without copies for the fused path, per-block
+pieces for the explicit path and decoding. One block through all layers is the
+activation-checkpoint unit: in backward it is recomputed from its embedding slice and the same
+history (spec §4.6). The LM head and loss run after the block loop, in chunks (`DecoderLM.head`).
 """
 
 from __future__ import annotations
@@ -19,24 +18,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megabeta.model.attention import KeyLayout, KeySet, block_attention
+from megabeta.model.attention import KeyLayout, block_attention
 from megabeta.model.cache import DecodeCache
+from megabeta.model.history import (
+    BufferedHistory,
+    BufferedView,
+    PieceHistory,
+    PieceView,
+)
 from megabeta.model.transformer import DecoderLM
-
-History = list[tuple[Tensor, ...]]
-"""Per layer m, the finished K (or V) pieces covering tokens 0 … start(block)-1, in order."""
-
-
-def _tail(pieces: tuple[Tensor, ...], keep: int) -> list[Tensor]:
-    """The last `keep` tokens of a history given as pieces `[B, H, len, d_h]`."""
-    out: list[Tensor] = []
-    for piece in reversed(pieces):
-        if keep <= 0:
-            break
-        length = piece.shape[2]
-        out.append(piece if length <= keep else piece[:, :, length - keep:])
-        keep -= length
-    return out[::-1]
 
 
 class Beta12Transformer(DecoderLM):
@@ -51,26 +41,15 @@ class Beta12Transformer(DecoderLM):
         return KeyLayout(c.head_dim, depth=c.use_sdpa and c.depth_bias and c.depth_window > 0,
                          self_slot=c.use_sdpa and c.self_slot)
 
-    def _groups(self, layer: int, block_start: int, hist_k: History, hist_v: History
-                ) -> list[tuple[int, Tensor, Tensor]]:
-        """Finished groups of spec §3 for queries of the block starting at `block_start`, as
-        history pieces (concatenated once, by the attention call)."""
-        window = self.config.deep_token_window
-        groups = []
-        for m in self.config.source_layers(layer) if block_start > 0 else ():
-            # Deeper groups see only the last w tokens before the block (deep_token_window).
-            keep = min(window, block_start) if window > 0 and m > layer else block_start
-            groups += [(m - layer, k, v)
-                       for k, v in zip(_tail(hist_k[m], keep), _tail(hist_v[m], keep))]
-        return groups
+    def _sources(self) -> list[list[int]]:
+        return [self.config.source_layers(l) for l in range(len(self.layers))]
 
-    def _block(self, x: Tensor, start: int, block_start: int, hist_k: History, hist_v: History,
-               prefix: list[tuple[Tensor, Tensor]] | None, want_finished: bool,
-               want_construction: bool) -> tuple:
+    def _block(self, x: Tensor, start: int, history: BufferedView | PieceView,
+               want_finished: bool, want_construction: bool) -> tuple:
         """All layers on the tokens `x [B, n, d]` at positions `start …` of one block.
 
-        `prefix` holds per layer the construction KVs of the block's tokens before `start`
-        (decoding a partly filled block). Returns (finished K per layer, finished V per layer,
+        `history` gives each layer its key set: the finished KVs of earlier blocks and, when
+        decoding a partly filled block, the construction KVs of its tokens before `start`. Returns (finished K per layer, finished V per layer,
         construction K per layer, construction V per layer, final hidden states); the lists are
         empty unless wanted.
         """
@@ -84,15 +63,9 @@ class Beta12Transformer(DecoderLM):
             q = attn.query(xn, cos, sin)
             k, v = attn.kv(xn, cos, sin, finished=False)
             k, v = layout.keys(k, l), layout.values(v)
-            keys = KeySet(k=k, v=v, finished=self._groups(l, block_start, hist_k, hist_v))
-            if prefix is not None:
-                keys.prefix_k, keys.prefix_v = prefix[l]
             slope = attn.depth_slope() if layout.depth or not self.config.use_sdpa else None
-            # Nested in the block's checkpoint, the attention call is checkpointed on its own: its
-            # key set (a copy of the whole history) then lives for one layer at a time when the
-            # block is recomputed in backward, not for all L layers at once.
-            o = self._run(block_attention, q, keys, layout, slope, attn.self_bias,
-                          self.config.use_sdpa, l, dropout)
+            o = block_attention(q, history.key_set(l, k, v), layout, slope, attn.self_bias,
+                                self.config.use_sdpa, l, dropout)
             x = layer.mlp_residual(layer.attention_residual(x, o))
             if want_construction:
                 con_k.append(k)
@@ -109,20 +82,24 @@ class Beta12Transformer(DecoderLM):
         self._check_length(length)
         c = self.config.block_size
         x = self.tok_embeddings(tokens)
-        hist_k: list[list[Tensor]] = [[] for _ in self.layers]
-        hist_v: list[list[Tensor]] = [[] for _ in self.layers]
+        history = self._history(x, length)
         hidden = []
         for s in range(0, length, c):
             e = min(s + c, length)
-            # Snapshots (tuples) of the history: the recompute must see exactly these pieces.
-            fin_k, fin_v, _, _, h = self._run(
-                self._block, x[:, s:e], s, s, [tuple(p) for p in hist_k],
-                [tuple(p) for p in hist_v], None, e < length, False)
-            for l in range(len(self.layers)) if e < length else ():
-                hist_k[l].append(fin_k[l])
-                hist_v[l].append(fin_v[l])
+            fin_k, fin_v, _, _, h = self._run(self._block, x[:, s:e], s, history.view(s),
+                                              e < length, False)
+            if e < length:
+                history.publish(s, fin_k, fin_v)
             hidden.append(h)
         return self.head(torch.cat(hidden, dim=1), targets)
+
+    def _history(self, x: Tensor, length: int) -> BufferedHistory | PieceHistory:
+        """Zero-copy buffers for the fused path; per-block pieces for the explicit path."""
+        c = self.config
+        if c.use_sdpa:
+            return BufferedHistory(self._sources(), c.deep_token_window, self.key_layout, x,
+                                   c.num_kv_heads, length)
+        return PieceHistory(self._sources(), c.deep_token_window)
 
     # ---- decoding (spec §4.5) -------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:
@@ -144,11 +121,11 @@ class Beta12Transformer(DecoderLM):
             block_start = pos - pos % c
             n = min(block_start + c - pos, tokens.shape[1] - done)
             visible = [buf.view(0, block_start) for buf in cache.finished]
-            hist_k = [(k,) for k, _ in visible]
-            hist_v = [(v,) for _, v in visible]
-            prefix = [buf.view() for buf in cache.construction]
-            fin_k, fin_v, con_k, con_v, h = self._block(
-                x[:, done:done + n], pos, block_start, hist_k, hist_v, prefix, True, True)
+            history = PieceView(self._sources(), self.config.deep_token_window, block_start,
+                                   [(k,) for k, _ in visible], [(v,) for _, v in visible],
+                                   [buf.view() for buf in cache.construction])
+            fin_k, fin_v, con_k, con_v, h = self._block(x[:, done:done + n], pos, history,
+                                                        True, True)
             for l in range(len(self.layers)):
                 cache.construction[l].append(con_k[l], con_v[l])
                 cache.pending[l].append(fin_k[l], fin_v[l])
@@ -163,3 +140,4 @@ class Beta12Transformer(DecoderLM):
                     pend.clear()
                     con.clear()
         return torch.cat(logits, dim=1)
+
