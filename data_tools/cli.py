@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--output-prefix", required=True, metavar="PREFIX",
                      help="writes PREFIX.bin, PREFIX.idx and PREFIX.json")
     tok.add_argument("--workers", type=int, default=TokenizeConfig.workers, metavar="N",
-                     help="encoding processes per rank; 1 encodes in the reading process")
+                     help="encoding processes per rank, the reading process included (it encodes "
+                          "whenever the others are busy); 1 encodes in the reading process only")
     tok.add_argument("--chunk-mb", type=float, default=TokenizeConfig.chunk_bytes / 1e6,
                      metavar="MB", help="input megabytes per unit of work sent to a worker")
     tok.add_argument("--mpi", choices=MPI_MODES, default=TokenizeConfig.mpi,

@@ -1,11 +1,12 @@
 """Encoding chunks of documents to token ids, in this process or in a pool of worker processes.
 
 The reading process cuts the input into chunks of raw records (about ``chunk_bytes`` each, never
-spanning two files); workers decode, tokenize and append EOS; results come back in input order.
+spanning two files); workers (the reading process among them) decode, tokenize and append EOS;
+results come back in input order.
 Because each chunk's result depends only on its records, the output is the same for any number of
-workers. At most ``2 · workers`` chunks are in flight, which bounds memory: ``Pool.imap`` would
-read ahead without limit, so chunks are submitted with ``apply_async`` through a bounded queue
-and collected oldest first (the same ordering ``imap`` gives).
+workers. At most a few chunks per worker are in flight, which bounds memory: ``Pool.imap`` would read
+ahead without limit, so chunks are submitted with ``apply_async`` through a bounded queue and
+collected oldest first (the same ordering ``imap`` gives).
 """
 
 from __future__ import annotations
@@ -101,20 +102,42 @@ def _encode_in_worker(chunk: Chunk) -> EncodedChunk:
 
 def encode_chunks(chunks: Iterator[Chunk], setup: EncoderSetup,
                   workers: int) -> Iterator[EncodedChunk]:
-    """Encoded chunks in input order; ``workers`` 1 encodes in this process."""
+    """Encoded chunks in input order, by ``workers`` processes: this one and ``workers - 1``
+    pool processes.
+
+    The reading process is one of the encoders: whenever the pool has its share of chunks in
+    flight, it encodes the next chunk itself instead of waiting. It also reads and writes, so it
+    takes fewer chunks than a pool worker, and on N cores N processes run, not N + 1.
+    """
+    encoder = _Encoder(setup)
     if workers <= 1:
-        encoder = _Encoder(setup)
         for chunk in chunks:
             yield encoder.encode(chunk)
         return
     # spawn, not fork: the parent may hold threads (torch, tqdm's monitor, MPI) that fork copies
     # in an undefined state.
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_start_worker, initargs=(setup,)) as pool:
+    in_flight = _IN_FLIGHT_PER_WORKER * (workers - 1)
+    with context.Pool(workers - 1, initializer=_start_worker, initargs=(setup,)) as pool:
+        # Oldest first: pool tasks (AsyncResult) and chunks encoded here (EncodedChunk).
         pending: deque = deque()
+        submitted = 0
         for chunk in chunks:
-            pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
-            if len(pending) >= _IN_FLIGHT_PER_WORKER * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+            if submitted < in_flight:
+                pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
+                submitted += 1
+            else:
+                pending.append(encoder.encode(chunk))
+            # Hand out what is done, in order; wait only when too much is buffered.
+            while pending and (_done(pending[0]) or len(pending) > 2 * in_flight):
+                result = pending.popleft()
+                if not isinstance(result, EncodedChunk):
+                    submitted -= 1
+                    result = result.get()
+                yield result
+        for result in pending:
+            yield result if isinstance(result, EncodedChunk) else result.get()
+
+
+def _done(result: object) -> bool:
+    return isinstance(result, EncodedChunk) or result.ready()

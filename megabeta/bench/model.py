@@ -5,8 +5,12 @@
 Measures forward+backward seconds per batch and analytic FLOP throughput for the standard arm and
 beta_1.2 at c = 32, 256 and T; prefill ms/token at a long context and decode ms/token; peak
 memory; and a t19_flash-shaped forward+backward at 16384 tokens with block checkpointing. Every
-figure is also printed as a ratio to the standard arm measured in the same run. Each case runs
-in a subprocess of its own so that its peak resident memory is its own.
+figure is also printed as a ratio to the standard arm measured in the same run.
+
+Timings of the training arms come from ONE process that steps the arms in turn, round after
+round, and takes each arm's median: a shared or throttled machine drifts by tens of percent over
+minutes, and interleaving puts the same drift into every arm. Peak resident memory is a property
+of a process, so each arm's is measured in a subprocess of its own.
 """
 
 from __future__ import annotations
@@ -53,21 +57,50 @@ def _peak_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def run_case(case: dict[str, Any]) -> dict[str, Any]:
-    """Run one measurement in this process; returns the figures as a dict."""
+def _setup(case: dict[str, Any]) -> tuple[Any, torch.nn.Module, torch.Tensor]:
     device = torch.device(case["device"])
     torch.manual_seed(0)
     config = get_preset(case["preset"], vocab_size=case["vocab"], **case.get("overrides", {}))
     model = build_model(config).to(device=device, dtype=DTYPES[case["dtype"]])
+    tokens = torch.randint(0, config.vocab_size, (case["batch"], case["length"] + 1),
+                           device=device)
+    return config, model, tokens
+
+
+def _train_step(model: torch.nn.Module, tokens: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    return step
+
+
+def run_interleaved(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Time the training step of every case round-robin in this process (see module doc)."""
+    steps, flops, times = [], [], []
+    for case in cases:
+        config, model, tokens = _setup(case)
+        steps.append(_train_step(model, tokens))
+        flops.append(case["batch"] * training_flops(config, case["length"]))
+        steps[-1]()  # warm-up
+        times.append([])
+    device = torch.device(cases[0]["device"])
+    for _ in range(cases[0]["repeats"]):
+        for step, record in zip(steps, times):
+            record.append(_timed(step, device, 1))
+    return [dict(seconds=statistics.median(t), flops=f, flops_per_s=f / statistics.median(t),
+                 all_seconds=t) for t, f in zip(times, flops)]
+
+
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Run one measurement in this process; returns the figures as a dict."""
+    if case["kind"] == "interleaved":
+        return {"results": run_interleaved(case["cases"])}
+    device = torch.device(case["device"])
+    config, model, tokens = _setup(case)
     batch, length = case["batch"], case["length"]
-    tokens = torch.randint(0, config.vocab_size, (batch, length + 1), device=device)
     out: dict[str, Any] = {}
     if case["kind"] == "train":
-        def train_step() -> None:
-            model.zero_grad(set_to_none=True)
-            model(tokens[:, :-1], tokens[:, 1:]).backward()
-
-        seconds = _timed(train_step, device, case["repeats"])
+        seconds = _timed(_train_step(model, tokens), device, case["repeats"])
         flops = batch * training_flops(config, length)
         out.update(seconds=seconds, flops=flops, flops_per_s=flops / seconds)
     else:
@@ -115,8 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--checkpoint", choices=["none", "block"], default="block",
-                        help="activation checkpointing of every arm in the training case")
+    parser.add_argument("--checkpoint", choices=["none", "block"], default="none",
+                        help="activation checkpointing of every arm in the training case (the "
+                             "t19_flash memory case always uses block)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--skip-t19", action="store_true",
                         help="skip the t19_flash 16K-token memory case (minutes on a CPU)")
@@ -138,16 +172,22 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"\n## forward+backward, batch {args.batch} x {args.seq_len} tokens, "
           f"activation_checkpoint={args.checkpoint}")
+    print(f"(median of {args.repeats} interleaved rounds; peak memory from one step per arm in "
+          "a process of its own)")
     print("| arm | s/batch | vs standard | GFLOP/batch | GFLOP/s | FLOP/s vs standard | peak MiB |")
     print("|---|---|---|---|---|---|---|")
-    for name, preset, over in arms:
-        over = dict(over, activation_checkpoint=args.checkpoint, max_seq_len=args.seq_len)
-        res = _in_subprocess(dict(common, name=name, kind="train", preset=preset, overrides=over,
-                                  batch=args.batch, length=args.seq_len))
-        results[f"train {name}"] = res
+    cases = [dict(common, name=name, kind="train", preset=preset, batch=args.batch,
+                  length=args.seq_len, overrides=dict(over, activation_checkpoint=args.checkpoint,
+                                                      max_seq_len=args.seq_len))
+             for name, preset, over in arms]
+    timed = _in_subprocess(dict(kind="interleaved", name="training arms", cases=cases))
+    for case, res in zip(cases, timed["results"]):
+        res["peak_mib"] = _in_subprocess(dict(case, repeats=1))["peak_mib"]
+        results[f"train {case['name']}"] = res
         base = results["train standard"]
-        print(f"| {name} | {res['seconds']:.3f} | {_ratio(res['seconds'], base['seconds'])} | "
-              f"{res['flops'] / 1e9:.1f} | {res['flops_per_s'] / 1e9:.1f} | "
+        print(f"| {case['name']} | {res['seconds']:.3f} | "
+              f"{_ratio(res['seconds'], base['seconds'])} | {res['flops'] / 1e9:.1f} | "
+              f"{res['flops_per_s'] / 1e9:.1f} | "
               f"{_ratio(res['flops_per_s'], base['flops_per_s'])} | {res['peak_mib']:.0f} |")
 
     print(f"\n## prefill at {args.prefill_len} tokens, then {args.decode_tokens} decode steps "

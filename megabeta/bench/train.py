@@ -6,7 +6,10 @@ For a tiny model and a beta_1.2_test-sized one (the ~10 M-parameter arm at a red
 runs `megabeta train` under single, DDP, FSDP2 and DeepSpeed ZeRO-1/ZeRO-3 (2 CPU ranks for the
 distributed ones), and a plain single-process loop over the same model, batch and optimizer
 (the baseline: what the framework adds is measured against it). Step times are medians after
-warm-up steps. Checkpoint save and load times are measured on the single-process run's state.
+warm-up steps. The plain loop and the single-process run alternate for `--rounds` rounds and
+each takes the median of its rounds: the machine's speed drifts over minutes, and the overhead
+sought is a few percent. Checkpoint save and load times are measured on the single-process
+run's state.
 """
 
 from __future__ import annotations
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the median")
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds of the plain loop and the single backend")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="megabeta-bench-train-"))
     data = Path(args.data) if args.data else None
@@ -130,13 +135,10 @@ def main(argv: list[str] | None = None) -> None:
           f"global batch 8 x {args.seq_len} tokens, median of steps {args.warmup + 1}-{args.steps}")
     for shape in args.shapes.split(","):
         common = _common(data, shape, args.steps, args.seq_len)
-        plain = plain_loop(common, args.steps, args.warmup)
-        print(f"\n## {shape}\n| run | ranks | s/step | vs plain loop | tokens/s | MFU |")
-        print("|---|---|---|---|---|---|")
-        print(f"| plain loop (baseline) | 1 | {plain:.3f} | 1.00x | "
-              f"{8 * args.seq_len / plain:.0f} | |")
-        for backend, nproc, extra in BACKENDS:
-            run_dir = work / f"{shape}-{backend}-{'-'.join(extra) or 'x'}"
+
+        def run(backend: str, nproc: int, extra: list[str], tag: str) -> tuple | str:
+            """(s/step, tokens/s, MFU) of `megabeta train`, or the error's last line."""
+            run_dir = work / f"{shape}-{backend}-{'-'.join(extra) or 'x'}-{tag}"
             cmd = ([sys.executable, "-m", "megabeta.train"] if nproc == 1 else
                    [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc_per_node={nproc}", "-m", "megabeta.train"])
@@ -144,11 +146,31 @@ def main(argv: list[str] | None = None) -> None:
                                    f"--run_dir={run_dir}"], capture_output=True, text=True,
                                   env=env if nproc > 1 else None, cwd=REPO)
             if done.returncode != 0:
-                print(f"| {backend} {' '.join(extra)} | {nproc} | failed: "
-                      f"{done.stderr.strip().splitlines()[-1]} | | | |")
-                continue
-            seconds, tokens, mfu = _median_step(run_dir, args.warmup)
+                return done.stderr.strip().splitlines()[-1]
+            return _median_step(run_dir, args.warmup)
+
+        plains, singles = [], []
+        for r in range(args.rounds):
+            plains.append(plain_loop(common, args.steps, args.warmup))
+            singles.append(run("single", 1, [], f"round{r}"))
+        plain = statistics.median(plains)
+        print(f"\n## {shape}\n| run | ranks | s/step | vs plain loop | tokens/s | MFU |")
+        print("|---|---|---|---|---|---|")
+        print(f"| plain loop (baseline, median of {args.rounds}) | 1 | {plain:.3f} | 1.00x | "
+              f"{8 * args.seq_len / plain:.0f} | |")
+        for backend, nproc, extra in BACKENDS:
             label = backend + (f" ZeRO-{extra[0][-1]}" if extra else "")
+            if backend == "single":
+                failed = [x for x in singles if isinstance(x, str)]
+                result = failed[0] if failed else tuple(
+                    statistics.median(x[i] for x in singles) for i in range(3))
+                label += f" (median of {args.rounds})"
+            else:
+                result = run(backend, nproc, extra, "x")
+            if isinstance(result, str):
+                print(f"| {label} | {nproc} | failed: {result} | | | |")
+                continue
+            seconds, tokens, mfu = result
             print(f"| {label} | {nproc} | {seconds:.3f} | {seconds / plain:.2f}x | {tokens:.0f} "
                   f"| {100 * mfu:.2f}% |")
         saved, loaded, size = checkpoint_io(common, work)

@@ -12,31 +12,33 @@ every (block, layer) copies O(T²/c) numbers per forward, and under autograd eac
 backward (design notes, "The block loop"); at c = 32 those copies cost more than the attention.
 Instead:
 
-- Layout. One key and one value buffer per READER layer l, `[B, H_kv, T·G_l, width]` with
-  G_l = |M(l)|, token-major: the finished KV of slot g (source m = M(l)[g]) of token t is row
-  t·G_l + g. Each finished KV is written G-fold (once per reader, O(T·ΣG_l) in all), and the
-  history before any block start S is rows [0, S·G_l): a view, no copy. The block's own keys (the
-  sink and in-block keys of attention.py) are written right behind it, rows [S·G_l, S·G_l + n),
-  the "tail", so one SDPA call over `buffer[:, :, :S·G_l + n]` reads the whole key set. Key order
-  does not matter to softmax, and each key's depth column (attention.py) carries its source layer.
-- Tail rows. They are the rows block b's own finished KVs take once the block is done
-  (`_Publish`, after the block's last reader). In backward a reader rewrites its tail before use,
-  which is only allowed once no later block needs block b's finished rows: checked, not assumed.
-- Gradients. Readers run SDPA on detached views, so autograd has no edge from them to the
-  finished-KV producers. `_ReadHistory` adds the gradient of a reader's history rows into one
-  gradient buffer per SOURCE layer `[B, H_kv, T, width]`; `_Publish` of block b hands block b's rows
-  to the producers in its backward.
+- Storage. One key and one value buffer per SOURCE layer m, `[B, H_kv, T, width]`, written once
+  per block (`_Publish`). The group of source m that a block reads is rows [0, start) (or the
+  deep-token window's rows): a view, no copy, and never rewritten afterwards.
+- Attention. Per (block, layer), one flash-attention call per group and one for the block's own
+  keys (the "tail": sink and in-block keys, causal), merged exactly by their log-sum-exps (the
+  flash-decoding merge): `lse = logsumexp_g lse_g`, `o = Σ_g exp(lse_g - lse)·o_g`. The depth bias
+  rides in each key's depth column (attention.py), so it is inside every lse_g. In backward the
+  flash backward kernel of each group gets the MERGED output and lse, which makes it produce that
+  group's exact share of the gradient (it forms P = exp(S - lse) and D = rowsum(dO∘O)).
+- Gradients. The history is read from detached views, so autograd has no edge from readers to
+  the finished-KV producers. `_ReadHistory` adds each group's key/value gradient into one
+  gradient buffer per source layer; `_Publish` of block b hands block b's rows to the producers in
+  its backward.
 - Ordering comes from autograd itself. `_Publish` of block b returns an anchor tensor that every
   reader of block b+1 takes as input, so its backward runs after theirs; theirs run after
-  `_Publish` of block b+1 (their outputs flow into block b+1's finished KVs), and so on. When
-  block b's gradient is handed out, every later reader has added to it, and when a block is
-  recomputed (activation checkpointing), no later block needs its rows any more.
+  `_Publish` of block b+1 (their outputs flow into block b+1's finished KVs), and so on: when
+  block b's gradient is handed out, every later reader has added to it. `release` checks it.
+
+The merge needs the kernels' log-sum-exp, which only the CPU flash kernels expose to us here
+(`torch.ops.aten._scaled_dot_product_flash_attention_for_cpu[_backward]`). Elsewhere, and with
+attention dropout, the groups are concatenated for one SDPA call and backward recomputes it with
+autograd: exact, but with the copies.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -47,6 +49,13 @@ from megabeta.model.attention import KeyLayout, KeySet, sdpa
 
 History = list[tuple[Tensor, ...]]
 """Per source layer m, the finished K (or V) pieces covering tokens 0 … start(block)-1, in order."""
+
+
+def group_rows(window: int, layer: int, source: int, start: int) -> slice:
+    """Tokens of source layer `source`'s finished group that queries of `layer` in the block at
+    `start` read (spec §3): all before the block, or with deep_token_window w > 0 and a deeper
+    source, only the last w of them."""
+    return slice(max(0, start - window) if window > 0 and source > layer else 0, start)
 
 
 def _tail(pieces: tuple[Tensor, ...], keep: int) -> list[Tensor]:
@@ -79,9 +88,8 @@ class PieceView:
         """Keys for the queries of `layer` whose own construction KVs are `k, v`."""
         finished = []
         for m in self.sources[layer] if self.block_start > 0 else ():
-            # Deeper groups see only the last w tokens before the block (deep_token_window).
-            keep = (min(self.window, self.block_start) if self.window > 0 and m > layer
-                    else self.block_start)
+            rows = group_rows(self.window, layer, m, self.block_start)
+            keep = rows.stop - rows.start
             finished += [(m - layer, pk, pv) for pk, pv in
                          zip(_tail(self.keys[m], keep), _tail(self.values[m], keep))]
         keys = KeySet(k=k, v=v, finished=finished)
@@ -111,21 +119,23 @@ class PieceHistory:
 
 
 class BufferedHistory:
-    """The history of one forward pass in per-reader buffers (module doc); one per forward call."""
+    """The history of one forward pass in per-source buffers (module doc); one per forward call."""
 
     def __init__(self, sources: list[list[int]], window: int, layout: KeyLayout, like: Tensor,
                  kv_heads: int, length: int) -> None:
-        self.sources, self.window, self.length = sources, window, length
-        self._head = (like.shape[0], kv_heads)
-        self.keys = [like.new_empty(*self._head, length * len(m), layout.width) for m in sources]
-        self.values = [like.new_empty(*self._head, length * len(m), layout.width)
-                       for m in sources]
+        self.sources, self.window = sources, window
+        self.layers = len(sources)
+        shape = (like.shape[0], kv_heads, length, layout.width)
+        self.keys = [like.new_empty(shape) for _ in sources]
+        self.values = [like.new_empty(shape) for _ in sources]
         self.grad_keys: list[Tensor] | None = None
         self.grad_values: list[Tensor] | None = None
         self.published = 0
-        """Tokens whose finished rows have been written (forward)."""
-        self.released = math.inf
-        """Tokens from here on are read by no later block any more (set in backward)."""
+        """Tokens whose finished KVs have been written."""
+        self.starts: list[int] = []
+        """Start of every published block."""
+        self.read_back: dict[int, int] = {}
+        """Per block start, how many layers' readers have run backward."""
         self.anchor: Tensor | None = None
 
     def view(self, block_start: int) -> "BufferedView":
@@ -135,69 +145,39 @@ class BufferedHistory:
         """Make a finished block's KVs (one per layer) visible to every later block."""
         self.anchor = _Publish.apply(self, block_start, *fin_k, *fin_v)
 
-    # ---- used by the autograd functions ---------------------------------------------------------
-    def _rows(self, buffers: list[Tensor], layer: int, start: int, n: int) -> Tensor:
-        """Rows of tokens start … start+n-1 of reader `layer` as `[B, H_kv, n, G_l, width]`."""
-        group = len(self.sources[layer])
-        return buffers[layer][:, :, start * group:(start + n) * group].unflatten(2, (n, group))
+    def groups(self, layer: int, start: int) -> list[tuple[int, slice]]:
+        """(source layer, history rows) of each finished group the block at `start` reads."""
+        return [(m, group_rows(self.window, layer, m, start)) for m in self.sources[layer]]
 
+    # ---- used by the autograd functions ---------------------------------------------------------
     def write_finished(self, start: int, fin_k: tuple[Tensor, ...],
                        fin_v: tuple[Tensor, ...]) -> None:
         if start != self.published:
             raise RuntimeError(f"finished KVs published out of order (block at {start}, "
                                f"expected {self.published})")
         n = fin_k[0].shape[2]
-        for layer, sources in enumerate(self.sources):
-            rows_k = self._rows(self.keys, layer, start, n)
-            rows_v = self._rows(self.values, layer, start, n)
-            for g, m in enumerate(sources):
-                rows_k[:, :, :, g] = fin_k[m]
-                rows_v[:, :, :, g] = fin_v[m]
+        self.starts.append(start)
+        for m in range(self.layers):
+            self.keys[m][:, :, start:start + n] = fin_k[m]
+            self.values[m][:, :, start:start + n] = fin_v[m]
         self.published = start + n
 
-    def write_tail(self, layer: int, start: int, k_tail: Tensor, v_tail: Tensor) -> int:
-        """Put a block's own keys behind its history; returns the key count (history + tail)."""
-        if self.published > start and self.released > start:
-            raise RuntimeError("a block's keys would overwrite finished KVs that a later block "
-                               "still reads (backward ran out of order)")
-        first = start * len(self.sources[layer])
-        end = first + k_tail.shape[2]
-        with torch.no_grad():
-            self.keys[layer][:, :, first:end] = k_tail
-            self.values[layer][:, :, first:end] = v_tail
-        return end
-
-    def mask(self, layer: int, start: int, n: int) -> Tensor | None:
-        """Boolean mask `[n, keys]` for reader `layer`'s block at `start`: all history rows except,
-        with deep_token_window, deeper slots of tokens older than the window; bottom-right causal
-        over the tail. None when that is plain bottom-right causal."""
-        group = len(self.sources[layer])
-        if not self.window or group == 1 or start <= self.window:
-            return None
-        history = torch.ones(start, group, dtype=torch.bool, device=self.keys[0].device)
-        history[:start - self.window, 1:] = False
-        causal = torch.ones(n, n, dtype=torch.bool, device=history.device).tril()
-        return torch.cat([history.flatten().expand(n, -1), causal], dim=1)
-
-    def add_history_grad(self, layer: int, start: int, dk: Tensor, dv: Tensor) -> None:
-        """Add a reader's gradient of its history rows `[B, H_kv, start·G_l, width]` to the
-        per-source gradient buffers."""
+    def add_grad(self, m: int, rows: slice, dk: Tensor, dv: Tensor) -> None:
+        """Add a reader's gradient of source `m`'s history `rows`."""
         if self.grad_keys is None:
-            self.grad_keys = [dk.new_zeros(*self._head, self.length, dk.shape[3])
-                              for _ in self.sources]
-            self.grad_values = [dv.new_zeros(*self._head, self.length, dv.shape[3])
-                                for _ in self.sources]
-        group = len(self.sources[layer])
-        dk, dv = dk.unflatten(2, (start, group)), dv.unflatten(2, (start, group))
-        for g, m in enumerate(self.sources[layer]):
-            self.grad_keys[m][:, :, :start].add_(dk[:, :, :, g])
-            self.grad_values[m][:, :, :start].add_(dv[:, :, :, g])
+            self.grad_keys = [torch.zeros_like(k) for k in self.keys]
+            self.grad_values = [torch.zeros_like(v) for v in self.values]
+        self.grad_keys[m][:, :, rows].add_(dk)
+        self.grad_values[m][:, :, rows].add_(dv)
 
     def release(self, start: int, n: int) -> list[Tensor | None]:
         """Gradients of the finished KVs of the block at `start` (all later readers are done)."""
-        self.released = start
+        later = [s for s in self.starts if s > start] + [self.published]
+        if any(self.read_back.get(s, 0) != self.layers for s in later):
+            raise RuntimeError("finished-KV gradients handed out before every later block's "
+                               "attention ran backward (autograd ordering broken)")
         if self.grad_keys is None:
-            return [None] * (2 * len(self.sources))
+            return [None] * (2 * self.layers)
         rows = slice(start, start + n)
         return ([g[:, :, rows].clone() for g in self.grad_keys]
                 + [g[:, :, rows].clone() for g in self.grad_values])
@@ -218,13 +198,13 @@ class BufferedView:
 
     def attend(self, layer: int, q: Tensor, k_tail: Tensor, v_tail: Tensor, dropout_p: float,
                scale: float) -> Tensor:
-        """SDPA of `q` over the history of reader `layer` followed by `k_tail`/`v_tail`."""
+        """Attention of `q` over the finished groups of `layer` and the tail `k_tail/v_tail`."""
         return _ReadHistory.apply(q, k_tail, v_tail, self.anchor, self.history, layer,
                                   self.block_start, dropout_p, scale)
 
 
 class _Publish(torch.autograd.Function):
-    """Forward: write a block's finished KVs into the readers' buffers; return the anchor.
+    """Forward: write a block's finished KVs into the buffers; return the anchor.
     Backward: return those KVs' gradients, accumulated by every later reader."""
 
     @staticmethod
@@ -239,67 +219,79 @@ class _Publish(torch.autograd.Function):
         return (None, None, *ctx.history.release(ctx.start, ctx.n))
 
 
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
 class _ReadHistory(torch.autograd.Function):
-    """SDPA over a reader's history rows (a view) and the block's tail; see the module doc."""
+    """Attention over a block's finished groups (buffer views) and its tail; see the module doc."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k_tail: Tensor, v_tail: Tensor, anchor: Tensor,
                 history: BufferedHistory, layer: int, start: int, dropout_p: float,
                 scale: float) -> Tensor:
-        rows = history.write_tail(layer, start, k_tail, v_tail)
-        k, v = history.keys[layer][:, :, :rows], history.values[layer][:, :, :rows]
-        mask = history.mask(layer, start, q.shape[2])
         ctx.args = history, layer, start, dropout_p, scale
-        ctx.flash = _cpu_flash(q, dropout_p)
-        if ctx.flash:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, False, attn_mask=_float_mask(mask, q, rows), scale=scale)
-            ctx.save_for_backward(q, k_tail, v_tail, out, lse)
-            return out
-        ctx.rng = _rng_state(q.device) if dropout_p else None
-        ctx.save_for_backward(q, k_tail, v_tail)
-        return sdpa(q, k, v, dropout_p, scale, mask)
+        groups = history.groups(layer, start)
+        ctx.merged = _cpu_flash(q, dropout_p)
+        if not ctx.merged:
+            ctx.rng = _rng_state(q.device) if dropout_p else None
+            ctx.save_for_backward(q, k_tail, v_tail)
+            keys = [history.keys[m][:, :, rows] for m, rows in groups]
+            values = [history.values[m][:, :, rows] for m, rows in groups]
+            return sdpa(q, torch.cat([*keys, k_tail], 2), torch.cat([*values, v_tail], 2),
+                        dropout_p, scale)
+        parts = [_flash(q, history.keys[m][:, :, rows], history.values[m][:, :, rows], 0.0,
+                        False, scale=scale) for m, rows in groups]
+        parts.append(_flash(q, k_tail, v_tail, 0.0, True, scale=scale))
+        lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
+        # The kernels' lse is float32 even for bf16 inputs: merge in it, return the input dtype.
+        out = sum(torch.exp(part_lse - lse).unsqueeze(-1) * part_out
+                  for part_out, part_lse in parts).to(q.dtype)
+        ctx.save_for_backward(q, k_tail, v_tail, out, lse)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        q, k_tail, v_tail, *saved = ctx.saved_tensors
         history, layer, start, dropout_p, scale = ctx.args
-        # The tail is rewritten first: later blocks' finished rows may have replaced it.
-        rows = history.write_tail(layer, start, k_tail, v_tail)
-        k, v = history.keys[layer][:, :, :rows], history.values[layer][:, :, :rows]
-        mask = history.mask(layer, start, q.shape[2])
-        if ctx.flash:
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad.contiguous(), q, k, v, *saved, 0.0, False,
-                attn_mask=_float_mask(mask, q, rows), scale=scale)
+        groups = history.groups(layer, start)
+        if ctx.merged:
+            q, k_tail, v_tail, out, lse = ctx.saved_tensors
+            grad = grad.contiguous()
+            dq, dk_tail, dv_tail = _flash_backward(grad, q, k_tail, v_tail, out, lse, 0.0, True,
+                                                   scale=scale)
+            for m, rows in groups:
+                dq_g, dk, dv = _flash_backward(grad, q, history.keys[m][:, :, rows],
+                                               history.values[m][:, :, rows], out, lse, 0.0,
+                                               False, scale=scale)
+                dq = dq + dq_g
+                history.add_grad(m, rows, dk, dv)
         else:
-            # No backward kernel to call directly: recompute with autograd on leaves that alias
-            # the buffers (no copy), replaying the forward's dropout.
+            q, k_tail, v_tail = ctx.saved_tensors
+            # No kernel to call directly: recompute with autograd over leaves that alias the
+            # buffers, replaying the forward's dropout.
             with torch.enable_grad(), _restored_rng(ctx.rng, q.device):
-                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-                out = sdpa(*leaves, dropout_p, scale, mask)
-                dq, dk, dv = torch.autograd.grad(out, leaves, grad)
-        first = rows - k_tail.shape[2]
-        history.add_history_grad(layer, start, dk[:, :, :first], dv[:, :, :first])
-        return (dq, dk[:, :, first:], dv[:, :, first:], grad.new_zeros(()), None, None, None,
-                None, None)
+                keys = [history.keys[m][:, :, rows].detach().requires_grad_()
+                        for m, rows in groups]
+                values = [history.values[m][:, :, rows].detach().requires_grad_()
+                          for m, rows in groups]
+                leaves = [t.detach().requires_grad_() for t in (q, k_tail, v_tail)]
+                out = sdpa(leaves[0], torch.cat([*keys, leaves[1]], 2),
+                           torch.cat([*values, leaves[2]], 2), dropout_p, scale)
+                dq, dk_tail, dv_tail, *dkv = torch.autograd.grad(out, leaves + keys + values,
+                                                                 grad)
+            for (m, rows), dk, dv in zip(groups, dkv[:len(groups)], dkv[len(groups):]):
+                history.add_grad(m, rows, dk, dv)
+        history.read_back[start] = history.read_back.get(start, 0) + 1
+        return (dq, dk_tail, dv_tail, grad.new_zeros(()), None, None, None, None, None)
 
 
 FLASH_ON_CPU = True
-"""Call the CPU flash-attention kernels directly (forward saves its log-sum-exp, backward needs no
-recompute). Off, or on other devices, the backward recomputes SDPA with autograd."""
+"""Use the CPU flash kernels and the log-sum-exp merge (module doc). Tests switch it off to check
+the concatenating fallback that other devices use."""
 
 
 def _cpu_flash(q: Tensor, dropout_p: float) -> bool:
     return FLASH_ON_CPU and q.device.type == "cpu" and dropout_p == 0.0
-
-
-def _float_mask(mask: Tensor | None, q: Tensor, keys: int) -> Tensor:
-    """The additive mask the flash kernel takes: `mask`, or bottom-right causal (see `sdpa`)."""
-    n = q.shape[2]
-    if mask is None:
-        mask = torch.ones(n, keys, dtype=torch.bool, device=q.device).tril(keys - n)
-    return torch.zeros(n, keys, dtype=q.dtype, device=q.device).masked_fill_(~mask, -math.inf)
 
 
 def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
