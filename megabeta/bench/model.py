@@ -7,10 +7,10 @@ beta_1.2 at c = 32, 256 and T; prefill ms/token at a long context and decode ms/
 memory; and a t19_flash-shaped forward+backward at 16384 tokens with block checkpointing. Every
 figure is also printed as a ratio to the standard arm measured in the same run.
 
-Timings of the training arms come from ONE process that steps the arms in turn, round after
-round, and takes each arm's median: a shared or throttled machine drifts by tens of percent over
-minutes, and interleaving puts the same drift into every arm. Peak resident memory is a property
-of a process, so each arm's is measured in a subprocess of its own.
+Every measurement runs in a subprocess of its own (peak resident memory is per process, and
+arms sharing a process disturb each other's allocator). The training arms run in turn, round
+after round, and each reports its median over rounds: a shared machine drifts by tens of
+percent over minutes, and interleaving puts the same drift into every arm.
 """
 
 from __future__ import annotations
@@ -74,27 +74,8 @@ def _train_step(model: torch.nn.Module, tokens: torch.Tensor) -> Callable[[], No
     return step
 
 
-def run_interleaved(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Time the training step of every case round-robin in this process (see module doc)."""
-    steps, flops, times = [], [], []
-    for case in cases:
-        config, model, tokens = _setup(case)
-        steps.append(_train_step(model, tokens))
-        flops.append(case["batch"] * training_flops(config, case["length"]))
-        steps[-1]()  # warm-up
-        times.append([])
-    device = torch.device(cases[0]["device"])
-    for _ in range(cases[0]["repeats"]):
-        for step, record in zip(steps, times):
-            record.append(_timed(step, device, 1))
-    return [dict(seconds=statistics.median(t), flops=f, flops_per_s=f / statistics.median(t),
-                 all_seconds=t) for t, f in zip(times, flops)]
-
-
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """Run one measurement in this process; returns the figures as a dict."""
-    if case["kind"] == "interleaved":
-        return {"results": run_interleaved(case["cases"])}
     device = torch.device(case["device"])
     config, model, tokens = _setup(case)
     batch, length = case["batch"], case["length"]
@@ -146,7 +127,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks", default="32,256", help="block sizes besides c = T")
     parser.add_argument("--prefill-len", type=int, default=8192, help="prefill context")
     parser.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed steps per process (median, after a warm-up step)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of the training arms, run in turn (median over rounds)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--checkpoint", choices=["none", "block"], default="none",
                         help="activation checkpointing of every arm in the training case (the "
@@ -172,17 +156,21 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"\n## forward+backward, batch {args.batch} x {args.seq_len} tokens, "
           f"activation_checkpoint={args.checkpoint}")
-    print(f"(median of {args.repeats} interleaved rounds; peak memory from one step per arm in "
-          "a process of its own)")
+    print(f"(median of {args.rounds} rounds, each arm in turn in a fresh process timing the "
+          f"median of {args.repeats} steps after a warm-up)")
     print("| arm | s/batch | vs standard | GFLOP/batch | GFLOP/s | FLOP/s vs standard | peak MiB |")
     print("|---|---|---|---|---|---|---|")
     cases = [dict(common, name=name, kind="train", preset=preset, batch=args.batch,
                   length=args.seq_len, overrides=dict(over, activation_checkpoint=args.checkpoint,
                                                       max_seq_len=args.seq_len))
              for name, preset, over in arms]
-    timed = _in_subprocess(dict(kind="interleaved", name="training arms", cases=cases))
-    for case, res in zip(cases, timed["results"]):
-        res["peak_mib"] = _in_subprocess(dict(case, repeats=1))["peak_mib"]
+    rounds = [[_in_subprocess(case) for case in cases] for _ in range(args.rounds)]
+    for i, case in enumerate(cases):
+        runs = [r[i] for r in rounds]
+        seconds = statistics.median(r["seconds"] for r in runs)
+        res = dict(runs[0], seconds=seconds, flops_per_s=runs[0]["flops"] / seconds,
+                   peak_mib=max(r["peak_mib"] for r in runs),
+                   all_seconds=[r["seconds"] for r in runs])
         results[f"train {case['name']}"] = res
         base = results["train standard"]
         print(f"| {case['name']} | {res['seconds']:.3f} | "

@@ -94,9 +94,10 @@ class Beta12Transformer(DecoderLM):
         return self.head(torch.cat(hidden, dim=1), targets)
 
     def _history(self, x: Tensor, length: int) -> BufferedHistory | PieceHistory:
-        """Zero-copy buffers for the fused path; per-block pieces for the explicit path."""
+        """Zero-copy buffers for the fused path; per-block pieces for the explicit path (and
+        for a single block, which reads no history)."""
         c = self.config
-        if c.use_sdpa:
+        if c.use_sdpa and length > c.block_size:
             return BufferedHistory(self._sources(), c.deep_token_window, self.key_layout, x,
                                    c.num_kv_heads, length)
         return PieceHistory(self._sources(), c.deep_token_window)
