@@ -107,6 +107,21 @@ def test_parameters_gathered_a_bounded_number_of_times(backend: str) -> None:
         assert result["steps"][0]["total"] == {"gather": units, "scatter": units}
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_skips_a_nonfinite_step(stage: int) -> None:
+    """Injected NaN loss and gradients on 2 ranks: the ZeRO step leaves every parameter as it was
+    and reports itself not applied (the trainer counts it as skipped); the next step updates."""
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(REPO / "tests" / "dist_scripts" / "nonfinite_deepspeed.py"), str(stage)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    clean, poisoned, after = json.loads(done.stdout.strip().splitlines()[-1])
+    assert clean == {"poisoned": False, "applied": True, "changed": True, "finite": True}
+    assert poisoned == {"poisoned": True, "applied": False, "changed": False, "finite": True}
+    assert after == {"poisoned": False, "applied": True, "changed": True, "finite": True}
+
+
 def test_sigterm_saves_at_a_step_boundary_and_the_run_resumes(tiny_data, tmp_path: Path) -> None:
     """SIGTERM reaches one rank only; both agree to stop after the same step, save, exit 0."""
     run_dir = tmp_path / "run"
