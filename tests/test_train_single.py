@@ -132,3 +132,16 @@ def test_compiled_layers_train_like_eager(full_run: Path, tiny_data, tmp_path: P
     assert len(compiled) == 3
     for step in compiled:
         assert compiled[step] == pytest.approx(eager[step], abs=1e-4)
+
+
+def test_bf16_autocast_trains_close_to_fp32(full_run: Path, tiny_data, tmp_path: Path) -> None:
+    """train.precision=bf16 (autocast; on a GPU the usual setting, on this CPU the same code
+    path): the first losses follow the fp32 run's at bf16's precision, and differ from them."""
+    prefix, _ = tiny_data
+    launch([*TINY, f"--data.path={prefix}", f"--run_dir={tmp_path}", "--train.steps=12",
+            "--optim.lr=1e-2", "--train.precision=bf16", "--train.exit_after=3"], timeout=600)
+    bf16, fp32 = losses(tmp_path), losses(full_run)
+    assert len(bf16) == 3
+    for step in bf16:
+        assert bf16[step] == pytest.approx(fp32[step], abs=5e-2)
+    assert any(bf16[step] != fp32[step] for step in bf16)

@@ -125,9 +125,11 @@ class BufferedHistory:
                  kv_heads: int, length: int) -> None:
         self.sources, self.window = sources, window
         self.layers = len(sources)
-        shape = (like.shape[0], kv_heads, length, layout.width)
-        self.keys = [like.new_empty(shape) for _ in sources]
-        self.values = [like.new_empty(shape) for _ in sources]
+        self.shape = (like.shape[0], kv_heads, length, layout.width)
+        # Allocated at the first publish, in the finished KVs' dtype (under autocast that is the
+        # autocast dtype, not the embedding's), which readers then compute in.
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
         self.grad_keys: list[Tensor] | None = None
         self.grad_values: list[Tensor] | None = None
         self.published = 0
@@ -155,6 +157,9 @@ class BufferedHistory:
         if start != self.published:
             raise RuntimeError(f"finished KVs published out of order (block at {start}, "
                                f"expected {self.published})")
+        if not self.keys:
+            self.keys = [fin_k[0].new_empty(self.shape) for _ in range(self.layers)]
+            self.values = [fin_v[0].new_empty(self.shape) for _ in range(self.layers)]
         n = fin_k[0].shape[2]
         self.starts.append(start)
         for m in range(self.layers):
@@ -165,8 +170,10 @@ class BufferedHistory:
     def add_grad(self, m: int, rows: slice, dk: Tensor, dv: Tensor) -> None:
         """Add a reader's gradient of source `m`'s history `rows`."""
         if self.grad_keys is None:
-            self.grad_keys = [torch.zeros_like(k) for k in self.keys]
-            self.grad_values = [torch.zeros_like(v) for v in self.values]
+            # Summed over every later block: in float32 even when the history is bf16.
+            dtype = torch.promote_types(self.keys[0].dtype, torch.float32)
+            self.grad_keys = [torch.zeros_like(k, dtype=dtype) for k in self.keys]
+            self.grad_values = [torch.zeros_like(v, dtype=dtype) for v in self.values]
         self.grad_keys[m][:, :, rows].add_(dk)
         self.grad_values[m][:, :, rows].add_(dv)
 
@@ -178,9 +185,9 @@ class BufferedHistory:
                                "attention ran backward (autograd ordering broken)")
         if self.grad_keys is None:
             return [None] * (2 * self.layers)
-        rows = slice(start, start + n)
-        return ([g[:, :, rows].clone() for g in self.grad_keys]
-                + [g[:, :, rows].clone() for g in self.grad_values])
+        rows, dtype = slice(start, start + n), self.keys[0].dtype
+        return ([g[:, :, rows].to(dtype, copy=True) for g in self.grad_keys]
+                + [g[:, :, rows].to(dtype, copy=True) for g in self.grad_values])
 
 
 @dataclass
@@ -198,9 +205,11 @@ class BufferedView:
 
     def attend(self, layer: int, q: Tensor, k_tail: Tensor, v_tail: Tensor, dropout_p: float,
                scale: float) -> Tensor:
-        """Attention of `q` over the finished groups of `layer` and the tail `k_tail/v_tail`."""
-        return _ReadHistory.apply(q, k_tail, v_tail, self.anchor, self.history, layer,
-                                  self.block_start, dropout_p, scale)
+        """Attention of `q` over the finished groups of `layer` and the tail `k_tail/v_tail`,
+        in the history's dtype (the kernels take one dtype; autocast does not reach them)."""
+        dtype = self.history.keys[0].dtype
+        return _ReadHistory.apply(q.to(dtype), k_tail.to(dtype), v_tail.to(dtype), self.anchor,
+                                  self.history, layer, self.block_start, dropout_p, scale)
 
 
 class _Publish(torch.autograd.Function):
