@@ -123,25 +123,20 @@ def test_bad_checkpoints_and_configs_are_clear_errors(full_run: Path, tiny_data,
     assert done.returncode == 2 and "tokenizer" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_compiled_layers_train_like_eager(full_run: Path, tiny_data, tmp_path: Path) -> None:
-    """parallel.compile compiles each layer's submodules in place: same names, same losses."""
-    prefix, tokenizer = tiny_data
-    launch([*TINY, f"--data.path={prefix}", f"--run_dir={tmp_path}", "--train.steps=12",
-            "--optim.lr=1e-2", "--parallel.compile=true", "--train.exit_after=3"], timeout=600)
-    compiled, eager = losses(tmp_path), losses(full_run)
-    assert len(compiled) == 3
-    for step in compiled:
-        assert compiled[step] == pytest.approx(eager[step], abs=1e-4)
-
-
-def test_bf16_autocast_trains_close_to_fp32(full_run: Path, tiny_data, tmp_path: Path) -> None:
-    """train.precision=bf16 (autocast; on a GPU the usual setting, on this CPU the same code
-    path): the first losses follow the fp32 run's at bf16's precision, and differ from them."""
+@pytest.mark.parametrize("flag,tolerance", [("--parallel.compile=true", 1e-4),
+                                             ("--train.precision=bf16", 5e-2)],
+                         ids=["compile", "bf16"])
+def test_variant_trains_like_the_eager_fp32_run(flag: str, tolerance: float, full_run: Path,
+                                                tiny_data, tmp_path: Path) -> None:
+    """parallel.compile compiles each layer's submodules in place (same names): same losses.
+    train.precision=bf16 (autocast; the GPU setting, the same code path on this CPU): losses
+    follow the fp32 run's at bf16's precision, and are not its losses."""
     prefix, _ = tiny_data
     launch([*TINY, f"--data.path={prefix}", f"--run_dir={tmp_path}", "--train.steps=12",
-            "--optim.lr=1e-2", "--train.precision=bf16", "--train.exit_after=3"], timeout=600)
-    bf16, fp32 = losses(tmp_path), losses(full_run)
-    assert len(bf16) == 3
-    for step in bf16:
-        assert bf16[step] == pytest.approx(fp32[step], abs=5e-2)
-    assert any(bf16[step] != fp32[step] for step in bf16)
+            "--optim.lr=1e-2", flag, "--train.exit_after=3"], timeout=600)
+    variant, eager = losses(tmp_path), losses(full_run)
+    assert len(variant) == 3
+    for step in variant:
+        assert variant[step] == pytest.approx(eager[step], abs=tolerance)
+    if "bf16" in flag:
+        assert any(variant[step] != eager[step] for step in variant)
