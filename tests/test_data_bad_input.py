@@ -210,10 +210,15 @@ def test_truncated_idx_and_bad_magic(base, tmp_path):
         IndexedDataset(prefix)
 
 
-def test_bin_and_idx_of_different_runs(base, tmp_path):
-    root, _, model = base
+def _other_dataset(model, tmp_path) -> None:
+    """Tokenize a different corpus to `tmp_path/other` (its files replace a good dataset's)."""
     other = write_jsonl(tmp_path / "other.jsonl", documents(30, seed=9))
     assert tokenize(model, [other], tmp_path / "other") == 0
+
+
+def test_bin_and_idx_of_different_runs(base, tmp_path):
+    root, _, model = base
+    _other_dataset(model, tmp_path)
     prefix = copy_dataset(root / "good", tmp_path / "mixed")
     shutil.copy(f"{tmp_path}/other.idx", f"{prefix}.idx")
     with pytest.raises(DataError, match=r"mixed\.(bin|idx|json)"):
@@ -225,8 +230,7 @@ def test_bin_and_idx_of_different_runs(base, tmp_path):
 
 def test_sidecar_of_another_dataset(base, tmp_path):
     root, _, model = base
-    other = write_jsonl(tmp_path / "other.jsonl", documents(30, seed=9))
-    assert tokenize(model, [other], tmp_path / "other") == 0
+    _other_dataset(model, tmp_path)
     prefix = copy_dataset(root / "good", tmp_path / "ds")
     shutil.copy(f"{tmp_path}/other.json", f"{prefix}.json")
     with pytest.raises(DataError, match=r"ds\.json: does not match .*ds\.idx \(num_documents"):

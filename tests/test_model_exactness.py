@@ -111,11 +111,9 @@ def test_buffered_history_checks_its_ordering() -> None:
     """Block b's finished-KV gradient may only be handed out once every later block's attention
     ran backward, and blocks publish in order: each violation is an error, not a silent wrong
     gradient."""
-    from megabeta.model.attention import KeyLayout
     from megabeta.model.history import BufferedHistory
 
-    like = torch.zeros(1, 1, 4, 8, dtype=torch.float64)
-    history = BufferedHistory([[0, 1], [1]], 0, KeyLayout(8), like, 1, 12)
+    history = BufferedHistory([[0, 1], [1]], 0, 12)
     fin = [torch.randn(1, 1, 4, 8, dtype=torch.float64) for _ in range(2)]
     history.publish(0, fin, fin)
     with pytest.raises(RuntimeError, match="out of order"):

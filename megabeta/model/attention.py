@@ -192,15 +192,13 @@ def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
     return o
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float,
-         mask: Tensor | None = None) -> Tensor:
-    """SDPA with query r seeing keys `j <= (S - n) + r` (bottom-right causal), or `mask`."""
+def sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float) -> Tensor:
+    """SDPA with query r seeing keys `j <= (S - n) + r` (bottom-right causal)."""
     n, total = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if mask is None and total == n:
+    if total == n:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
                                               scale=scale, enable_gqa=gqa)
-    if mask is None:
-        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+    mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           scale=scale, enable_gqa=gqa)

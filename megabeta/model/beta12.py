@@ -82,7 +82,7 @@ class Beta12Transformer(DecoderLM):
         self._check_length(length)
         c = self.config.block_size
         x = self.tok_embeddings(tokens)
-        history = self._history(x, length)
+        history = self._history(length)
         hidden = []
         for s in range(0, length, c):
             e = min(s + c, length)
@@ -93,13 +93,12 @@ class Beta12Transformer(DecoderLM):
             hidden.append(h)
         return self.head(torch.cat(hidden, dim=1), targets)
 
-    def _history(self, x: Tensor, length: int) -> BufferedHistory | PieceHistory:
+    def _history(self, length: int) -> BufferedHistory | PieceHistory:
         """Zero-copy buffers for the fused path; per-block pieces for the explicit path (and
         for a single block, which reads no history)."""
         c = self.config
         if c.use_sdpa and length > c.block_size:
-            return BufferedHistory(self._sources(), c.deep_token_window, self.key_layout, x,
-                                   c.num_kv_heads, length)
+            return BufferedHistory(self._sources(), c.deep_token_window, length)
         return PieceHistory(self._sources(), c.deep_token_window)
 
     # ---- decoding (spec §4.5) -------------------------------------------------------------------

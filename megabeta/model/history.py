@@ -45,7 +45,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from megabeta.model.attention import KeyLayout, KeySet, sdpa
+from megabeta.model.attention import KeySet, sdpa
 
 History = list[tuple[Tensor, ...]]
 """Per source layer m, the finished K (or V) pieces covering tokens 0 … start(block)-1, in order."""
@@ -121,13 +121,11 @@ class PieceHistory:
 class BufferedHistory:
     """The history of one forward pass in per-source buffers (module doc); one per forward call."""
 
-    def __init__(self, sources: list[list[int]], window: int, layout: KeyLayout, like: Tensor,
-                 kv_heads: int, length: int) -> None:
-        self.sources, self.window = sources, window
+    def __init__(self, sources: list[list[int]], window: int, length: int) -> None:
+        self.sources, self.window, self.length = sources, window, length
         self.layers = len(sources)
-        self.shape = (like.shape[0], kv_heads, length, layout.width)
-        # Allocated at the first publish, in the finished KVs' dtype (under autocast that is the
-        # autocast dtype, not the embedding's), which readers then compute in.
+        # Allocated at the first publish in the finished KVs' shape and dtype (under autocast
+        # that is the autocast dtype, not the embedding's), which readers then compute in.
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
         self.grad_keys: list[Tensor] | None = None
@@ -158,8 +156,10 @@ class BufferedHistory:
             raise RuntimeError(f"finished KVs published out of order (block at {start}, "
                                f"expected {self.published})")
         if not self.keys:
-            self.keys = [fin_k[0].new_empty(self.shape) for _ in range(self.layers)]
-            self.values = [fin_v[0].new_empty(self.shape) for _ in range(self.layers)]
+            batch, heads, _, width = fin_k[0].shape
+            shape = (batch, heads, self.length, width)
+            self.keys = [fin_k[0].new_empty(shape) for _ in range(self.layers)]
+            self.values = [fin_v[0].new_empty(shape) for _ in range(self.layers)]
         n = fin_k[0].shape[2]
         self.starts.append(start)
         for m in range(self.layers):
