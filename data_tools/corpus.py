@@ -73,6 +73,9 @@ def input_files(paths: list[str] | list[Path]) -> list[InputFile]:
     return files
 
 
+_READ_BUFFER = 1 << 20
+
+
 class RecordReader:
     """Raw records of one input file, in chunks: the bytes of each document and the 1-based line
     where it starts. Line records keep their line ending (:func:`decode_document` drops it), so a
@@ -92,7 +95,8 @@ class RecordReader:
     def chunks(self, chunk_bytes: int) -> Iterator[tuple[list[bytes], Sequence[int]]]:
         """``(records, start lines)`` of about ``chunk_bytes`` each, in file order."""
         found = False
-        with open(self.file.path, "rb") as raw:
+        # A large buffer: readlines through the default 8 KiB one took twice as long.
+        with open(self.file.path, "rb", buffering=_READ_BUFFER) as raw:
             self._raw = raw
             stream = gzip.GzipFile(fileobj=raw, mode="rb") if self.file.compressed else raw
             try:

@@ -14,7 +14,7 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
 from data_tools.corpus import DocumentCounts, InputFile, ReadOptions, input_files
-from data_tools.encode import EncoderSetup, encode_chunks, read_chunks
+from data_tools.encode import Encoders, EncoderSetup, read_chunks
 from data_tools.mpi import FailedElsewhere, World, mpi_world
 from data_tools.progress import ByteProgress
 from data_tools.tokenizer import TokenizerInfo, load_tokenizer
@@ -36,7 +36,7 @@ class TokenizeConfig:
     """Writes OUTPUT_PREFIX.bin, .idx and .json."""
     workers: int = 1
     """Encoding processes; 1 encodes in the reading process."""
-    chunk_bytes: int = 1_000_000
+    chunk_bytes: int = 250_000
     """Raw input bytes per unit of work sent to a worker."""
     read: ReadOptions = field(default_factory=ReadOptions)
     """How files become documents."""
@@ -118,11 +118,13 @@ def _tokenize_files(files: list[InputFile], prefix: str, config: TokenizeConfig,
     """
     counts = DocumentCounts()
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
-    setup = EncoderSetup(config.tokenizer, tokenizer.eos_id, dtype, files, config.read)
-    with ByteProgress(sum(f.size for f in files), "tokenize", quiet) as progress, \
+    setup = EncoderSetup(config.tokenizer, dtype, files, config.read)
+    # The encoders first: their pool starts before the progress bar's thread (see Encoders).
+    with Encoders(setup, config.workers) as encoders, \
+            ByteProgress(sum(f.size for f in files), "tokenize", quiet) as progress, \
             IndexedDatasetWriter(prefix, dtype, overwrite=config.overwrite or part) as writer:
         chunks = read_chunks(files, config.read.split, config.chunk_bytes, progress.advance)
-        for encoded in encode_chunks(chunks, setup, config.workers):
+        for encoded in encoders.encode(chunks):
             writer.add_documents(encoded.tokens, encoded.lengths)
             counts.add(encoded.counts)
             progress.advance(0, encoded.counts.documents)

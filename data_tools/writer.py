@@ -61,7 +61,7 @@ class IndexedDatasetWriter:
                             "paragraph)")
         count = lengths.size
         ends = self.num_sequences + np.arange(1, count + 1, dtype=np.int64)
-        self._append(tokens.tobytes(), lengths, ends)
+        self._append(np.ascontiguousarray(tokens), lengths, ends)
 
     def add_dataset(self, source: IndexedDataset) -> None:
         """Append every sequence and document of ``source`` (same token type), in order."""
@@ -74,7 +74,7 @@ class IndexedDatasetWriter:
         self._append(b"", np.asarray(source.sequence_lengths, dtype=np.int64), ends,
                      copied_tokens=source.num_tokens)
 
-    def _append(self, token_bytes: bytes, lengths: np.ndarray, document_ends: np.ndarray,
+    def _append(self, token_bytes: bytes | np.ndarray, lengths: np.ndarray, document_ends: np.ndarray,
                 copied_tokens: int | None = None) -> None:
         self._bin.write(token_bytes)
         self._lengths.write(lengths.astype(LENGTH_DTYPE).tobytes())

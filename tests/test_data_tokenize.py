@@ -4,10 +4,12 @@ workers and MPI ranks, the sidecar, and inspect."""
 from __future__ import annotations
 
 import gzip
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import sentencepiece as spm
 from data_helpers.corpus import documents, tokenize, train_tiny_tokenizer, write_jsonl
 
 from data_tools.cli import main
+from data_tools import encode
 from data_tools.progress import ByteProgress
 from data_tools.tokenize_corpus import contiguous_shares
 from megabeta.data import IndexedDataset, file_sha256
@@ -78,6 +81,23 @@ def test_output_is_identical_for_one_and_two_workers(setup, tmp_path):
     assert tokenize(model, inputs, tmp_path / "w2", "--workers", "2", "--chunk-mb", "0.001") == 0
     assert tokenize(model, inputs, tmp_path / "w2big", "--workers", "2") == 0
     assert files_of(tmp_path / "w1") == files_of(tmp_path / "w2") == files_of(tmp_path / "w2big")
+
+
+def test_pool_forks_only_from_a_single_threaded_process(monkeypatch):
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    assert encode._start_method().get_start_method() == "fork"
+    monkeypatch.setattr(threading, "active_count", lambda: 2)
+    assert encode._start_method().get_start_method() == "spawn"
+
+
+def test_forked_and_spawned_pools_write_the_same_dataset(setup, tmp_path, monkeypatch):
+    _, _, inputs, model = setup
+    for method in ("fork", "spawn"):
+        monkeypatch.setattr(encode, "_start_method",
+                            lambda method=method: multiprocessing.get_context(method))
+        assert tokenize(model, inputs, tmp_path / method, "--workers", "2", "--chunk-mb",
+                        "0.001") == 0
+    assert files_of(tmp_path / "fork") == files_of(tmp_path / "spawn")
 
 
 def _mpirun() -> str | None:
