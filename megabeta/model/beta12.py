@@ -84,13 +84,16 @@ class Beta12Transformer(DecoderLM):
         x = self.tok_embeddings(tokens)
         history = self._history(length)
         hidden = []
-        for s in range(0, length, c):
-            e = min(s + c, length)
-            fin_k, fin_v, _, _, h = self._run(self._block, x[:, s:e], s, history.view(s),
-                                              e < length, False)
-            if e < length:
-                history.publish(s, fin_k, fin_v)
-            hidden.append(h)
+        try:
+            for s in range(0, length, c):
+                e = min(s + c, length)
+                fin_k, fin_v, _, _, h = self._run(self._block, x[:, s:e], s, history.view(s),
+                                                  e < length, False)
+                if e < length:
+                    history.publish(s, fin_k, fin_v)
+                hidden.append(h)
+        finally:
+            history.close()
         return self.head(torch.cat(hidden, dim=1), targets)
 
     def _history(self, length: int) -> BufferedHistory | PieceHistory:

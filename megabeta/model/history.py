@@ -117,6 +117,9 @@ class PieceHistory:
             pieces_k.append(k)
             pieces_v.append(v)
 
+    def close(self) -> None:
+        """End of the forward pass (nothing to release: the pieces are ordinary graph tensors)."""
+
 
 class BufferedHistory:
     """The history of one forward pass in per-source buffers (module doc); one per forward call."""
@@ -136,14 +139,20 @@ class BufferedHistory:
         """Start of every published block."""
         self.read_back: dict[int, int] = {}
         """Per block start, how many layers' readers have run backward."""
-        self.anchor: Tensor | None = None
+        self._anchor: Tensor | None = None
 
     def view(self, block_start: int) -> "BufferedView":
-        return BufferedView(self, block_start, self.anchor)
+        return BufferedView(self, block_start, self._anchor)
 
     def publish(self, block_start: int, fin_k: list[Tensor], fin_v: list[Tensor]) -> None:
         """Make a finished block's KVs (one per layer) visible to every later block."""
-        self.anchor = _Publish.apply(self, block_start, *fin_k, *fin_v)
+        self._anchor = _Publish.apply(self, block_start, *fin_k, *fin_v)
+
+    def close(self) -> None:
+        """End of the forward pass: drop the last anchor. The autograd nodes hold this history
+        (their ctx) and the anchor holds its node: kept, that cycle would keep every step's
+        buffers and graph alive until a full garbage collection."""
+        self._anchor = None
 
     def groups(self, layer: int, start: int) -> list[tuple[int, slice]]:
         """(source layer, history rows) of each finished group the block at `start` reads."""
@@ -184,10 +193,18 @@ class BufferedHistory:
             raise RuntimeError("finished-KV gradients handed out before every later block's "
                                "attention ran backward (autograd ordering broken)")
         if self.grad_keys is None:
-            return [None] * (2 * self.layers)
-        rows, dtype = slice(start, start + n), self.keys[0].dtype
-        return ([g[:, :, rows].to(dtype, copy=True) for g in self.grad_keys]
-                + [g[:, :, rows].to(dtype, copy=True) for g in self.grad_values])
+            grads = [None] * (2 * self.layers)
+        else:
+            rows, dtype = slice(start, start + n), self.keys[0].dtype
+            grads = ([g[:, :, rows].to(dtype, copy=True) for g in self.grad_keys]
+                     + [g[:, :, rows].to(dtype, copy=True) for g in self.grad_values])
+        if start == 0:
+            # The first block's gradients are the last to go: nobody reads the buffers again.
+            # Dropped here because torch's non-reentrant checkpoint keeps its inputs (our views)
+            # in a reference cycle until the garbage collector runs: with block checkpointing,
+            # this history would otherwise outlive the step.
+            self.keys, self.values, self.grad_keys, self.grad_values = [], [], None, None
+        return grads
 
 
 @dataclass
