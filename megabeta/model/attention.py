@@ -171,11 +171,12 @@ def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
         sink_k[..., -1] = 1.0
         sink_v = layout.values(keys.v.new_zeros(batch, kv_heads, 1, head_dim))
         sink_v[..., -1] = 1.0
-        own_k = keys.k[..., :head_dim].repeat_interleave(heads // kv_heads, dim=1)
+        own_k = _per_query_head(keys.k.split([head_dim, layout.extra], dim=-1)[0], heads)
         q_extra.append((q * own_k).sum(-1, keepdim=True) + self_bias / scale)
         # In-block keys shift by one behind the sink; the last would only be a self key.
-        k_tail = torch.cat([sink_k, keys.k[:, :, :-1]], dim=2)
-        v_tail = torch.cat([sink_v, keys.v[:, :, :-1]], dim=2)
+        # (split, not sliced: see layers.Projection.)
+        k_tail = torch.cat([sink_k, keys.k.split([n - 1, 1], dim=2)[0]], dim=2)
+        v_tail = torch.cat([sink_v, keys.v.split([n - 1, 1], dim=2)[0]], dim=2)
     q_full = torch.cat([q, *q_extra], dim=-1) if q_extra else q
     if keys.stored is not None:
         out = keys.stored.attend(layer, q_full, k_tail, v_tail, dropout_p, scale)
@@ -185,11 +186,15 @@ def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
                    torch.cat([*hist_v, v_tail], dim=2), dropout_p, scale)
     if not layout.extra:
         return out
-    o = out[..., :head_dim]
+    o, _, p_self = out.split([head_dim, int(layout.depth), int(layout.self_slot)], dim=-1)
     if layout.self_slot:
-        p_self = out[..., -1:]
-        o = o + p_self * keys.v[..., :head_dim].repeat_interleave(heads // kv_heads, dim=1)
+        o = o + p_self * _per_query_head(keys.v.split([head_dim, layout.extra], dim=-1)[0], heads)
     return o
+
+
+def _per_query_head(x: Tensor, heads: int) -> Tensor:
+    """KV heads `[B, H_kv, …]` repeated for the query heads they serve (GQA); as is without GQA."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float) -> Tensor:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from megabeta.model.attention import KeyLayout, block_attention
+from megabeta.model.layers import Projection, rms_normalize
 from megabeta.model.cache import DecodeCache
 from megabeta.model.history import (
     BufferedHistory,
@@ -27,6 +28,34 @@ from megabeta.model.history import (
     PieceView,
 )
 from megabeta.model.transformer import DecoderLM
+
+
+class CellWeights:
+    """The fused weights of one pass (layers.Projection), per layer l:
+
+    - `input(l, finished=True)`: one matmul of layer l's normalized input for layer l-1's
+      finished K/V and layer l's queries and construction K/V (5 projections, 2 norm weights
+      folded in); `finished=False` (a block whose finished KVs nobody reads) drops the first.
+    - `last_finished`: the last layer's finished K/V from the block's final hidden states.
+    - `gate_up[l]`: SwiGLU's gate and up projections with ffn_norm folded in.
+    """
+
+    def __init__(self, model: "Beta12Transformer", finished: bool) -> None:
+        c = model.config
+        inputs = [layer.attention.input_rows(layer.attention_norm) for layer in model.layers]
+        self._plain = [Projection(rows, c.head_dim, c.norm_eps) for rows in inputs]
+        self._finished: list[Projection | None] = []
+        self.last_finished: Projection | None = None
+        if finished:
+            outputs = [layer.attention.finished_rows(layer.attention_norm)
+                       for layer in model.layers]
+            self._finished = [None] + [Projection([fk] + rows + [fv], c.head_dim, c.norm_eps)
+                                       for (fk, fv), rows in zip(outputs, inputs[1:])]
+            self.last_finished = Projection(outputs[-1], c.head_dim, c.norm_eps)
+        self.gate_up = [layer.feed_forward.fused_weight(layer.ffn_norm) for layer in model.layers]
+
+    def input(self, layer: int, finished: bool) -> Projection:
+        return self._finished[layer] if finished and layer > 0 else self._plain[layer]
 
 
 class Beta12Transformer(DecoderLM):
@@ -45,35 +74,43 @@ class Beta12Transformer(DecoderLM):
         return [self.config.source_layers(l) for l in range(len(self.layers))]
 
     def _block(self, x: Tensor, start: int, history: BufferedView | PieceView,
-               want_finished: bool, want_construction: bool) -> tuple:
+               weights: CellWeights, want_finished: bool, want_construction: bool) -> tuple:
         """All layers on the tokens `x [B, n, d]` at positions `start …` of one block.
 
         `history` gives each layer its key set: the finished KVs of earlier blocks and, when
-        decoding a partly filled block, the construction KVs of its tokens before `start`. Returns (finished K per layer, finished V per layer,
-        construction K per layer, construction V per layer, final hidden states); the lists are
-        empty unless wanted.
+        decoding a partly filled block, the construction KVs of its tokens before `start`.
+        `weights` are this pass's fused projections. Returns (finished K per layer, finished V
+        per layer, construction K per layer, construction V per layer, final hidden states); the
+        lists are empty unless wanted.
+
+        Layer l-1's finished K/V are projections of its output, which is layer l's input: they
+        come out of layer l's input matmul (CellWeights), and the last layer's after the loop.
         """
         cos, sin = self.rope(start, x.shape[1], x)
         dropout = self.config.dropout if self.training else 0.0
-        layout = self.key_layout
+        layout, eps = self.key_layout, self.config.norm_eps
         fin_k, fin_v, con_k, con_v = [], [], [], []
         for l, layer in enumerate(self.layers):
             attn = layer.attention
-            xn = layer.attention_norm(x)
-            q = attn.query(xn, cos, sin)
-            k, v = attn.kv(xn, cos, sin, finished=False)
+            parts = weights.input(l, want_finished)(rms_normalize(x, eps), cos, sin)
+            if want_finished and l > 0:
+                fk, q, k, v, fv = parts
+                fin_k.append(layout.keys(fk, l - 1))
+                fin_v.append(layout.values(fv))
+            else:
+                q, k, v = parts
             k, v = layout.keys(k, l), layout.values(v)
             slope = attn.depth_slope() if layout.depth or not self.config.use_sdpa else None
             o = block_attention(q, history.key_set(l, k, v), layout, slope, attn.self_bias,
                                 self.config.use_sdpa, l, dropout)
-            x = layer.mlp_residual(layer.attention_residual(x, o))
+            x = layer.mlp_residual(layer.attention_residual(x, o), weights.gate_up[l])
             if want_construction:
                 con_k.append(k)
                 con_v.append(v)
-            if want_finished:
-                fk, fv = attn.kv(layer.attention_norm(x), cos, sin, finished=True)
-                fin_k.append(layout.keys(fk, l))
-                fin_v.append(layout.values(fv))
+        if want_finished:
+            fk, fv = weights.last_finished(rms_normalize(x, eps), cos, sin)
+            fin_k.append(layout.keys(fk, len(self.layers) - 1))
+            fin_v.append(layout.values(fv))
         return fin_k, fin_v, con_k, con_v, x
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
@@ -82,13 +119,17 @@ class Beta12Transformer(DecoderLM):
         self._check_length(length)
         c = self.config.block_size
         x = self.tok_embeddings(tokens)
+        # Built once per pass, outside the checkpointed blocks (which only read them).
+        weights = CellWeights(self, finished=length > c)
         history = self._history(length)
         hidden = []
         try:
-            for s in range(0, length, c):
+            # Split, not sliced per block: one concatenation in backward instead of a zero-filled
+            # [B, T, d] gradient per block.
+            for s, block in zip(range(0, length, c), x.split(c, dim=1)):
                 e = min(s + c, length)
-                fin_k, fin_v, _, _, h = self._run(self._block, x[:, s:e], s, history.view(s),
-                                                  e < length, False)
+                fin_k, fin_v, _, _, h = self._run(self._block, block, s, history.view(s),
+                                                  weights, e < length, False)
                 if e < length:
                     history.publish(s, fin_k, fin_v)
                 hidden.append(h)
@@ -117,6 +158,7 @@ class Beta12Transformer(DecoderLM):
         cache.reserve(tokens.shape[1])
         c = self.config.block_size
         x = self.tok_embeddings(tokens)
+        weights = CellWeights(self, finished=True)
         logits = []
         done = 0
         while done < tokens.shape[1]:
@@ -128,7 +170,7 @@ class Beta12Transformer(DecoderLM):
                                    [(k,) for k, _ in visible], [(v,) for _, v in visible],
                                    [buf.view() for buf in cache.construction])
             fin_k, fin_v, con_k, con_v, h = self._block(x[:, done:done + n], pos, history,
-                                                        True, True)
+                                                        weights, True, True)
             for l in range(len(self.layers)):
                 cache.construction[l].append(con_k[l], con_v[l])
                 cache.pending[l].append(fin_k[l], fin_v[l])

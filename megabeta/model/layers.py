@@ -6,11 +6,18 @@ exporters and sharding plans rely on them. Nothing here knows about blocks or pa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megabeta.model.config import ModelConfig
+
+
+def rms_normalize(x: Tensor, eps: float) -> Tensor:
+    """`x · rsqrt(mean(x²) + eps)` over the last dimension: RMSNorm without its weight."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +29,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return rms_normalize(x, self.eps) * self.weight
 
 
 def rope_tables(head_dim: int, start: int, length: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -44,6 +51,67 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+@dataclass(eq=False)
+class Rows:
+    """Some heads of a projection: weight rows (norm weight folded in), optional bias, per-head
+    norm, and whether RoPE applies (queries and keys) or not (values)."""
+
+    weight: Tensor
+    bias: Tensor | None
+    heads: int
+    head_norm: RMSNorm | None
+    rotary: bool = True
+
+
+class Projection:
+    """Several projections of the same normed input as ONE matmul, split into heads.
+
+    A block of c tokens makes many small matmuls; fusing them (and folding the RMSNorm weight
+    into the rows: `W·norm(x) = (W·diag(w))·(x·rsqrt(mean(x²)+eps))`) makes one larger matmul,
+    one normalization and one RoPE per group of heads. Rows are ordered rotary first; parts come
+    back in the order given, each `[B, heads, n, d_h]`. Built once per forward from the
+    parameters, so autograd takes the weights' gradients through it.
+    """
+
+    def __init__(self, parts: list[Rows], head_dim: int, eps: float) -> None:
+        rotary = [p for p in parts if p.rotary]
+        plain = [p for p in parts if not p.rotary]
+        order = rotary + plain
+        self.weight = torch.cat([p.weight for p in order])
+        self.bias = None
+        if any(p.bias is not None for p in order):
+            self.bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(len(p.weight))
+                                   for p in order])
+        self.head_dim, self.eps = head_dim, eps
+        self.rotary_heads = sum(p.heads for p in rotary)
+        self.head_norm = None
+        if any(p.head_norm is not None for p in rotary):
+            # Per-head RMSNorm weights of the rotary heads, `[heads, d_h]` (qk_norm is all-or-none).
+            self.head_norm = torch.cat([p.head_norm.weight.expand(p.heads, head_dim)
+                                        for p in rotary])
+            self.head_norm_eps = next(p.head_norm.eps for p in rotary if p.head_norm is not None)
+        self._plain_heads = [p.heads for p in plain]
+        self._rotary_heads = [p.heads for p in rotary]
+        self._order = [order.index(p) for p in parts]
+        """Where each part (in the order given) sits among the rotary-first heads."""
+
+    def __call__(self, normalized: Tensor, cos: Tensor, sin: Tensor) -> list[Tensor]:
+        """The parts of `normalized [B, n, d]` (already `rms_normalize`d), with RoPE at the
+        positions of `cos/sin`. (Split, not sliced: a slice's backward fills a zero tensor of
+        the whole input per slice, split's is one concatenation.)"""
+        y = F.linear(normalized, self.weight, self.bias)
+        d = self.head_dim
+        width = self.rotary_heads * d
+        rot, plain = y.split([width, y.shape[-1] - width], dim=-1)
+        rot = rot.unflatten(-1, (self.rotary_heads, d)).transpose(1, 2)
+        if self.head_norm is not None:
+            rot = rms_normalize(rot, self.head_norm_eps) * self.head_norm[:, None]
+        rot = apply_rope(rot, cos, sin)
+        plain = plain.unflatten(-1, (-1, d)).transpose(1, 2)
+        heads = [*rot.split(self._rotary_heads, dim=1), *plain.split(self._plain_heads, dim=1)]
+        return [heads[i] for i in self._order]
+
+
 class FeedForward(nn.Module):
     """SwiGLU: `w2(silu(w1 x) * w3 x)` (w1 gate, w3 up, w2 down)."""
 
@@ -53,8 +121,15 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def fused_weight(self, norm: RMSNorm) -> Tensor:
+        """`[w1; w3] · diag(norm.weight)`: gate and up projections of `norm(x)` in one matmul
+        of the normalized `x` (the norm's weight folded into the columns)."""
+        return torch.cat([self.w1.weight, self.w3.weight]) * norm.weight
+
+    def from_fused(self, gate_up: Tensor) -> Tensor:
+        """`w2(silu(gate) * up)` from the output of the fused matmul."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -86,28 +161,19 @@ class Attention(nn.Module):
         # Shape [1], not []: FSDP2 cannot shard 0-d parameters.
         self.self_bias = nn.Parameter(torch.zeros(1)) if beta_extras and config.self_slot else None
 
-    def _heads(self, x: Tensor, heads: int, norm: RMSNorm | None) -> Tensor:
-        x = x.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)
-        return norm(x) if norm is not None else x
+    def input_rows(self, norm: RMSNorm) -> list[Rows]:
+        """Rows of the projections taken from this layer's normed input (spec §2): queries
+        `N_qk(W_Q·xn + f)` and construction K/V `proj(xn)`, with no encodings."""
+        return [Rows(self.wq.weight * norm.weight, self.f_q, self.num_heads, self.q_norm),
+                Rows(self.wk.weight * norm.weight, None, self.num_kv_heads, self.k_norm),
+                Rows(self.wv.weight * norm.weight, None, self.num_kv_heads, None, rotary=False)]
 
-    def query(self, xn: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """`RoPE(N_qk(W_Q·xn + f))` as `[B, H, n, d_h]`; `xn` is the normed layer input."""
-        q = self.wq(xn)
-        if self.f_q is not None:
-            q = q + self.f_q
-        return apply_rope(self._heads(q, self.num_heads, self.q_norm), cos, sin)
-
-    def kv(self, xn: Tensor, cos: Tensor, sin: Tensor, finished: bool) -> tuple[Tensor, Tensor]:
-        """`proj(x)` of spec §2 as `[B, H_kv, n, d_h]` each.
-
-        Construction KV (`finished=False`): `xn` is this layer's normed input, no encodings.
-        Finished KV (`finished=True`): `xn` is this layer's normed OUTPUT, plus `e_K`/`e_V`.
-        """
-        k, v = self.wk(xn), self.wv(xn)
-        if finished and self.e_k is not None:
-            k, v = k + self.e_k, v + self.e_v
-        k = apply_rope(self._heads(k, self.num_kv_heads, self.k_norm), cos, sin)
-        return k, self._heads(v, self.num_kv_heads, None)
+    def finished_rows(self, norm: RMSNorm) -> list[Rows]:
+        """Rows of this layer's finished K/V (spec §2): the same norm and K/V weights applied to
+        the layer's normed OUTPUT, plus `e_K`/`e_V`."""
+        return [Rows(self.wk.weight * norm.weight, self.e_k, self.num_kv_heads, self.k_norm),
+                Rows(self.wv.weight * norm.weight, self.e_v, self.num_kv_heads, None,
+                     rotary=False)]
 
     def depth_slope(self) -> Tensor | None:
         """λ_{l,h} = lambda_max · sigmoid(θ_{l,h}) per head, or None without depth bias."""
@@ -135,5 +201,7 @@ class TransformerLayer(nn.Module):
         """`x + W_O·o` for per-head attention output `o [B, H, n, d_h]`."""
         return x + self.dropout(self.attention.merge_heads(o))
 
-    def mlp_residual(self, a: Tensor) -> Tensor:
-        return a + self.dropout(self.feed_forward(self.ffn_norm(a)))
+    def mlp_residual(self, a: Tensor, gate_up_weight: Tensor) -> Tensor:
+        """`a + SwiGLU(RMSNorm(a))`, given `feed_forward.fused_weight(ffn_norm)`."""
+        gate_up = F.linear(rms_normalize(a, self.ffn_norm.eps), gate_up_weight)
+        return a + self.dropout(self.feed_forward.from_fused(gate_up))

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from megabeta.model.attention import KeyLayout, KeySet, block_attention
 from megabeta.model.cache import DecodeCache, KVBuffer
 from megabeta.model.config import ConfigError, ModelConfig
-from megabeta.model.layers import RMSNorm, TransformerLayer, rope_tables
+from megabeta.model.layers import Projection, RMSNorm, TransformerLayer, rms_normalize, rope_tables
 
 IGNORE_INDEX = -100
 """Targets equal to this are left out of the loss (PyTorch's cross-entropy convention)."""
@@ -157,44 +157,56 @@ class DecoderLM(nn.Module):
 class StandardTransformer(DecoderLM):
     """Plain pre-norm RoPE/SwiGLU Transformer: each layer attends causally to its own input."""
 
-    def _stages(self) -> list[TransformerLayer]:
-        """The layer applications in order (the looped arm repeats the stack)."""
-        return list(self.layers)
+    def _repeats(self) -> int:
+        """How many times the stack is applied (the looped arm repeats it)."""
+        return 1
 
-    def _layer(self, layer: TransformerLayer, x: Tensor, cos: Tensor, sin: Tensor,
-               cache: KVBuffer | None) -> tuple[Tensor, Tensor, Tensor]:
+    def _weights(self) -> list[tuple[Projection, Tensor]]:
+        """Per layer of the stack, its fused input projection and SwiGLU gate/up weight
+        (layers.Projection), built once per pass."""
+        c = self.config
+        return [(Projection(layer.attention.input_rows(layer.attention_norm), c.head_dim,
+                            c.norm_eps), layer.feed_forward.fused_weight(layer.ffn_norm))
+                for layer in self.layers]
+
+    def _layer(self, layer: TransformerLayer, weights: tuple[Projection, Tensor], x: Tensor,
+               cos: Tensor, sin: Tensor, cache: KVBuffer | None) -> tuple[Tensor, Tensor, Tensor]:
         """One layer on tokens with RoPE tables `cos/sin`; earlier tokens' KVs come from `cache`."""
-        xn = layer.attention_norm(x)
-        q = layer.attention.query(xn, cos, sin)
-        k, v = layer.attention.kv(xn, cos, sin, finished=False)
+        projection, gate_up = weights
+        q, k, v = projection(rms_normalize(x, self.config.norm_eps), cos, sin)
         keys = KeySet(k=k, v=v)
         if cache is not None:
             keys.prefix_k, keys.prefix_v = cache.view()
         dropout = self.config.dropout if self.training else 0.0
         o = block_attention(q, keys, self.key_layout, None, None, self.config.use_sdpa, 0,
                             dropout)
-        return layer.mlp_residual(layer.attention_residual(x, o)), k, v
+        return layer.mlp_residual(layer.attention_residual(x, o), gate_up), k, v
+
+    def _applications(self) -> list[tuple[TransformerLayer, tuple[Projection, Tensor]]]:
+        """(layer, its fused weights) in the order the layers are applied."""
+        return list(zip(self.layers, self._weights())) * self._repeats()
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
         """Logits `[B, T, V]`, or the mean next-token loss when `targets [B, T]` is given."""
         self._check_length(tokens.shape[1])
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope(0, tokens.shape[1], x)
-        for layer in self._stages():
-            x = self._run(lambda h, layer=layer: self._layer(layer, h, cos, sin, None)[0], x)
+        for layer, weights in self._applications():
+            x = self._run(lambda h, layer=layer, weights=weights:
+                          self._layer(layer, weights, h, cos, sin, None)[0], x)
         return self.head(x, targets)
 
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:
         capacity = self._capacity(capacity)
-        return DecodeCache(0, capacity, self._kv_buffers(batch, len(self._stages()), capacity))
+        return DecodeCache(0, capacity, self._kv_buffers(batch, len(self.layers) * self._repeats(), capacity))
 
     @torch.no_grad()
     def extend(self, tokens: Tensor, cache: DecodeCache) -> Tensor:
         cache.reserve(tokens.shape[1])
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope(cache.position, tokens.shape[1], x)
-        for layer, buffer in zip(self._stages(), cache.construction):
-            x, k, v = self._layer(layer, x, cos, sin, buffer)
+        for (layer, weights), buffer in zip(self._applications(), cache.construction):
+            x, k, v = self._layer(layer, weights, x, cos, sin, buffer)
             buffer.append(k, v)
         cache.position += tokens.shape[1]
         return self.logits(x)
@@ -203,5 +215,5 @@ class StandardTransformer(DecoderLM):
 class LoopedTransformer(StandardTransformer):
     """The weight-tied stack applied `config.loops` times (article §9: depth bought with FLOPs)."""
 
-    def _stages(self) -> list[TransformerLayer]:
-        return list(self.layers) * self.config.loops
+    def _repeats(self) -> int:
+        return self.config.loops

@@ -19,13 +19,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def apply_compile(model: nn.Module) -> None:
-    """torch.compile every layer's submodules in place (state-dict names are kept).
+    """torch.compile every layer's residual branches in place: `attention_residual` (output
+    projection, dropout, residual add) and `mlp_residual` (RMSNorm, SwiGLU, dropout, residual
+    add). The fused input projections and attention stay eager (they are built per pass and
+    call custom autograd functions); state-dict names are kept.
 
     Block shapes vary (the last block may be ragged, decoding feeds one token), hence dynamic.
     """
     for layer in model.layers:
-        for module in layer.children():
-            module.compile(dynamic=True)
+        layer.attention_residual = torch.compile(layer.attention_residual, dynamic=True)
+        layer.mlp_residual = torch.compile(layer.mlp_residual, dynamic=True)
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
