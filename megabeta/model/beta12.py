@@ -43,15 +43,15 @@ class CellWeights:
     def __init__(self, model: "Beta12Transformer", finished: bool) -> None:
         c = model.config
         inputs = [layer.attention.input_rows(layer.attention_norm) for layer in model.layers]
-        self._plain = [Projection(rows, c.head_dim, c.norm_eps) for rows in inputs]
+        self._plain = [Projection(rows, c.head_dim) for rows in inputs]
         self._finished: list[Projection | None] = []
         self.last_finished: Projection | None = None
         if finished:
             outputs = [layer.attention.finished_rows(layer.attention_norm)
                        for layer in model.layers]
-            self._finished = [None] + [Projection([fk] + rows + [fv], c.head_dim, c.norm_eps)
+            self._finished = [None] + [Projection([fk] + rows + [fv], c.head_dim)
                                        for (fk, fv), rows in zip(outputs, inputs[1:])]
-            self.last_finished = Projection(outputs[-1], c.head_dim, c.norm_eps)
+            self.last_finished = Projection(outputs[-1], c.head_dim)
         self.gate_up = [layer.feed_forward.fused_weight(layer.ffn_norm) for layer in model.layers]
 
     def input(self, layer: int, finished: bool) -> Projection:

@@ -73,16 +73,16 @@ class Projection:
     parameters, so autograd takes the weights' gradients through it.
     """
 
-    def __init__(self, parts: list[Rows], head_dim: int, eps: float) -> None:
+    def __init__(self, parts: list[Rows], head_dim: int) -> None:
         rotary = [p for p in parts if p.rotary]
         plain = [p for p in parts if not p.rotary]
         order = rotary + plain
         self.weight = torch.cat([p.weight for p in order])
         self.bias = None
         if any(p.bias is not None for p in order):
-            self.bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(len(p.weight))
+            self.bias = torch.cat([p.weight.new_zeros(len(p.weight)) if p.bias is None else p.bias
                                    for p in order])
-        self.head_dim, self.eps = head_dim, eps
+        self.head_dim = head_dim
         self.rotary_heads = sum(p.heads for p in rotary)
         self.head_norm = None
         if any(p.head_norm is not None for p in rotary):

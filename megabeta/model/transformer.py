@@ -165,8 +165,8 @@ class StandardTransformer(DecoderLM):
         """Per layer of the stack, its fused input projection and SwiGLU gate/up weight
         (layers.Projection), built once per pass."""
         c = self.config
-        return [(Projection(layer.attention.input_rows(layer.attention_norm), c.head_dim,
-                            c.norm_eps), layer.feed_forward.fused_weight(layer.ffn_norm))
+        return [(Projection(layer.attention.input_rows(layer.attention_norm), c.head_dim),
+                 layer.feed_forward.fused_weight(layer.ffn_norm))
                 for layer in self.layers]
 
     def _layer(self, layer: TransformerLayer, weights: tuple[Projection, Tensor], x: Tensor,
