@@ -127,8 +127,9 @@ class BufferedHistory:
     def __init__(self, sources: list[list[int]], window: int, length: int) -> None:
         self.sources, self.window, self.length = sources, window, length
         self.layers = len(sources)
-        # Allocated at the first publish in the finished KVs' shape and dtype (under autocast
-        # that is the autocast dtype, not the embedding's), which readers then compute in.
+        # Allocated at the first publish in the finished keys' shape and dtype (under autocast
+        # whatever the projections and RoPE made of them, not necessarily the embedding's),
+        # which readers then compute in.
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
         self.grad_keys: list[Tensor] | None = None
@@ -167,8 +168,10 @@ class BufferedHistory:
         if not self.keys:
             batch, heads, _, width = fin_k[0].shape
             shape = (batch, heads, self.length, width)
+            # One dtype for both (the kernels take one): under autocast, RoPE's float32 tables
+            # promote keys to float32 while values stay bf16.
             self.keys = [fin_k[0].new_empty(shape) for _ in range(self.layers)]
-            self.values = [fin_v[0].new_empty(shape) for _ in range(self.layers)]
+            self.values = [fin_k[0].new_empty(shape) for _ in range(self.layers)]
         n = fin_k[0].shape[2]
         self.starts.append(start)
         for m in range(self.layers):
