@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +81,8 @@ class StoredKeys(Protocol):
 
 @dataclass
 class KeySet:
-    """The keys one block of queries reads; all tensors `[B, H_kv, len, layout.width]`."""
+    """The keys one block of queries reads, `[B, H_kv, len, …]`: the queries' own keys with
+    `head_dim` features, the history pieces in the layout (`layout.width`)."""
 
     k: Tensor
     """Construction keys of the queries themselves (in-block keys and self slots)."""
@@ -159,9 +160,16 @@ def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
     scale = 1.0 / math.sqrt(head_dim)
     if (slope is not None) != layout.depth or (self_bias is not None) != layout.self_slot:
         raise ValueError("block_attention: key layout does not match the biases in use")
-    # The keys after the history (the "tail"): the queries' own keys, behind a sink with the self
-    # slot; the diagonal then is the self slot with bias 0.
-    k_tail, v_tail, q_extra = keys.k, keys.v, []
+    hist_k, hist_v, _ = _pieces(keys)
+    if (self_bias is not None and keys.stored is None and not hist_k
+            and cpu_flash(q, dropout_p)):
+        # No history: the depth bias shifts every key alike (softmax ignores it) and the self
+        # slot is one more part of a log-sum-exp merge; no extra columns, no sink.
+        return _InBlock.apply(q, keys.k, keys.v, self_bias, scale)
+    # The keys after the history (the "tail"): the queries' own keys (in the layout), behind a
+    # sink with the self slot; the diagonal then is the self slot with bias 0.
+    own_k, own_v = layout.keys(keys.k, layer), layout.values(keys.v)
+    k_tail, v_tail, q_extra = own_k, own_v, []
     if layout.depth:
         q_extra.append((-slope / scale).view(1, heads, 1, 1).expand(batch, heads, n, 1))
     if layout.self_slot:
@@ -171,24 +179,23 @@ def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
         sink_k[..., -1] = 1.0
         sink_v = layout.values(keys.v.new_zeros(batch, kv_heads, 1, head_dim))
         sink_v[..., -1] = 1.0
-        own_k = _per_query_head(keys.k.split([head_dim, layout.extra], dim=-1)[0], heads)
-        q_extra.append((q * own_k).sum(-1, keepdim=True) + self_bias / scale)
+        q_extra.append((q * _per_query_head(keys.k, heads)).sum(-1, keepdim=True)
+                       + self_bias / scale)
         # In-block keys shift by one behind the sink; the last would only be a self key.
         # (split, not sliced: see layers.Projection.)
-        k_tail = torch.cat([sink_k, keys.k.split([n - 1, 1], dim=2)[0]], dim=2)
-        v_tail = torch.cat([sink_v, keys.v.split([n - 1, 1], dim=2)[0]], dim=2)
+        k_tail = torch.cat([sink_k, own_k.split([n - 1, 1], dim=2)[0]], dim=2)
+        v_tail = torch.cat([sink_v, own_v.split([n - 1, 1], dim=2)[0]], dim=2)
     q_full = torch.cat([q, *q_extra], dim=-1) if q_extra else q
     if keys.stored is not None:
         out = keys.stored.attend(layer, q_full, k_tail, v_tail, dropout_p, scale)
     else:
-        hist_k, hist_v, _ = _pieces(keys)
         out = sdpa(q_full, torch.cat([*hist_k, k_tail], dim=2),
                    torch.cat([*hist_v, v_tail], dim=2), dropout_p, scale)
     if not layout.extra:
         return out
     o, _, p_self = out.split([head_dim, int(layout.depth), int(layout.self_slot)], dim=-1)
     if layout.self_slot:
-        o = o + p_self * _per_query_head(keys.v.split([head_dim, layout.extra], dim=-1)[0], heads)
+        o = o + p_self * _per_query_head(keys.v, heads)
     return o
 
 
@@ -207,3 +214,78 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float) -> Ten
     mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           scale=scale, enable_gqa=gqa)
+
+
+FLASH_ON_CPU = True
+"""Use the CPU flash kernels and log-sum-exp merges (here and in history.py). Tests switch it off
+to check the paths that other devices use."""
+
+flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def cpu_flash(q: Tensor, dropout_p: float) -> bool:
+    """Whether the CPU flash kernels (which return the log-sum-exp) serve these queries."""
+    return FLASH_ON_CPU and q.device.type == "cpu" and dropout_p == 0.0
+
+
+class _InBlock(torch.autograd.Function):
+    """Queries of a block with no history over their own keys: key j < i with its plain score,
+    and the self slot, key i with score `q_i·k_i·scale + b_σ` (spec §3).
+
+    Two parts merged by log-sum-exp: strictly causal attention (queries 1…n-1 over keys 0…n-2,
+    one flash call; query 0 has none) and the self slot (one score per query). In backward the
+    flash kernel gets the merged output and lse, which makes it produce its part's exact share;
+    the self slot's gradients are written out: with `p` its weight and `D = rowsum(dO ∘ out)`,
+    `ds = p·(dO·v_i - D)` is its score's gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor,
+                scale: float) -> Tensor:
+        heads, n = q.shape[1], q.shape[2]
+        # Merged in the kernels' lse precision (float32 for bf16 inputs).
+        acc = torch.promote_types(q.dtype, torch.float32)
+        k_own, v_own = _per_query_head(k, heads), _per_query_head(v, heads)
+        self_score = (q * k_own).sum(-1, dtype=acc) * scale + self_bias.to(acc)
+        lse, out = self_score, v_own.clone()
+        if n > 1:
+            part, part_lse = flash_cpu(q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], 0.0, True,
+                                       scale=scale)
+            # Query 0 sees no earlier key: its lse is its self score alone. (Rows written in
+            # place, not concatenated: full-size copies are most of what this path adds.)
+            lse = self_score.clone()
+            lse[:, :, 1:] = torch.logaddexp(part_lse, self_score[:, :, 1:])
+            out = torch.exp(self_score - lse).unsqueeze(-1) * v_own
+            out[:, :, 1:] += torch.exp(part_lse - lse[:, :, 1:]).unsqueeze(-1) * part
+            out = out.to(q.dtype)
+        ctx.scale, ctx.bias_dtype = scale, self_bias.dtype
+        ctx.save_for_backward(q, k, v, out, lse, self_score)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, self_score = ctx.saved_tensors
+        scale, heads, n = ctx.scale, q.shape[1], q.shape[2]
+        grad = grad.contiguous()
+        k_own, v_own = _per_query_head(k, heads), _per_query_head(v, heads)
+        p_self = torch.exp(self_score - lse)
+        ds = p_self * (grad * (v_own - out)).sum(-1, dtype=lse.dtype)
+        dq = (ds.unsqueeze(-1) * scale * k_own).to(q.dtype)
+        dk = _per_kv_head((ds.unsqueeze(-1) * scale * q).to(k.dtype), k.shape[1])
+        dv = _per_kv_head((p_self.unsqueeze(-1) * grad).to(v.dtype), k.shape[1])
+        if n > 1:
+            dq_part, dk_part, dv_part = flash_cpu_backward(
+                grad[:, :, 1:], q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], out[:, :, 1:],
+                lse[:, :, 1:].contiguous(), 0.0, True, scale=scale)
+            dq[:, :, 1:] += dq_part
+            dk[:, :, :-1] += dk_part
+            dv[:, :, :-1] += dv_part
+        return dq, dk, dv, ds.sum().reshape(1).to(ctx.bias_dtype), None
+
+
+def _per_kv_head(x: Tensor, kv_heads: int) -> Tensor:
+    """Gradients of query heads `[B, H, …]` summed onto the KV heads they share (GQA)."""
+    if x.shape[1] == kv_heads:
+        return x
+    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads)).sum(2)

@@ -99,14 +99,13 @@ class Beta12Transformer(DecoderLM):
                 fin_v.append(layout.values(fv))
             else:
                 q, k, v = parts
-            k, v = layout.keys(k, l), layout.values(v)
             slope = attn.depth_slope() if layout.depth or not self.config.use_sdpa else None
             o = block_attention(q, history.key_set(l, k, v), layout, slope, attn.self_bias,
                                 self.config.use_sdpa, l, dropout)
             x = layer.mlp_residual(layer.attention_residual(x, o), weights.gate_up[l])
             if want_construction:
-                con_k.append(k)
-                con_v.append(v)
+                con_k.append(layout.keys(k, l))
+                con_v.append(layout.values(v))
         if want_finished:
             fk, fv = weights.last_finished(rms_normalize(x, eps), cos, sin)
             fin_k.append(layout.keys(fk, len(self.layers) - 1))

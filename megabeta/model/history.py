@@ -45,7 +45,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from megabeta.model.attention import KeySet, sdpa
+from megabeta.model.attention import KeySet, cpu_flash, flash_cpu, flash_cpu_backward, sdpa
 
 History = list[tuple[Tensor, ...]]
 """Per source layer m, the finished K (or V) pieces covering tokens 0 … start(block)-1, in order."""
@@ -253,8 +253,6 @@ class _Publish(torch.autograd.Function):
         return (None, None, *ctx.history.release(ctx.start, ctx.n))
 
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 class _ReadHistory(torch.autograd.Function):
@@ -266,7 +264,7 @@ class _ReadHistory(torch.autograd.Function):
                 scale: float) -> Tensor:
         ctx.args = history, layer, start, dropout_p, scale
         groups = history.groups(layer, start)
-        ctx.merged = _cpu_flash(q, dropout_p)
+        ctx.merged = cpu_flash(q, dropout_p)
         if not ctx.merged:
             ctx.rng = _rng_state(q.device) if dropout_p else None
             ctx.save_for_backward(q, k_tail, v_tail)
@@ -274,9 +272,9 @@ class _ReadHistory(torch.autograd.Function):
             values = [history.values[m][:, :, rows] for m, rows in groups]
             return sdpa(q, torch.cat([*keys, k_tail], 2), torch.cat([*values, v_tail], 2),
                         dropout_p, scale)
-        parts = [_flash(q, history.keys[m][:, :, rows], history.values[m][:, :, rows], 0.0,
+        parts = [flash_cpu(q, history.keys[m][:, :, rows], history.values[m][:, :, rows], 0.0,
                         False, scale=scale) for m, rows in groups]
-        parts.append(_flash(q, k_tail, v_tail, 0.0, True, scale=scale))
+        parts.append(flash_cpu(q, k_tail, v_tail, 0.0, True, scale=scale))
         lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
         # The kernels' lse is float32 even for bf16 inputs: merge in it, return the input dtype.
         out = sum(torch.exp(part_lse - lse).unsqueeze(-1) * part_out
@@ -291,7 +289,7 @@ class _ReadHistory(torch.autograd.Function):
         if ctx.merged:
             q, k_tail, v_tail, out, lse = ctx.saved_tensors
             grad = grad.contiguous()
-            dq, dk_tail, dv_tail = _flash_backward(grad, q, k_tail, v_tail, out, lse, 0.0, True,
+            dq, dk_tail, dv_tail = flash_cpu_backward(grad, q, k_tail, v_tail, out, lse, 0.0, True,
                                                    scale=scale)
             by_matmul = q.dtype in (torch.float32, torch.float64)
             delta = (grad * out).sum(-1) if by_matmul else None
@@ -301,7 +299,7 @@ class _ReadHistory(torch.autograd.Function):
                     dq = dq + _group_backward(grad, q, k, v, lse, delta, scale,
                                               *history.grads(m, rows))
                     continue
-                dq_g, dk, dv = _flash_backward(grad, q, k, v, out, lse, 0.0, False,
+                dq_g, dk, dv = flash_cpu_backward(grad, q, k, v, out, lse, 0.0, False,
                                                scale=scale)
                 dq = dq + dq_g
                 history.add_grad(m, rows, dk, dv)
@@ -350,15 +348,6 @@ def _group_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, 
     ds = ds.mul_(p).mul_(scale)
     grad_k.add_(torch.bmm(ds.transpose(1, 2), qg).view(grad_k.shape))
     return torch.bmm(ds, kg).view(batch, heads, n, width)
-
-
-FLASH_ON_CPU = True
-"""Use the CPU flash kernels and the log-sum-exp merge (module doc). Tests switch it off to check
-the concatenating fallback that other devices use."""
-
-
-def _cpu_flash(q: Tensor, dropout_p: float) -> bool:
-    return FLASH_ON_CPU and q.device.type == "cpu" and dropout_p == 0.0
 
 
 def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
