@@ -25,6 +25,10 @@ must not enter through the mask: a mask that requires grad sends SDPA to its slo
   the sink in front, the in-block keys shift by one, so query i sees exactly `j < i` through an
   ordinary bottom-right causal mask (`is_causal` when there is no history).
 
+Without history (the first block, or c ≥ T) on the CPU kernels, `_InBlock` needs none of this:
+the depth bias shifts every key alike (softmax ignores it), and the self slot is one more part of
+a log-sum-exp merge with the strictly causal in-block attention; keys stay `head_dim` wide.
+
 The history part of the key set comes either as pieces (`KeySet.finished`, concatenated here) or
 as `KeySet.stored`, which attends over a history kept in buffers plus the block's own keys (the
 "tail": sink and in-block keys); see history.py. Both paths are exact (tests compare them with a
