@@ -169,7 +169,8 @@ def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
             and cpu_flash(q, dropout_p)):
         # No history: the depth bias shifts every key alike (softmax ignores it) and the self
         # slot is one more part of a log-sum-exp merge; no extra columns, no sink.
-        return _InBlock.apply(q, keys.k, keys.v, self_bias, scale)
+        # One dtype for the kernel (under autocast RoPE leaves q and k float32, v bf16).
+        return _InBlock.apply(q, keys.k.to(q.dtype), keys.v.to(q.dtype), self_bias, scale)
     # The keys after the history (the "tail"): the queries' own keys (in the layout), behind a
     # sink with the self slot; the diagonal then is the self slot with bias 0.
     own_k, own_v = layout.keys(keys.k, layer), layout.values(keys.v)
