@@ -74,9 +74,9 @@ class IndexedDatasetWriter:
         self._append(b"", np.asarray(source.sequence_lengths, dtype=np.int64), ends,
                      copied_tokens=source.num_tokens)
 
-    def _append(self, token_bytes: bytes | np.ndarray, lengths: np.ndarray, document_ends: np.ndarray,
-                copied_tokens: int | None = None) -> None:
-        self._bin.write(token_bytes)
+    def _append(self, tokens: bytes | np.ndarray, lengths: np.ndarray,
+                document_ends: np.ndarray, copied_tokens: int | None = None) -> None:
+        self._bin.write(tokens)
         self._lengths.write(lengths.astype(LENGTH_DTYPE).tobytes())
         self._document_ends.write(document_ends.astype(POINTER_DTYPE).tobytes())
         self.num_sequences += lengths.size

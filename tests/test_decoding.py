@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -82,3 +84,29 @@ def test_top_k_and_top_p_keep_the_right_tokens() -> None:
     assert seen_p == {0, 1}  # 0.5 < 0.7 needs the second token, 0.8 >= 0.7 stops there
     with pytest.raises(ValueError, match="top_p"):
         sample_next(logits, 1.0, None, 1.5, gen)
+
+
+@pytest.mark.parametrize("arch", ["beta12", "standard"])
+def test_decoding_builds_fused_weights_once_until_they_change(arch: str, monkeypatch) -> None:
+    """Steps reuse the cache's fused weights; an in-place weight update (an optimizer step)
+    makes the next step rebuild them: it equals a step whose cache is forced to rebuild."""
+    model = tiny_model(arch=arch, block_size=4)
+    builds = []
+    original = type(model).decode_weights
+
+    def counted(self, cache, build):
+        return original(self, cache, lambda: builds.append(1) or build())
+
+    monkeypatch.setattr(type(model), "decode_weights", counted)
+    x = tokens(length=9)
+    _, cache = model.prefill(x[:, :6])
+    for t in range(6, 8):
+        model.step(x[:, t], cache)
+    assert len(builds) == 1
+    with torch.no_grad():
+        model.layers[0].attention.wq.weight.mul_(1.5)
+    rebuilt = copy.deepcopy(cache)
+    rebuilt.weights = None
+    stepped = model.step(x[:, 8], cache)
+    assert len(builds) == 2
+    torch.testing.assert_close(stepped, model.step(x[:, 8], rebuilt), rtol=0, atol=0)

@@ -157,7 +157,7 @@ class Beta12Transformer(DecoderLM):
         cache.reserve(tokens.shape[1])
         c = self.config.block_size
         x = self.tok_embeddings(tokens)
-        weights = CellWeights(self, finished=True)
+        weights = self.decode_weights(cache, lambda: CellWeights(self, finished=True))
         logits = []
         done = 0
         while done < tokens.shape[1]:

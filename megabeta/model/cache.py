@@ -10,6 +10,7 @@ The standard and looped arms keep construction KVs only, one buffer per layer ap
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,6 +54,9 @@ class DecodeCache:
     """beta12: per layer, finished KVs of all completed blocks."""
     pending: list[KVBuffer] | None = None
     """beta12: per layer, finished KVs of the current block, visible once it completes."""
+    weights: tuple[tuple, Any] | None = None
+    """The model's fused weights for decoding and the parameter state they were built from
+    (`DecoderLM.decode_weights`)."""
 
     def reserve(self, count: int) -> None:
         """Check that `count` more tokens fit before any state is changed."""

@@ -123,6 +123,16 @@ class DecoderLM(nn.Module):
         """Feed `tokens [B, n]` after what `cache` holds; return their logits `[B, n, V]`."""
         raise NotImplementedError
 
+    def decode_weights(self, cache: DecodeCache, build: Callable[[], Any]) -> Any:
+        """`build()` (the fused weights of one pass), kept in `cache` while the parameters are
+        unchanged: decoding calls `extend` once per token, and rebuilding every layer's fused
+        weights each time would copy them all per token. A parameter's `_version` counts its
+        in-place updates (optimizer steps, `load_state_dict`), so changed weights are rebuilt."""
+        stamp = tuple((id(p), p._version) for p in self.parameters())
+        if cache.weights is None or cache.weights[0] != stamp:
+            cache.weights = (stamp, build())
+        return cache.weights[1]
+
     def _kv_buffers(self, batch: int, count: int, capacity: int) -> list[KVBuffer]:
         p = self.tok_embeddings.weight
         return [KVBuffer(batch, self.config.num_kv_heads, capacity, self.key_layout.width,
@@ -205,7 +215,8 @@ class StandardTransformer(DecoderLM):
         cache.reserve(tokens.shape[1])
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope(cache.position, tokens.shape[1], x)
-        for (layer, weights), buffer in zip(self._applications(), cache.construction):
+        applications = self.decode_weights(cache, self._applications)
+        for (layer, weights), buffer in zip(applications, cache.construction):
             x, k, v = self._layer(layer, weights, x, cos, sin, buffer)
             buffer.append(k, v)
         cache.position += tokens.shape[1]
