@@ -131,12 +131,12 @@ def test_concatenating_fallback_matches_reference(case: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Off the CPU flash kernels (other devices, attention dropout), the buffered history is
     concatenated and backward recomputes SDPA with autograd: same values, same gradients."""
-    from megabeta.model import attention
+    from megabeta.model import merged_attention
 
     x, y = tokens(length=T), tokens(length=T, seed=2)
     runs = []
     for flash in (True, False):
-        monkeypatch.setattr(attention, "FLASH_ON_CPU", flash)
+        monkeypatch.setattr(merged_attention, "FLASH_ON_CPU", flash)
         model = tiny_model(**CASES[case])
         expected = reference_logits(model.state_dict(), model.config, x)
         torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-9)

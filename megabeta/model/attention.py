@@ -25,9 +25,9 @@ must not enter through the mask: a mask that requires grad sends SDPA to its slo
   the sink in front, the in-block keys shift by one, so query i sees exactly `j < i` through an
   ordinary bottom-right causal mask (`is_causal` when there is no history).
 
-Without history (the first block, or c ≥ T) on the CPU kernels, `_InBlock` needs none of this:
-the depth bias shifts every key alike (softmax ignores it), and the self slot is one more part of
-a log-sum-exp merge with the strictly causal in-block attention; keys stay `head_dim` wide.
+On the CPU flash kernels none of this is needed: merged_attention.py attends to the parts of the
+key set separately and merges them by log-sum-exp, with the biases as shifts of the parts' lse;
+keys then stay `head_dim` wide (`KeyLayout` without columns).
 
 The history part of the key set comes either as pieces (`KeySet.finished`, concatenated here) or
 as `KeySet.stored`, which attends over a history kept in buffers plus the block's own keys (the
@@ -39,11 +39,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from megabeta.model.merged_attention import (GroupBatch, merged_attention, merges_on,
+                                             per_query_head)
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,9 @@ class StoredKeys(Protocol):
 
     def attend(self, layer: int, q: Tensor, k_tail: Tensor, v_tail: Tensor, dropout_p: float,
                scale: float) -> Tensor: ...
+
+    def attend_merged(self, layer: int, q: Tensor, k: Tensor, v: Tensor, slope: Tensor | None,
+                      self_bias: Tensor | None, scale: float) -> Tensor: ...
 
 
 @dataclass
@@ -129,6 +135,27 @@ def _pieces(keys: KeySet) -> tuple[list[Tensor], list[Tensor], list[int]]:
     return ks, vs, offsets
 
 
+def _piece_batches(keys: KeySet) -> list[GroupBatch]:
+    """The history pieces as merged_attention's groups: the pieces of one finished group (one
+    depth offset) concatenated, and the prefix as a group of offset 0. Read-only (decoding)."""
+    groups: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+    for offset, k, v in keys.finished:
+        ks, vs = groups.setdefault(offset, ([], []))
+        ks.append(k)
+        vs.append(v)
+    if keys.prefix_k is not None and keys.prefix_k.shape[2] > 0:
+        groups.setdefault(0, ([], []))
+        groups[0][0].append(keys.prefix_k)
+        groups[0][1].append(keys.prefix_v)
+    return [GroupBatch(_joined(ks)[None], _joined(vs)[None], [offset])
+            for offset, (ks, vs) in groups.items()]
+
+
+def _joined(pieces: list[Tensor]) -> Tensor:
+    """Pieces `[B, H_kv, len, d_h]` as one tensor (no copy for a single piece)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+
+
 def _explicit(q: Tensor, keys: KeySet, slope: Tensor | None, self_bias: Tensor | None,
               dropout_p: float) -> Tensor:
     heads, n, head_dim = q.shape[1], q.shape[2], q.shape[3]
@@ -162,15 +189,19 @@ def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
     batch, heads, n, head_dim = q.shape
     kv_heads = keys.k.shape[1]
     scale = 1.0 / math.sqrt(head_dim)
-    if (slope is not None) != layout.depth or (self_bias is not None) != layout.self_slot:
+    merged = not layout.extra and merges_on(q.device, dropout_p)
+    if merged and (self_bias is not None or keys.finished or keys.stored is not None):
+        if keys.stored is not None:
+            return keys.stored.attend_merged(layer, q, keys.k, keys.v, slope, self_bias, scale)
+        # One dtype for the kernels (under autocast RoPE leaves q and k float32, v bf16).
+        return merged_attention(q, keys.k.to(q.dtype), keys.v.to(q.dtype), _piece_batches(keys),
+                                slope, self_bias, scale)
+    # (Merged without history or self slot: the depth bias shifts every key alike, softmax
+    # ignores it, and the plain causal SDPA below is exact.)
+    if not merged and ((slope is not None) != layout.depth
+                       or (self_bias is not None) != layout.self_slot):
         raise ValueError("block_attention: key layout does not match the biases in use")
     hist_k, hist_v, _ = _pieces(keys)
-    if (self_bias is not None and keys.stored is None and not hist_k
-            and cpu_flash(q, dropout_p)):
-        # No history: the depth bias shifts every key alike (softmax ignores it) and the self
-        # slot is one more part of a log-sum-exp merge; no extra columns, no sink.
-        # One dtype for the kernel (under autocast RoPE leaves q and k float32, v bf16).
-        return _InBlock.apply(q, keys.k.to(q.dtype), keys.v.to(q.dtype), self_bias, scale)
     # The keys after the history (the "tail"): the queries' own keys (in the layout), behind a
     # sink with the self slot; the diagonal then is the self slot with bias 0.
     own_k, own_v = layout.keys(keys.k, layer), layout.values(keys.v)
@@ -184,7 +215,7 @@ def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
         sink_k[..., -1] = 1.0
         sink_v = layout.values(keys.v.new_zeros(batch, kv_heads, 1, head_dim))
         sink_v[..., -1] = 1.0
-        q_extra.append((q * _per_query_head(keys.k, heads)).sum(-1, keepdim=True)
+        q_extra.append((q * per_query_head(keys.k, heads)).sum(-1, keepdim=True)
                        + self_bias / scale)
         # In-block keys shift by one behind the sink; the last would only be a self key.
         # (split, not sliced: see layers.Projection.)
@@ -200,13 +231,8 @@ def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
         return out
     o, _, p_self = out.split([head_dim, int(layout.depth), int(layout.self_slot)], dim=-1)
     if layout.self_slot:
-        o = o + p_self * _per_query_head(keys.v, heads)
+        o = o + p_self * per_query_head(keys.v, heads)
     return o
-
-
-def _per_query_head(x: Tensor, heads: int) -> Tensor:
-    """KV heads `[B, H_kv, …]` repeated for the query heads they serve (GQA); as is without GQA."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float) -> Tensor:
@@ -219,78 +245,3 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float) -> Ten
     mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           scale=scale, enable_gqa=gqa)
-
-
-FLASH_ON_CPU = True
-"""Use the CPU flash kernels and log-sum-exp merges (here and in history.py). Tests switch it off
-to check the paths that other devices use."""
-
-flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-def cpu_flash(q: Tensor, dropout_p: float) -> bool:
-    """Whether the CPU flash kernels (which return the log-sum-exp) serve these queries."""
-    return FLASH_ON_CPU and q.device.type == "cpu" and dropout_p == 0.0
-
-
-class _InBlock(torch.autograd.Function):
-    """Queries of a block with no history over their own keys: key j < i with its plain score,
-    and the self slot, key i with score `q_i·k_i·scale + b_σ` (spec §3).
-
-    Two parts merged by log-sum-exp: strictly causal attention (queries 1…n-1 over keys 0…n-2,
-    one flash call; query 0 has none) and the self slot (one score per query). In backward the
-    flash kernel gets the merged output and lse, which makes it produce its part's exact share;
-    the self slot's gradients are written out: with `p` its weight and `D = rowsum(dO ∘ out)`,
-    `ds = p·(dO·v_i - D)` is its score's gradient.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor,
-                scale: float) -> Tensor:
-        heads, n = q.shape[1], q.shape[2]
-        # Merged in the kernels' lse precision (float32 for bf16 inputs).
-        acc = torch.promote_types(q.dtype, torch.float32)
-        k_own, v_own = _per_query_head(k, heads), _per_query_head(v, heads)
-        self_score = (q * k_own).sum(-1, dtype=acc) * scale + self_bias.to(acc)
-        lse, out = self_score, v_own.clone()
-        if n > 1:
-            part, part_lse = flash_cpu(q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], 0.0, True,
-                                       scale=scale)
-            # Query 0 sees no earlier key: its lse is its self score alone. (Rows written in
-            # place, not concatenated: full-size copies are most of what this path adds.)
-            lse = self_score.clone()
-            lse[:, :, 1:] = torch.logaddexp(part_lse, self_score[:, :, 1:])
-            out = torch.exp(self_score - lse).unsqueeze(-1) * v_own
-            out[:, :, 1:] += torch.exp(part_lse - lse[:, :, 1:]).unsqueeze(-1) * part
-            out = out.to(q.dtype)
-        ctx.scale, ctx.bias_dtype = scale, self_bias.dtype
-        ctx.save_for_backward(q, k, v, out, lse, self_score)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse, self_score = ctx.saved_tensors
-        scale, heads, n = ctx.scale, q.shape[1], q.shape[2]
-        grad = grad.contiguous()
-        k_own, v_own = _per_query_head(k, heads), _per_query_head(v, heads)
-        p_self = torch.exp(self_score - lse)
-        ds = p_self * (grad * (v_own - out)).sum(-1, dtype=lse.dtype)
-        dq = (ds.unsqueeze(-1) * scale * k_own).to(q.dtype)
-        dk = _per_kv_head((ds.unsqueeze(-1) * scale * q).to(k.dtype), k.shape[1])
-        dv = _per_kv_head((p_self.unsqueeze(-1) * grad).to(v.dtype), k.shape[1])
-        if n > 1:
-            dq_part, dk_part, dv_part = flash_cpu_backward(
-                grad[:, :, 1:], q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], out[:, :, 1:],
-                lse[:, :, 1:].contiguous(), 0.0, True, scale=scale)
-            dq[:, :, 1:] += dq_part
-            dk[:, :, :-1] += dk_part
-            dv[:, :, :-1] += dv_part
-        return dq, dk, dv, ds.sum().reshape(1).to(ctx.bias_dtype), None
-
-
-def _per_kv_head(x: Tensor, kv_heads: int) -> Tensor:
-    """Gradients of query heads `[B, H, …]` summed onto the KV heads they share (GQA)."""
-    if x.shape[1] == kv_heads:
-        return x
-    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads)).sum(2)

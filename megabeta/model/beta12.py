@@ -20,6 +20,7 @@ from torch import Tensor
 
 from megabeta.model.attention import KeyLayout, block_attention
 from megabeta.model.layers import Projection, rms_normalize
+from megabeta.model.merged_attention import merges_on
 from megabeta.model.cache import DecodeCache
 from megabeta.model.history import (
     BufferedHistory,
@@ -63,32 +64,33 @@ class Beta12Transformer(DecoderLM):
 
     beta_extras = True
 
-    @property
-    def key_layout(self) -> KeyLayout:
-        """Fused attention stores the depth/self columns with the keys (see attention.py)."""
+    def key_layout(self, dropout: float = 0.0) -> KeyLayout:
+        """Fused attention off the CPU flash kernels stores the depth/self columns with the keys
+        (attention.py); on them the biases are lse shifts (merged_attention.py): no columns."""
         c = self.config
-        return KeyLayout(c.head_dim, depth=c.use_sdpa and c.depth_bias and c.depth_window > 0,
-                         self_slot=c.use_sdpa and c.self_slot)
+        columns = c.use_sdpa and not merges_on(self.tok_embeddings.weight.device, dropout)
+        return KeyLayout(c.head_dim, depth=columns and c.depth_bias and c.depth_window > 0,
+                         self_slot=columns and c.self_slot)
 
     def _sources(self) -> list[list[int]]:
         return [self.config.source_layers(l) for l in range(len(self.layers))]
 
     def _block(self, x: Tensor, start: int, history: BufferedView | PieceView,
-               weights: CellWeights, want_finished: bool, want_construction: bool) -> tuple:
+               weights: CellWeights, dropout: float, want_finished: bool,
+               want_construction: bool) -> tuple:
         """All layers on the tokens `x [B, n, d]` at positions `start …` of one block.
 
         `history` gives each layer its key set: the finished KVs of earlier blocks and, when
         decoding a partly filled block, the construction KVs of its tokens before `start`.
-        `weights` are this pass's fused projections. Returns (finished K per layer, finished V
-        per layer, construction K per layer, construction V per layer, final hidden states); the
-        lists are empty unless wanted.
+        `weights` are this pass's fused projections, `dropout` the attention dropout. Returns
+        (finished K per layer, finished V per layer, construction K per layer, construction V per
+        layer, final hidden states); the lists are empty unless wanted.
 
         Layer l-1's finished K/V are projections of its output, which is layer l's input: they
         come out of layer l's input matmul (CellWeights), and the last layer's after the loop.
         """
         cos, sin = self.rope(start, x.shape[1], x)
-        dropout = self.config.dropout if self.training else 0.0
-        layout, eps = self.key_layout, self.config.norm_eps
+        layout, eps = self.key_layout(dropout), self.config.norm_eps
         fin_k, fin_v, con_k, con_v = [], [], [], []
         for l, layer in enumerate(self.layers):
             attn = layer.attention
@@ -99,7 +101,8 @@ class Beta12Transformer(DecoderLM):
                 fin_v.append(layout.values(fv))
             else:
                 q, k, v = parts
-            slope = attn.depth_slope() if layout.depth or not self.config.use_sdpa else None
+            # With depth_window 0 every group is the layer's own (offset 0): no bias to add.
+            slope = attn.depth_slope() if self.config.depth_window > 0 else None
             o = block_attention(q, history.key_set(l, k, v), layout, slope, attn.self_bias,
                                 self.config.use_sdpa, l, dropout)
             x = layer.mlp_residual(layer.attention_residual(x, o), weights.gate_up[l])
@@ -120,6 +123,7 @@ class Beta12Transformer(DecoderLM):
         x = self.tok_embeddings(tokens)
         # Built once per pass, outside the checkpointed blocks (which only read them).
         weights = CellWeights(self, finished=length > c)
+        dropout = self.config.dropout if self.training else 0.0
         history = self._history(length)
         hidden = []
         try:
@@ -128,7 +132,7 @@ class Beta12Transformer(DecoderLM):
             for s, block in zip(range(0, length, c), x.split(c, dim=1)):
                 e = min(s + c, length)
                 fin_k, fin_v, _, _, h = self._run(self._block, block, s, history.view(s),
-                                                  weights, e < length, False)
+                                                  weights, dropout, e < length, False)
                 if e < length:
                     history.publish(s, fin_k, fin_v)
                 hidden.append(h)
@@ -168,8 +172,9 @@ class Beta12Transformer(DecoderLM):
             history = PieceView(self._sources(), self.config.deep_token_window, block_start,
                                    [(k,) for k, _ in visible], [(v,) for _, v in visible],
                                    [buf.view() for buf in cache.construction])
+            # No attention dropout when decoding: the cache holds the dropout-free key layout.
             fin_k, fin_v, con_k, con_v, h = self._block(x[:, done:done + n], pos, history,
-                                                        weights, True, True)
+                                                        weights, 0.0, True, True)
             for l in range(len(self.layers)):
                 cache.construction[l].append(con_k[l], con_v[l])
                 cache.pending[l].append(fin_k[l], fin_v[l])

@@ -12,28 +12,24 @@ every (block, layer) copies O(T²/c) numbers per forward, and under autograd eac
 backward (design notes, "The block loop"); at c = 32 those copies cost more than the attention.
 Instead:
 
-- Storage. One key and one value buffer per SOURCE layer m, `[B, H_kv, T, width]`, written once
-  per block (`_Publish`). The group of source m that a block reads is rows [0, start) (or the
-  deep-token window's rows): a view, no copy, and never rewritten afterwards.
-- Attention. Per (block, layer), one flash-attention call per group and one for the block's own
-  keys (the "tail": sink and in-block keys, causal), merged exactly by their log-sum-exps (the
-  flash-decoding merge): `lse = logsumexp_g lse_g`, `o = Σ_g exp(lse_g - lse)·o_g`. The depth bias
-  rides in each key's depth column (attention.py), so it is inside every lse_g. In backward the
-  flash backward kernel of each group gets the MERGED output and lse, which makes it produce that
-  group's exact share of the gradient (it forms P = exp(S - lse) and D = rowsum(dO∘O)).
+- Storage. One key and one value buffer for all source layers, `[L, B, H_kv, T, d_h]`, written
+  once per block (`_Publish`). The group of source m that a block reads is rows [0, start) of
+  layer m (or the deep-token window's rows): a view, no copy, and never rewritten afterwards.
+  Adjacent source layers that read the same rows are one view `[g, B, H_kv, rows, d_h]`, which
+  merged_attention.py attends to in one kernel call (`BufferedView.batches`).
+- Attention. On the CPU flash kernels, merged_attention.py: the groups and the block's own keys
+  as parts merged by log-sum-exp. Elsewhere, and with attention dropout, `_ReadHistory`
+  concatenates the groups and the block's tail (sink and in-block keys, in attention.py's
+  column layout) for one SDPA call, and backward recomputes it with autograd: exact, with the
+  copies.
 - Gradients. The history is read from detached views, so autograd has no edge from readers to
-  the finished-KV producers. `_ReadHistory` adds each group's key/value gradient into one
-  gradient buffer per source layer; `_Publish` of block b hands block b's rows to the producers in
+  the finished-KV producers. Readers add each group's key/value gradient into one gradient
+  buffer shaped like the storage; `_Publish` of block b hands block b's rows to the producers in
   its backward.
 - Ordering comes from autograd itself. `_Publish` of block b returns an anchor tensor that every
   reader of block b+1 takes as input, so its backward runs after theirs; theirs run after
   `_Publish` of block b+1 (their outputs flow into block b+1's finished KVs), and so on: when
   block b's gradient is handed out, every later reader has added to it. `release` checks it.
-
-The merge needs the kernels' log-sum-exp, which only the CPU flash kernels expose to us here
-(`torch.ops.aten._scaled_dot_product_flash_attention_for_cpu[_backward]`). Elsewhere, and with
-attention dropout, the groups are concatenated for one SDPA call and backward recomputes it with
-autograd: exact, but with the copies.
 """
 
 from __future__ import annotations
@@ -45,7 +41,8 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from megabeta.model.attention import KeySet, cpu_flash, flash_cpu, flash_cpu_backward, sdpa
+from megabeta.model.attention import KeySet, sdpa
+from megabeta.model.merged_attention import GroupBatch, merged_attention
 
 History = list[tuple[Tensor, ...]]
 """Per source layer m, the finished K (or V) pieces covering tokens 0 … start(block)-1, in order."""
@@ -122,7 +119,7 @@ class PieceHistory:
 
 
 class BufferedHistory:
-    """The history of one forward pass in per-source buffers (module doc); one per forward call."""
+    """The history of one forward pass in stacked buffers (module doc); one per forward call."""
 
     def __init__(self, sources: list[list[int]], window: int, length: int) -> None:
         self.sources, self.window, self.length = sources, window, length
@@ -130,10 +127,11 @@ class BufferedHistory:
         # Allocated at the first publish in the finished keys' shape and dtype (under autocast
         # whatever the projections and RoPE made of them, not necessarily the embedding's),
         # which readers then compute in.
-        self.keys: list[Tensor] = []
-        self.values: list[Tensor] = []
-        self.grad_keys: list[Tensor] | None = None
-        self.grad_values: list[Tensor] | None = None
+        self.keys: Tensor | None = None
+        """`[L, B, H_kv, T, d]`: finished keys of every layer (source)."""
+        self.values: Tensor | None = None
+        self.grad_keys: Tensor | None = None
+        self.grad_values: Tensor | None = None
         self.published = 0
         """Tokens whose finished KVs have been written."""
         self.starts: list[int] = []
@@ -159,40 +157,38 @@ class BufferedHistory:
         """(source layer, history rows) of each finished group the block at `start` reads."""
         return [(m, group_rows(self.window, layer, m, start)) for m in self.sources[layer]]
 
-    # ---- used by the autograd functions ---------------------------------------------------------
+    # ---- used by the readers and the autograd functions -----------------------------------------
     def write_finished(self, start: int, fin_k: tuple[Tensor, ...],
                        fin_v: tuple[Tensor, ...]) -> None:
         if start != self.published:
             raise RuntimeError(f"finished KVs published out of order (block at {start}, "
                                f"expected {self.published})")
-        if not self.keys:
+        if self.keys is None:
             batch, heads, _, width = fin_k[0].shape
-            shape = (batch, heads, self.length, width)
+            shape = (self.layers, batch, heads, self.length, width)
             # One dtype for both (the kernels take one): under autocast, RoPE's float32 tables
             # promote keys to float32 while values stay bf16.
-            self.keys = [fin_k[0].new_empty(shape) for _ in range(self.layers)]
-            self.values = [fin_k[0].new_empty(shape) for _ in range(self.layers)]
+            self.keys, self.values = fin_k[0].new_empty(shape), fin_k[0].new_empty(shape)
         n = fin_k[0].shape[2]
         self.starts.append(start)
         for m in range(self.layers):
-            self.keys[m][:, :, start:start + n] = fin_k[m]
-            self.values[m][:, :, start:start + n] = fin_v[m]
+            self.keys[m, :, :, start:start + n] = fin_k[m]
+            self.values[m, :, :, start:start + n] = fin_v[m]
         self.published = start + n
 
-    def grads(self, m: int, rows: slice) -> tuple[Tensor, Tensor]:
-        """The gradient buffers (K, V) of source `m`'s history `rows`, for readers to add to."""
+    def grads(self, sources: slice, rows: slice) -> tuple[Tensor, Tensor]:
+        """The gradient buffers (K, V) of `sources`' history `rows`, `[g, B, H_kv, rows, d]`,
+        for readers to add to."""
         if self.grad_keys is None:
             # Summed over every later block: in float32 even when the history is bf16.
-            dtype = torch.promote_types(self.keys[0].dtype, torch.float32)
-            self.grad_keys = [torch.zeros_like(k, dtype=dtype) for k in self.keys]
-            self.grad_values = [torch.zeros_like(v, dtype=dtype) for v in self.values]
-        return self.grad_keys[m][:, :, rows], self.grad_values[m][:, :, rows]
+            dtype = torch.promote_types(self.keys.dtype, torch.float32)
+            self.grad_keys = torch.zeros_like(self.keys, dtype=dtype)
+            self.grad_values = torch.zeros_like(self.values, dtype=dtype)
+        return self.grad_keys[sources, :, :, rows], self.grad_values[sources, :, :, rows]
 
-    def add_grad(self, m: int, rows: slice, dk: Tensor, dv: Tensor) -> None:
-        """Add a reader's gradient of source `m`'s history `rows`."""
-        grad_k, grad_v = self.grads(m, rows)
-        grad_k.add_(dk)
-        grad_v.add_(dv)
+    def read(self, start: int) -> None:
+        """One layer's readers of the block at `start` have run backward."""
+        self.read_back[start] = self.read_back.get(start, 0) + 1
 
     def release(self, start: int, n: int) -> list[Tensor | None]:
         """Gradients of the finished KVs of the block at `start` (all later readers are done)."""
@@ -203,15 +199,15 @@ class BufferedHistory:
         if self.grad_keys is None:
             grads = [None] * (2 * self.layers)
         else:
-            rows, dtype = slice(start, start + n), self.keys[0].dtype
-            grads = ([g[:, :, rows].to(dtype, copy=True) for g in self.grad_keys]
-                     + [g[:, :, rows].to(dtype, copy=True) for g in self.grad_values])
+            rows, dtype = slice(start, start + n), self.keys.dtype
+            grads = [g[:, :, rows].to(dtype, copy=True)
+                     for g in (*self.grad_keys, *self.grad_values)]
         if start == 0:
             # The first block's gradients are the last to go: nobody reads the buffers again.
             # Dropped here because torch's non-reentrant checkpoint keeps its inputs (our views)
             # in a reference cycle until the garbage collector runs: with block checkpointing,
             # this history would otherwise outlive the step.
-            self.keys, self.values, self.grad_keys, self.grad_values = [], [], None, None
+            self.keys = self.values = self.grad_keys = self.grad_values = None
         return grads
 
 
@@ -228,11 +224,40 @@ class BufferedView:
             return KeySet(k=k, v=v)
         return KeySet(k=k, v=v, stored=self)
 
+    def batches(self, layer: int) -> list[GroupBatch]:
+        """The finished groups of `layer` as merged_attention's batches: runs of adjacent
+        source layers that read the same rows, each one view of the buffers."""
+        history = self.history
+        runs: list[list[tuple[int, slice]]] = []
+        for m, rows in history.groups(layer, self.block_start):
+            if runs and runs[-1][-1] == (m - 1, rows):
+                runs[-1].append((m, rows))
+            else:
+                runs.append([(m, rows)])
+        batches = []
+        for run in runs:
+            sources, rows = slice(run[0][0], run[-1][0] + 1), run[0][1]
+            batches.append(GroupBatch(
+                history.keys[sources, :, :, rows], history.values[sources, :, :, rows],
+                [m - layer for m, _ in run],
+                lambda sources=sources, rows=rows: history.grads(sources, rows)))
+        return batches
+
+    def attend_merged(self, layer: int, q: Tensor, k: Tensor, v: Tensor, slope: Tensor | None,
+                      self_bias: Tensor | None, scale: float) -> Tensor:
+        """merged_attention over `layer`'s finished groups and the block's own keys, in the
+        history's dtype (the kernels take one; autocast does not reach them)."""
+        dtype = self.history.keys.dtype
+        start = self.block_start
+        return merged_attention(q.to(dtype), k.to(dtype), v.to(dtype), self.batches(layer), slope,
+                                self_bias, scale, self.anchor,
+                                lambda: self.history.read(start))
+
     def attend(self, layer: int, q: Tensor, k_tail: Tensor, v_tail: Tensor, dropout_p: float,
                scale: float) -> Tensor:
-        """Attention of `q` over the finished groups of `layer` and the tail `k_tail/v_tail`,
-        in the history's dtype (the kernels take one dtype; autocast does not reach them)."""
-        dtype = self.history.keys[0].dtype
+        """Attention of `q` over the finished groups of `layer` and the tail `k_tail/v_tail`
+        (attention.py's column layout), in the history's dtype."""
+        dtype = self.history.keys.dtype
         return _ReadHistory.apply(q.to(dtype), k_tail.to(dtype), v_tail.to(dtype), self.anchor,
                                   self.history, layer, self.block_start, dropout_p, scale)
 
@@ -253,101 +278,43 @@ class _Publish(torch.autograd.Function):
         return (None, None, *ctx.history.release(ctx.start, ctx.n))
 
 
-
-
 class _ReadHistory(torch.autograd.Function):
-    """Attention over a block's finished groups (buffer views) and its tail; see the module doc."""
+    """One SDPA call over a block's finished groups (concatenated) and its tail; backward
+    recomputes it with autograd over leaves that alias the buffers, replaying the forward's
+    dropout (there is no kernel to call directly off the CPU)."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k_tail: Tensor, v_tail: Tensor, anchor: Tensor,
                 history: BufferedHistory, layer: int, start: int, dropout_p: float,
                 scale: float) -> Tensor:
         ctx.args = history, layer, start, dropout_p, scale
+        ctx.rng = _rng_state(q.device) if dropout_p else None
+        ctx.save_for_backward(q, k_tail, v_tail)
         groups = history.groups(layer, start)
-        ctx.merged = cpu_flash(q, dropout_p)
-        if not ctx.merged:
-            ctx.rng = _rng_state(q.device) if dropout_p else None
-            ctx.save_for_backward(q, k_tail, v_tail)
-            keys = [history.keys[m][:, :, rows] for m, rows in groups]
-            values = [history.values[m][:, :, rows] for m, rows in groups]
-            return sdpa(q, torch.cat([*keys, k_tail], 2), torch.cat([*values, v_tail], 2),
-                        dropout_p, scale)
-        parts = [flash_cpu(q, history.keys[m][:, :, rows], history.values[m][:, :, rows], 0.0,
-                        False, scale=scale) for m, rows in groups]
-        parts.append(flash_cpu(q, k_tail, v_tail, 0.0, True, scale=scale))
-        lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
-        # The kernels' lse is float32 even for bf16 inputs: merge in it, return the input dtype.
-        out = sum(torch.exp(part_lse - lse).unsqueeze(-1) * part_out
-                  for part_out, part_lse in parts).to(q.dtype)
-        ctx.save_for_backward(q, k_tail, v_tail, out, lse)
-        return out
+        keys = [history.keys[m, :, :, rows] for m, rows in groups]
+        values = [history.values[m, :, :, rows] for m, rows in groups]
+        return sdpa(q, torch.cat([*keys, k_tail], 2), torch.cat([*values, v_tail], 2),
+                    dropout_p, scale)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         history, layer, start, dropout_p, scale = ctx.args
         groups = history.groups(layer, start)
-        if ctx.merged:
-            q, k_tail, v_tail, out, lse = ctx.saved_tensors
-            grad = grad.contiguous()
-            dq, dk_tail, dv_tail = flash_cpu_backward(grad, q, k_tail, v_tail, out, lse, 0.0, True,
-                                                   scale=scale)
-            by_matmul = q.dtype in (torch.float32, torch.float64)
-            delta = (grad * out).sum(-1) if by_matmul else None
-            for m, rows in groups:
-                k, v = history.keys[m][:, :, rows], history.values[m][:, :, rows]
-                if by_matmul:
-                    dq = dq + _group_backward(grad, q, k, v, lse, delta, scale,
-                                              *history.grads(m, rows))
-                    continue
-                dq_g, dk, dv = flash_cpu_backward(grad, q, k, v, out, lse, 0.0, False,
-                                               scale=scale)
-                dq = dq + dq_g
-                history.add_grad(m, rows, dk, dv)
-        else:
-            q, k_tail, v_tail = ctx.saved_tensors
-            # No kernel to call directly: recompute with autograd over leaves that alias the
-            # buffers, replaying the forward's dropout.
-            with torch.enable_grad(), _restored_rng(ctx.rng, q.device):
-                keys = [history.keys[m][:, :, rows].detach().requires_grad_()
-                        for m, rows in groups]
-                values = [history.values[m][:, :, rows].detach().requires_grad_()
-                          for m, rows in groups]
-                leaves = [t.detach().requires_grad_() for t in (q, k_tail, v_tail)]
-                out = sdpa(leaves[0], torch.cat([*keys, leaves[1]], 2),
-                           torch.cat([*values, leaves[2]], 2), dropout_p, scale)
-                dq, dk_tail, dv_tail, *dkv = torch.autograd.grad(out, leaves + keys + values,
-                                                                 grad)
-            for (m, rows), dk, dv in zip(groups, dkv[:len(groups)], dkv[len(groups):]):
-                history.add_grad(m, rows, dk, dv)
-        history.read_back[start] = history.read_back.get(start, 0) + 1
+        q, k_tail, v_tail = ctx.saved_tensors
+        with torch.enable_grad(), _restored_rng(ctx.rng, q.device):
+            keys = [history.keys[m, :, :, rows].detach().requires_grad_() for m, rows in groups]
+            values = [history.values[m, :, :, rows].detach().requires_grad_()
+                      for m, rows in groups]
+            leaves = [t.detach().requires_grad_() for t in (q, k_tail, v_tail)]
+            out = sdpa(leaves[0], torch.cat([*keys, leaves[1]], 2),
+                       torch.cat([*values, leaves[2]], 2), dropout_p, scale)
+            dq, dk_tail, dv_tail, *dkv = torch.autograd.grad(out, leaves + keys + values, grad)
+        for (m, rows), dk, dv in zip(groups, dkv[:len(groups)], dkv[len(groups):]):
+            grad_k, grad_v = history.grads(slice(m, m + 1), rows)
+            grad_k[0].add_(dk)
+            grad_v[0].add_(dv)
+        history.read(start)
         return (dq, dk_tail, dv_tail, grad.new_zeros(()), None, None, None, None, None)
-
-
-def _group_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
-                    scale: float, grad_k: Tensor, grad_v: Tensor) -> Tensor:
-    """Backward of one finished group by matmuls, given the MERGED lse and `delta` =
-    rowsum(grad ∘ merged out) (module doc); adds dK/dV into `grad_k/grad_v` (the buffers'
-    rows) and returns dQ. (Not `baddbmm_` into the rows: on a strided output it falls back to one
-    matmul per head.)
-
-    A block's few queries over a long history are a poor fit for the flash backward kernel: these
-    matmuls measured 1.5-1.8x faster for 768-2048 keys (float32, 2 threads) and equal at 256.
-    Query heads that share a KV head (GQA) are stacked as rows of one matrix.
-    """
-    batch, heads, n, width = q.shape
-    kv_heads, length = k.shape[1], k.shape[2]
-    rows = heads // kv_heads * n
-    qg = q.reshape(batch * kv_heads, rows, width)
-    gg = grad.reshape(batch * kv_heads, rows, grad.shape[-1])
-    kg = k.reshape(batch * kv_heads, length, width)
-    vg = v.reshape(batch * kv_heads, length, v.shape[-1])
-    p = torch.bmm(qg, kg.transpose(1, 2)).mul_(scale)
-    p = p.sub_(lse.reshape(batch * kv_heads, rows, 1)).exp_()
-    grad_v.add_(torch.bmm(p.transpose(1, 2), gg).view(grad_v.shape))
-    ds = torch.bmm(gg, vg.transpose(1, 2)).sub_(delta.reshape(batch * kv_heads, rows, 1))
-    ds = ds.mul_(p).mul_(scale)
-    grad_k.add_(torch.bmm(ds.transpose(1, 2), qg).view(grad_k.shape))
-    return torch.bmm(ds, kg).view(batch, heads, n, width)
 
 
 def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:

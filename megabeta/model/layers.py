@@ -46,8 +46,9 @@ def rope_tables(head_dim: int, start: int, length: int, theta: float) -> tuple[T
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate `x [B, heads, n, d_h]` by the positions whose tables `cos/sin [n, d_h]` were sliced."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    # Split, not sliced: each slice's backward zero-fills a gradient of all of x.
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
     return x * cos + rotated * sin
 
 

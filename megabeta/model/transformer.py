@@ -62,9 +62,9 @@ class DecoderLM(nn.Module):
             else:
                 nn.init.zeros_(p)
 
-    @property
-    def key_layout(self) -> KeyLayout:
-        """How this arm stores keys and values for attention (plain for the control arms)."""
+    def key_layout(self, dropout: float = 0.0) -> KeyLayout:
+        """How this arm stores keys and values for attention with this attention dropout (plain
+        for the control arms)."""
         return KeyLayout(self.config.head_dim)
 
     def head_weight(self) -> Tensor:
@@ -135,7 +135,7 @@ class DecoderLM(nn.Module):
 
     def _kv_buffers(self, batch: int, count: int, capacity: int) -> list[KVBuffer]:
         p = self.tok_embeddings.weight
-        return [KVBuffer(batch, self.config.num_kv_heads, capacity, self.key_layout.width,
+        return [KVBuffer(batch, self.config.num_kv_heads, capacity, self.key_layout().width,
                          p.dtype, p.device) for _ in range(count)]
 
     def _capacity(self, capacity: int | None) -> int:
@@ -188,7 +188,7 @@ class StandardTransformer(DecoderLM):
         if cache is not None:
             keys.prefix_k, keys.prefix_v = cache.view()
         dropout = self.config.dropout if self.training else 0.0
-        o = block_attention(q, keys, self.key_layout, None, None, self.config.use_sdpa, 0,
+        o = block_attention(q, keys, self.key_layout(dropout), None, None, self.config.use_sdpa, 0,
                             dropout)
         return layer.mlp_residual(layer.attention_residual(x, o), gate_up), k, v
 

@@ -1,0 +1,223 @@
+"""beta_1.2 attention on the CPU flash kernels: the key set in parts, merged by log-sum-exp.
+
+A block's queries of layer l attend over (spec §3) the finished groups of its source layers, the
+construction KVs of earlier tokens of the block (strictly causal) and the self slot. Each part is
+attended separately and the parts are merged exactly by their log-sum-exps (the flash-decoding
+merge): `lse = logsumexp_p lse_p`, `o = Σ_p exp(lse_p - lse)·o_p`. That is what lets the learned
+biases stay out of every kernel:
+
+- depth bias: the bias `-λ_h·(m - l)` is the same for every key of source m's group, so it is a
+  shift of that group's lse. Its gradient is the row sum of the group's score gradient, which the
+  group's backward forms anyway.
+- self slot: one key per query with score `q_i·k_i·scale + b_σ`; its part is that score and the
+  value `v_i`, written out elementwise.
+- in-block keys: a strictly causal flash call (queries 1…n-1 over keys 0…n-2); without a self
+  slot, the ordinary causal call.
+
+So keys and values stay `head_dim` wide everywhere (no extra head columns, no sink key). Groups
+that read the same rows of adjacent source layers come stacked over the batch dimension
+(`GroupBatch`, views of the history's buffers): one flash call and one set of backward matmuls
+for all of them.
+
+In backward each part's kernel gets the MERGED output and lse (a group's lse shifted by its
+depth bias), which makes it produce that part's exact share of the gradient: it forms
+`P = exp(S - lse)` and `D = rowsum(dO ∘ O)`. The self slot's gradients are written out. (Batched
+matmuls for the groups' backward, which materialize P, measured 1.3-3x slower than the kernel
+here, which keeps P in cache: 32 queries over 240-480 keys, float32, 2 threads.)
+
+The CPU flash kernels (`torch.ops.aten._scaled_dot_product_flash_attention_for_cpu[_backward]`)
+are the ones that expose the lse to us here, and they have no dropout: other devices and
+attention dropout take attention.py's single-SDPA path, with the biases in extra head columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+FLASH_ON_CPU = True
+"""Use the CPU flash kernels and log-sum-exp merges. Tests switch it off to check the path that
+other devices use."""
+
+flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def merges_on(device: torch.device, dropout_p: float) -> bool:
+    """Whether attention on `device` with this dropout runs here (else: attention.py's columns)."""
+    return FLASH_ON_CPU and device.type == "cpu" and dropout_p == 0.0
+
+
+@dataclass(eq=False)
+class GroupBatch:
+    """Finished groups (or a decoding prefix) that a block's queries read in one kernel call.
+
+    `k/v [g, B, H_kv, rows, d_h]` stack g groups of the same rows; `offsets` are their depth
+    offsets m - l (0 for a prefix); `grads()` gives the `[g, B, H_kv, rows, d_h]` buffers their
+    gradients are added to (None: no gradient wanted, as in decoding).
+    """
+
+    k: Tensor
+    v: Tensor
+    offsets: list[int]
+    grads: Callable[[], tuple[Tensor, Tensor]] | None = None
+
+
+def merged_attention(q: Tensor, k: Tensor, v: Tensor, batches: list[GroupBatch],
+                     slope: Tensor | None, self_bias: Tensor | None, scale: float,
+                     anchor: Tensor | None = None,
+                     on_backward: Callable[[], None] | None = None) -> Tensor:
+    """Attention `[B, H, n, d_h]` of queries `q` over the groups in `batches`, their own keys
+    `k/v [B, H_kv, n, d_h]` (in-block and self slot) and, with `slope` λ per head `[H]`, the depth
+    bias. `anchor` (an input whose backward must wait for this one's) and `on_backward` (called
+    when this backward is done) let history.py order the finished-KV gradients."""
+    if torch.is_grad_enabled() and any(b.grads is None and (b.k.requires_grad or b.v.requires_grad)
+                                       for b in batches):
+        raise RuntimeError("merged_attention: key groups that require grad need a gradient "
+                           "buffer (GroupBatch.grads)")
+    return _Merged.apply(q, k, v, self_bias, slope, anchor, batches, on_backward, scale)
+
+
+class _Merged(torch.autograd.Function):
+    """See the module doc; `self_bias`/`slope` may be None (no self slot / no depth bias)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
+                slope: Tensor | None, anchor: Tensor | None, batches: list[GroupBatch],
+                on_backward: Callable[[], None] | None, scale: float) -> Tensor:
+        heads, n = q.shape[1], q.shape[2]
+        # Merged in the kernels' lse precision (float32 for bf16 inputs).
+        acc = torch.promote_types(q.dtype, torch.float32)
+        self_score = None
+        if self_bias is None:
+            causal, causal_lse = flash_cpu(q, k, v, 0.0, True, scale=scale)[:2]
+            lse = causal_lse
+        else:
+            self_score = (q * per_query_head(k, heads)).sum(-1, dtype=acc) * scale
+            self_score = self_score + self_bias.to(acc)
+            lse = self_score
+            if n > 1:
+                # Query 0 sees no earlier key of its block: strictly causal over the rest.
+                causal, causal_lse = flash_cpu(q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], 0.0,
+                                               True, scale=scale)[:2]
+                lse = lse.clone()
+                lse[:, :, 1:] = torch.logaddexp(lse[:, :, 1:], causal_lse)
+        if batches:
+            groups_out, groups_lse = _attend_groups(q, batches, slope, scale, acc)
+            lse = torch.logaddexp(lse, torch.logsumexp(groups_lse, dim=0))
+
+        if self_score is None:
+            out = torch.exp(causal_lse - lse).unsqueeze(-1) * causal
+        else:
+            out = torch.exp(self_score - lse).unsqueeze(-1) * per_query_head(v, heads)
+            if n > 1:
+                # Rows written in place: full-size copies are most of what merging adds.
+                out[:, :, 1:].addcmul_(torch.exp(causal_lse - lse[:, :, 1:]).unsqueeze(-1),
+                                       causal)
+        weighted = weights = None
+        if batches:
+            weights = torch.exp(groups_lse - lse)
+            weighted = weights.unsqueeze(-1) * groups_out
+            out += weighted.sum(0)
+        if slope is None or not any(o for b in batches for o in b.offsets):
+            # Only the depth bias's gradient reads the groups' weighted outputs.
+            weighted = weights = None
+        out = out.to(q.dtype)
+        ctx.scale, ctx.batches, ctx.on_backward = scale, batches, on_backward
+        ctx.has_anchor = anchor is not None
+        ctx.bias_dtype = None if self_bias is None else self_bias.dtype
+        ctx.save_for_backward(q, k, v, out, lse, self_score, slope, weighted, weights)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, self_score, slope, weighted, weights = ctx.saved_tensors
+        scale, heads, n, kv_heads = ctx.scale, q.shape[1], q.shape[2], k.shape[1]
+        grad = grad.contiguous()
+        acc = lse.dtype
+        delta = None
+        if self_score is not None or weighted is not None:
+            delta = (grad * out).sum(-1, dtype=acc)
+        d_bias = None
+        if self_score is None:
+            dq, dk, dv = flash_cpu_backward(grad, q, k, v, out, lse, 0.0, True, scale=scale)[:3]
+        else:
+            p_self = torch.exp(self_score - lse)
+            v_own = per_query_head(v, heads)
+            d_self = p_self * ((grad * v_own).sum(-1, dtype=acc) - delta)
+            d_bias = d_self.sum().reshape(1).to(ctx.bias_dtype)
+            d_self = (d_self * scale).unsqueeze(-1)
+            dq = (d_self * per_query_head(k, heads)).to(q.dtype)
+            dk = per_kv_head((d_self * q).to(k.dtype), kv_heads)
+            dv = per_kv_head((p_self.unsqueeze(-1) * grad).to(v.dtype), kv_heads)
+            if n > 1:
+                dq_c, dk_c, dv_c = flash_cpu_backward(
+                    grad[:, :, 1:], q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], out[:, :, 1:],
+                    lse[:, :, 1:].contiguous(), 0.0, True, scale=scale)[:3]
+                dq[:, :, 1:] += dq_c
+                dk[:, :, :-1] += dk_c
+                dv[:, :, :-1] += dv_c
+        for b in ctx.batches:
+            grad_k, grad_v = b.grads() if b.grads is not None else (None, None)
+            # The kernel forms P = exp(S·scale - lse_i) with lse_i = lse + λ·offset: each
+            # group's exact share of the merged softmax, depth bias included.
+            shifted = (lse + _bias(slope, b.offsets, acc)).expand(len(b.offsets), *lse.shape)
+            for i in range(len(b.offsets)):
+                dq_g, dk_g, dv_g = flash_cpu_backward(grad, q, b.k[i], b.v[i], out,
+                                                      shifted[i].contiguous(), 0.0, False,
+                                                      scale=scale)[:3]
+                dq += dq_g
+                if grad_k is not None:
+                    grad_k[i].add_(dk_g)
+                    grad_v[i].add_(dv_g)
+        d_slope = None if slope is None else torch.zeros_like(slope)
+        if weighted is not None:
+            # Score bias -λ·offset per group: dλ = -Σ offset · (row sums of the group's score
+            # gradient), and that row sum is w_g·(dO·o_g - D) with o_g the group's own output.
+            d_shift = (grad.to(acc) * weighted).sum(-1) - weights * delta
+            offsets = torch.tensor([o for b in ctx.batches for o in b.offsets], dtype=acc)
+            d_slope = -(d_shift * offsets.view(-1, 1, 1, 1)).sum((0, 1, 3)).to(slope.dtype)
+        if ctx.on_backward is not None:
+            ctx.on_backward()
+        # The batches are views of the history's buffers: the graph must not keep them alive
+        # (with block checkpointing it lives on in a reference cycle until a collection).
+        ctx.batches = ()
+        d_anchor = grad.new_zeros(()) if ctx.has_anchor else None
+        return dq, dk, dv, d_bias, d_slope, d_anchor, None, None, None
+
+
+def _attend_groups(q: Tensor, batches: list[GroupBatch], slope: Tensor | None, scale: float,
+                   acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Each group's own attention output `[G, B, H, n, d_h]` and lse `[G, B, H, n]` (depth bias
+    included), one kernel call per batch of stacked groups."""
+    outs, lses = [], []
+    for b in batches:
+        g = len(b.offsets)
+        o, lse = flash_cpu(q.repeat(g, 1, 1, 1) if g > 1 else q, b.k.flatten(0, 1),
+                           b.v.flatten(0, 1), 0.0, False, scale=scale)[:2]
+        outs.append(o.view(g, *q.shape))
+        lses.append(lse.view(g, *q.shape[:3]) - _bias(slope, b.offsets, acc))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _bias(slope: Tensor | None, offsets: list[int], dtype: torch.dtype) -> Tensor | float:
+    """The depth bias λ_h·(m - l) of each group `[g, 1, H, 1]` (subtracted from its lse)."""
+    if slope is None or not any(offsets):
+        return 0.0
+    steps = torch.tensor(offsets, dtype=dtype, device=slope.device).view(-1, 1, 1, 1)
+    return steps * slope.to(dtype).view(1, 1, -1, 1)
+
+
+def per_query_head(x: Tensor, heads: int) -> Tensor:
+    """KV heads `[B, H_kv, …]` repeated for the query heads they serve (GQA); as is without GQA."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def per_kv_head(x: Tensor, kv_heads: int) -> Tensor:
+    """Gradients of query heads `[B, H, …]` summed onto the KV heads they share (GQA)."""
+    if x.shape[1] == kv_heads:
+        return x
+    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads)).sum(2)
