@@ -7,8 +7,9 @@ merge): `lse = logsumexp_p lse_p`, `o = Σ_p exp(lse_p - lse)·o_p`. That is wha
 biases stay out of every kernel:
 
 - depth bias: the bias `-λ_h·(m - l)` is the same for every key of source m's group, so it is a
-  shift of that group's lse. Its gradient is the row sum of the group's score gradient, which the
-  group's backward forms anyway.
+  shift of that group's lse. Its gradient is the row sum of the group's score gradient,
+  `w_g·(dO·o_g - D)` with `w_g` the group's merge weight and `o_g` its own output (kept from
+  the forward).
 - self slot: one key per query with score `q_i·k_i·scale + b_σ`; its part is that score and the
   value `v_i`, written out elementwise.
 - in-block keys: a strictly causal flash call (queries 1…n-1 over keys 0…n-2); without a self
@@ -16,8 +17,7 @@ biases stay out of every kernel:
 
 So keys and values stay `head_dim` wide everywhere (no extra head columns, no sink key). Groups
 that read the same rows of adjacent source layers come stacked over the batch dimension
-(`GroupBatch`, views of the history's buffers): one flash call and one set of backward matmuls
-for all of them.
+(`GroupBatch`, views of the history's buffers): one forward kernel call for all of them.
 
 In backward each part's kernel gets the MERGED output and lse (a group's lse shifted by its
 depth bias), which makes it produce that part's exact share of the gradient: it forms
@@ -136,30 +136,24 @@ class _Merged(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, self_score, slope, weighted, weights = ctx.saved_tensors
         scale, heads, n, kv_heads = ctx.scale, q.shape[1], q.shape[2], k.shape[1]
-        grad = grad.contiguous()
         acc = lse.dtype
-        delta = None
-        if self_score is not None or weighted is not None:
-            delta = (grad * out).sum(-1, dtype=acc)
         d_bias = None
         if self_score is None:
             dq, dk, dv = flash_cpu_backward(grad, q, k, v, out, lse, 0.0, True, scale=scale)[:3]
         else:
+            # The self slot's score gradient p·(dO·v_i - D), D = rowsum(dO ∘ out).
             p_self = torch.exp(self_score - lse)
-            v_own = per_query_head(v, heads)
-            d_self = p_self * ((grad * v_own).sum(-1, dtype=acc) - delta)
+            d_self = p_self * (grad * (per_query_head(v, heads) - out)).sum(-1, dtype=acc)
             d_bias = d_self.sum().reshape(1).to(ctx.bias_dtype)
             d_self = (d_self * scale).unsqueeze(-1)
-            dq = (d_self * per_query_head(k, heads)).to(q.dtype)
-            dk = per_kv_head((d_self * q).to(k.dtype), kv_heads)
-            dv = per_kv_head((p_self.unsqueeze(-1) * grad).to(v.dtype), kv_heads)
+            dq_c = dk_c = dv_c = None
             if n > 1:
                 dq_c, dk_c, dv_c = flash_cpu_backward(
                     grad[:, :, 1:], q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], out[:, :, 1:],
                     lse[:, :, 1:].contiguous(), 0.0, True, scale=scale)[:3]
-                dq[:, :, 1:] += dq_c
-                dk[:, :, :-1] += dk_c
-                dv[:, :, :-1] += dv_c
+            dq = _plus_self(dq_c, d_self, per_query_head(k, heads), True, heads)
+            dk = _plus_self(dk_c, d_self, q, False, kv_heads)
+            dv = _plus_self(dv_c, p_self.unsqueeze(-1), grad, False, kv_heads)
         for b in ctx.batches:
             grad_k, grad_v = b.grads() if b.grads is not None else (None, None)
             # The kernel forms P = exp(S·scale - lse_i) with lse_i = lse + λ·offset: each
@@ -175,6 +169,7 @@ class _Merged(torch.autograd.Function):
                     grad_v[i].add_(dv_g)
         d_slope = None if slope is None else torch.zeros_like(slope)
         if weighted is not None:
+            delta = (grad * out).sum(-1, dtype=acc)
             # Score bias -λ·offset per group: dλ = -Σ offset · (row sums of the group's score
             # gradient), and that row sum is w_g·(dO·o_g - D) with o_g the group's own output.
             d_shift = (grad.to(acc) * weighted).sum(-1) - weights * delta
@@ -187,6 +182,26 @@ class _Merged(torch.autograd.Function):
         ctx.batches = ()
         d_anchor = grad.new_zeros(()) if ctx.has_anchor else None
         return dq, dk, dv, d_bias, d_slope, d_anchor, None, None, None
+
+
+def _plus_self(part: Tensor | None, weight: Tensor, x: Tensor, queries: bool,
+               heads: int) -> Tensor:
+    """A gradient of the block's own queries/keys/values: the self slot's `weight·x` on every
+    row plus the causal kernel's `part`, which covers rows 1… (`queries`) or rows …n-2 (keys
+    and values). Written into one tensor rather than added afterwards: at c = T these full-size
+    passes are most of what the self slot costs. With GQA the self part is first summed onto
+    the KV heads."""
+    dtype = x.dtype if part is None else part.dtype
+    rows, other = (slice(1, None), slice(0, 1)) if queries else (slice(0, -1), slice(-1, None))
+    if part is None or x.shape[1] != heads:
+        full = per_kv_head((weight * x).to(dtype), heads)
+        if part is not None:
+            full[:, :, rows] += part
+        return full
+    full = torch.empty(x.shape, dtype=dtype, device=x.device)
+    torch.addcmul(part, weight[:, :, rows], x[:, :, rows], out=full[:, :, rows])
+    torch.mul(weight[:, :, other], x[:, :, other], out=full[:, :, other])
+    return full
 
 
 def _attend_groups(q: Tensor, batches: list[GroupBatch], slope: Tensor | None, scale: float,
