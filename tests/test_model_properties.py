@@ -161,3 +161,18 @@ def test_a_training_step_frees_its_history(checkpoint: str, monkeypatch) -> None
             assert histories[0]() is None
     finally:
         gc.enable()
+
+
+def test_merged_attention_refuses_key_groups_it_cannot_differentiate() -> None:
+    """Groups handed to the CPU merge without a gradient buffer (decoding's pieces) would get no
+    gradient: under autograd that is an error, not a silently missing gradient."""
+    from megabeta.model.merged_attention import GroupBatch, merged_attention
+
+    q, k, v = (torch.randn(1, 2, 3, 4, dtype=torch.float64) for _ in range(3))
+    group = torch.randn(1, 1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+    batch = GroupBatch(group, group, [1])
+    with pytest.raises(RuntimeError, match="gradient buffer"):
+        merged_attention(q, k, v, [batch], None, torch.zeros(1, dtype=torch.float64), 0.5)
+    with torch.no_grad():
+        out = merged_attention(q, k, v, [batch], None, torch.zeros(1, dtype=torch.float64), 0.5)
+    assert out.shape == q.shape

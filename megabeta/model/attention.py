@@ -45,18 +45,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megabeta.model.merged_attention import (GroupBatch, merged_attention, merges_on,
-                                             per_query_head)
+from megabeta.model.merged_attention import GroupBatch, merged_attention, per_query_head
 
 
 @dataclass(frozen=True)
 class KeyLayout:
     """How keys and values are stored for one model: `head_dim` features, then for the fused path
-    a depth column (source layer index) and a self column (sink marker), when used."""
+    a depth column (source layer index) and a self column (sink marker), when used. `merged`:
+    the fused path runs on merged_attention.py instead (no columns)."""
 
     head_dim: int
     depth: bool = False
     self_slot: bool = False
+    merged: bool = False
 
     @property
     def extra(self) -> int:
@@ -189,8 +190,7 @@ def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
     batch, heads, n, head_dim = q.shape
     kv_heads = keys.k.shape[1]
     scale = 1.0 / math.sqrt(head_dim)
-    merged = not layout.extra and merges_on(q.device, dropout_p)
-    if merged and (self_bias is not None or keys.finished or keys.stored is not None):
+    if layout.merged and (self_bias is not None or keys.finished or keys.stored is not None):
         if keys.stored is not None:
             return keys.stored.attend_merged(layer, q, keys.k, keys.v, slope, self_bias, scale)
         # One dtype for the kernels (under autocast RoPE leaves q and k float32, v bf16).
@@ -198,8 +198,8 @@ def _fused(q: Tensor, keys: KeySet, layout: KeyLayout, slope: Tensor | None,
                                 slope, self_bias, scale)
     # (Merged without history or self slot: the depth bias shifts every key alike, softmax
     # ignores it, and the plain causal SDPA below is exact.)
-    if not merged and ((slope is not None) != layout.depth
-                       or (self_bias is not None) != layout.self_slot):
+    if not layout.merged and ((slope is not None) != layout.depth
+                              or (self_bias is not None) != layout.self_slot):
         raise ValueError("block_attention: key layout does not match the biases in use")
     hist_k, hist_v, _ = _pieces(keys)
     # The keys after the history (the "tail"): the queries' own keys (in the layout), behind a

@@ -19,8 +19,6 @@ import torch
 from torch import Tensor
 
 from megabeta.model.attention import KeyLayout, block_attention
-from megabeta.model.layers import Projection, rms_normalize
-from megabeta.model.merged_attention import merges_on
 from megabeta.model.cache import DecodeCache
 from megabeta.model.history import (
     BufferedHistory,
@@ -28,6 +26,8 @@ from megabeta.model.history import (
     PieceHistory,
     PieceView,
 )
+from megabeta.model.layers import Projection, rms_normalize
+from megabeta.model.merged_attention import merges_on
 from megabeta.model.transformer import DecoderLM
 
 
@@ -39,6 +39,8 @@ class CellWeights:
       folded in); `finished=False` (a block whose finished KVs nobody reads) drops the first.
     - `last_finished`: the last layer's finished K/V from the block's final hidden states.
     - `gate_up[l]`: SwiGLU's gate and up projections with ffn_norm folded in.
+    - `slopes[l]`: the depth bias's λ per head, None without one (or with depth_window 0, where
+      every group is the layer's own, offset 0).
     """
 
     def __init__(self, model: "Beta12Transformer", finished: bool) -> None:
@@ -54,6 +56,8 @@ class CellWeights:
                                        for (fk, fv), rows in zip(outputs, inputs[1:])]
             self.last_finished = Projection(outputs[-1], c.head_dim)
         self.gate_up = [layer.feed_forward.fused_weight(layer.ffn_norm) for layer in model.layers]
+        self.slopes = [layer.attention.depth_slope() if c.depth_window > 0 else None
+                       for layer in model.layers]
 
     def input(self, layer: int, finished: bool) -> Projection:
         return self._finished[layer] if finished and layer > 0 else self._plain[layer]
@@ -68,9 +72,10 @@ class Beta12Transformer(DecoderLM):
         """Fused attention off the CPU flash kernels stores the depth/self columns with the keys
         (attention.py); on them the biases are lse shifts (merged_attention.py): no columns."""
         c = self.config
-        columns = c.use_sdpa and not merges_on(self.tok_embeddings.weight.device, dropout)
+        merged = c.use_sdpa and merges_on(self.tok_embeddings.weight.device, dropout)
+        columns = c.use_sdpa and not merged
         return KeyLayout(c.head_dim, depth=columns and c.depth_bias and c.depth_window > 0,
-                         self_slot=columns and c.self_slot)
+                         self_slot=columns and c.self_slot, merged=merged)
 
     def _sources(self) -> list[list[int]]:
         return [self.config.source_layers(l) for l in range(len(self.layers))]
@@ -101,10 +106,8 @@ class Beta12Transformer(DecoderLM):
                 fin_v.append(layout.values(fv))
             else:
                 q, k, v = parts
-            # With depth_window 0 every group is the layer's own (offset 0): no bias to add.
-            slope = attn.depth_slope() if self.config.depth_window > 0 else None
-            o = block_attention(q, history.key_set(l, k, v), layout, slope, attn.self_bias,
-                                self.config.use_sdpa, l, dropout)
+            o = block_attention(q, history.key_set(l, k, v), layout, weights.slopes[l],
+                                attn.self_bias, self.config.use_sdpa, l, dropout)
             x = layer.mlp_residual(layer.attention_residual(x, o), weights.gate_up[l])
             if want_construction:
                 con_k.append(layout.keys(k, l))

@@ -176,9 +176,9 @@ class BufferedHistory:
             self.values[m, :, :, start:start + n] = fin_v[m]
         self.published = start + n
 
-    def grads(self, sources: slice, rows: slice) -> tuple[Tensor, Tensor]:
-        """The gradient buffers (K, V) of `sources`' history `rows`, `[g, B, H_kv, rows, d]`,
-        for readers to add to."""
+    def grads(self, sources: int | slice, rows: slice) -> tuple[Tensor, Tensor]:
+        """The gradient buffers (K, V) of `sources`' history `rows` (`[g, B, H_kv, rows, d]` for
+        a slice of source layers, `[B, H_kv, rows, d]` for one), for readers to add to."""
         if self.grad_keys is None:
             # Summed over every later block: in float32 even when the history is bf16.
             dtype = torch.promote_types(self.keys.dtype, torch.float32)
@@ -310,9 +310,9 @@ class _ReadHistory(torch.autograd.Function):
                        torch.cat([*values, leaves[2]], 2), dropout_p, scale)
             dq, dk_tail, dv_tail, *dkv = torch.autograd.grad(out, leaves + keys + values, grad)
         for (m, rows), dk, dv in zip(groups, dkv[:len(groups)], dkv[len(groups):]):
-            grad_k, grad_v = history.grads(slice(m, m + 1), rows)
-            grad_k[0].add_(dk)
-            grad_v[0].add_(dv)
+            grad_k, grad_v = history.grads(m, rows)
+            grad_k.add_(dk)
+            grad_v.add_(dv)
         history.read(start)
         return (dq, dk_tail, dv_tail, grad.new_zeros(()), None, None, None, None, None)
 

@@ -22,7 +22,7 @@ that read the same rows of adjacent source layers come stacked over the batch di
 In backward each part's kernel gets the MERGED output and lse (a group's lse shifted by its
 depth bias), which makes it produce that part's exact share of the gradient: it forms
 `P = exp(S - lse)` and `D = rowsum(dO ∘ O)`. The self slot's gradients are written out. (Batched
-matmuls for the groups' backward, which materialize P, measured 1.3-3x slower than the kernel
+matmuls for the groups' backward, which materialize P, measured 1.2-3.4x slower than the kernel
 here, which keeps P in cache: 32 queries over 240-480 keys, float32, 2 threads.)
 
 The CPU flash kernels (`torch.ops.aten._scaled_dot_product_flash_attention_for_cpu[_backward]`)
@@ -91,7 +91,7 @@ class _Merged(torch.autograd.Function):
         heads, n = q.shape[1], q.shape[2]
         # Merged in the kernels' lse precision (float32 for bf16 inputs).
         acc = torch.promote_types(q.dtype, torch.float32)
-        self_score = None
+        self_score, biases = None, []
         if self_bias is None:
             causal, causal_lse = flash_cpu(q, k, v, 0.0, True, scale=scale)[:2]
             lse = causal_lse
@@ -106,7 +106,8 @@ class _Merged(torch.autograd.Function):
                 lse = lse.clone()
                 lse[:, :, 1:] = torch.logaddexp(lse[:, :, 1:], causal_lse)
         if batches:
-            groups_out, groups_lse = _attend_groups(q, batches, slope, scale, acc)
+            biases = [_bias(slope, b.offsets, acc) for b in batches]
+            groups_out, groups_lse = _attend_groups(q, batches, biases, scale)
             lse = torch.logaddexp(lse, torch.logsumexp(groups_lse, dim=0))
 
         if self_score is None:
@@ -126,7 +127,7 @@ class _Merged(torch.autograd.Function):
             # Only the depth bias's gradient reads the groups' weighted outputs.
             weighted = weights = None
         out = out.to(q.dtype)
-        ctx.scale, ctx.batches, ctx.on_backward = scale, batches, on_backward
+        ctx.scale, ctx.batches, ctx.biases, ctx.on_backward = scale, batches, biases, on_backward
         ctx.has_anchor = anchor is not None
         ctx.bias_dtype = None if self_bias is None else self_bias.dtype
         ctx.save_for_backward(q, k, v, out, lse, self_score, slope, weighted, weights)
@@ -154,11 +155,11 @@ class _Merged(torch.autograd.Function):
             dq = _plus_self(dq_c, d_self, per_query_head(k, heads), True, heads)
             dk = _plus_self(dk_c, d_self, q, False, kv_heads)
             dv = _plus_self(dv_c, p_self.unsqueeze(-1), grad, False, kv_heads)
-        for b in ctx.batches:
+        for b, bias in zip(ctx.batches, ctx.biases):
             grad_k, grad_v = b.grads() if b.grads is not None else (None, None)
             # The kernel forms P = exp(S·scale - lse_i) with lse_i = lse + λ·offset: each
             # group's exact share of the merged softmax, depth bias included.
-            shifted = (lse + _bias(slope, b.offsets, acc)).expand(len(b.offsets), *lse.shape)
+            shifted = (lse + bias).expand(len(b.offsets), *lse.shape)
             for i in range(len(b.offsets)):
                 dq_g, dk_g, dv_g = flash_cpu_backward(grad, q, b.k[i], b.v[i], out,
                                                       shifted[i].contiguous(), 0.0, False,
@@ -179,22 +180,22 @@ class _Merged(torch.autograd.Function):
             ctx.on_backward()
         # The batches are views of the history's buffers: the graph must not keep them alive
         # (with block checkpointing it lives on in a reference cycle until a collection).
-        ctx.batches = ()
+        ctx.batches = ctx.biases = ()
         d_anchor = grad.new_zeros(()) if ctx.has_anchor else None
         return dq, dk, dv, d_bias, d_slope, d_anchor, None, None, None
 
 
 def _plus_self(part: Tensor | None, weight: Tensor, x: Tensor, queries: bool,
-               heads: int) -> Tensor:
+               out_heads: int) -> Tensor:
     """A gradient of the block's own queries/keys/values: the self slot's `weight·x` on every
     row plus the causal kernel's `part`, which covers rows 1… (`queries`) or rows …n-2 (keys
     and values). Written into one tensor rather than added afterwards: at c = T these full-size
-    passes are most of what the self slot costs. With GQA the self part is first summed onto
-    the KV heads."""
+    passes are most of what the self slot costs. With GQA (`x` has more heads than the result's
+    `out_heads`) the self part is first summed onto the KV heads."""
     dtype = x.dtype if part is None else part.dtype
     rows, other = (slice(1, None), slice(0, 1)) if queries else (slice(0, -1), slice(-1, None))
-    if part is None or x.shape[1] != heads:
-        full = per_kv_head((weight * x).to(dtype), heads)
+    if part is None or x.shape[1] != out_heads:
+        full = per_kv_head((weight * x).to(dtype), out_heads)
         if part is not None:
             full[:, :, rows] += part
         return full
@@ -204,17 +205,17 @@ def _plus_self(part: Tensor | None, weight: Tensor, x: Tensor, queries: bool,
     return full
 
 
-def _attend_groups(q: Tensor, batches: list[GroupBatch], slope: Tensor | None, scale: float,
-                   acc: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Each group's own attention output `[G, B, H, n, d_h]` and lse `[G, B, H, n]` (depth bias
-    included), one kernel call per batch of stacked groups."""
+def _attend_groups(q: Tensor, batches: list[GroupBatch], biases: list[Tensor | float],
+                   scale: float) -> tuple[Tensor, Tensor]:
+    """Each group's own attention output `[G, B, H, n, d_h]` and lse `[G, B, H, n]` (its depth
+    bias, from `_bias`, included), one kernel call per batch of stacked groups."""
     outs, lses = [], []
-    for b in batches:
+    for b, bias in zip(batches, biases):
         g = len(b.offsets)
         o, lse = flash_cpu(q.repeat(g, 1, 1, 1) if g > 1 else q, b.k.flatten(0, 1),
                            b.v.flatten(0, 1), 0.0, False, scale=scale)[:2]
         outs.append(o.view(g, *q.shape))
-        lses.append(lse.view(g, *q.shape[:3]) - _bias(slope, b.offsets, acc))
+        lses.append(lse.view(g, *q.shape[:3]) - bias)
     return torch.cat(outs), torch.cat(lses)
 
 
