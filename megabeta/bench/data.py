@@ -94,8 +94,7 @@ def peak_tree_rss(command: list[str]) -> float:
     _, errors = process.communicate()
     done.set()
     poller.join()
-    if process.returncode:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{errors.decode()}")
+    _check_exit(command, process.returncode, errors)
     return peak / 2**20
 
 
@@ -106,9 +105,13 @@ def wall_seconds(command: list[str]) -> float:
     started = time.perf_counter()
     finished = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     seconds = time.perf_counter() - started
-    if finished.returncode:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{finished.stderr.decode()}")
+    _check_exit(command, finished.returncode, finished.stderr)
     return seconds
+
+
+def _check_exit(command: list[str], returncode: int, errors: bytes) -> None:
+    if returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{errors.decode()}")
 
 
 def data_tools(*arguments: str) -> list[str]:
