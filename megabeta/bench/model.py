@@ -33,13 +33,14 @@ from megabeta.model.flops import training_flops
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Median seconds of `repeats` calls, after one warm-up call when `repeats` > 1."""
+def _timed(fn: Callable[[], Any], device: torch.device, repeats: int,
+           warmup: int = 1) -> float:
+    """Median seconds of `repeats` calls, after `warmup` untimed calls when `repeats` > 1."""
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    if repeats > 1:
+    for _ in range(warmup if repeats > 1 else 0):
         fn()
         sync()
     times = []
@@ -81,7 +82,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     batch, length = case["batch"], case["length"]
     out: dict[str, Any] = {}
     if case["kind"] == "train":
-        seconds = _timed(_train_step(model, tokens), device, case["repeats"])
+        seconds = _timed(_train_step(model, tokens), device, case["repeats"],
+                         case.get("warmup", 1))
         flops = batch * training_flops(config, length)
         out.update(seconds=seconds, flops=flops, flops_per_s=flops / seconds)
     else:
@@ -128,7 +130,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-len", type=int, default=8192, help="prefill context")
     parser.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed")
     parser.add_argument("--repeats", type=int, default=2,
-                        help="timed steps per process (median, after a warm-up step)")
+                        help="timed steps per process (median, after the warm-up steps)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed training steps per process before the timed ones "
+                             "(default: %(default)s; the first steps of a fresh process run "
+                             "slower while the allocator and caches settle)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of the training arms, run in turn (median over rounds)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -157,12 +163,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n## forward+backward, batch {args.batch} x {args.seq_len} tokens, "
           f"activation_checkpoint={args.checkpoint}")
     print(f"(median of {args.rounds} rounds, each arm in turn in a fresh process timing the "
-          f"median of {args.repeats} steps after a warm-up)")
+          f"median of {args.repeats} steps after {args.warmup} warm-up steps)")
     print("| arm | s/batch | vs standard | GFLOP/batch | GFLOP/s | FLOP/s vs standard | peak MiB |")
     print("|---|---|---|---|---|---|---|")
     cases = [dict(common, name=name, kind="train", preset=preset, batch=args.batch,
-                  length=args.seq_len, overrides=dict(over, activation_checkpoint=args.checkpoint,
-                                                      max_seq_len=args.seq_len))
+                  length=args.seq_len, warmup=args.warmup,
+                  overrides=dict(over, activation_checkpoint=args.checkpoint,
+                                 max_seq_len=args.seq_len))
              for name, preset, over in arms]
     rounds = [[_in_subprocess(case) for case in cases] for _ in range(args.rounds)]
     for i, case in enumerate(cases):

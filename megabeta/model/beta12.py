@@ -81,21 +81,22 @@ class Beta12Transformer(DecoderLM):
         return [self.config.source_layers(l) for l in range(len(self.layers))]
 
     def _block(self, x: Tensor, start: int, history: BufferedView | PieceView,
-               weights: CellWeights, dropout: float, want_finished: bool,
+               weights: CellWeights, layout: KeyLayout, dropout: float, want_finished: bool,
                want_construction: bool) -> tuple:
         """All layers on the tokens `x [B, n, d]` at positions `start …` of one block.
 
         `history` gives each layer its key set: the finished KVs of earlier blocks and, when
         decoding a partly filled block, the construction KVs of its tokens before `start`.
-        `weights` are this pass's fused projections, `dropout` the attention dropout. Returns
-        (finished K per layer, finished V per layer, construction K per layer, construction V per
-        layer, final hidden states); the lists are empty unless wanted.
+        `weights` are this pass's fused projections, `layout` its `key_layout(dropout)` (made
+        once per pass), `dropout` the attention dropout. Returns (finished K per layer, finished
+        V per layer, construction K per layer, construction V per layer, final hidden states);
+        the lists are empty unless wanted.
 
         Layer l-1's finished K/V are projections of its output, which is layer l's input: they
         come out of layer l's input matmul (CellWeights), and the last layer's after the loop.
         """
         cos, sin = self.rope(start, x.shape[1], x)
-        layout, eps = self.key_layout(dropout), self.config.norm_eps
+        eps = self.config.norm_eps
         fin_k, fin_v, con_k, con_v = [], [], [], []
         for l, layer in enumerate(self.layers):
             attn = layer.attention
@@ -127,6 +128,7 @@ class Beta12Transformer(DecoderLM):
         # Built once per pass, outside the checkpointed blocks (which only read them).
         weights = CellWeights(self, finished=length > c)
         dropout = self.config.dropout if self.training else 0.0
+        layout = self.key_layout(dropout)
         history = self._history(length)
         hidden = []
         try:
@@ -135,7 +137,7 @@ class Beta12Transformer(DecoderLM):
             for s, block in zip(range(0, length, c), x.split(c, dim=1)):
                 e = min(s + c, length)
                 fin_k, fin_v, _, _, h = self._run(self._block, block, s, history.view(s),
-                                                  weights, dropout, e < length, False)
+                                                  weights, layout, dropout, e < length, False)
                 if e < length:
                     history.publish(s, fin_k, fin_v)
                 hidden.append(h)
@@ -165,6 +167,7 @@ class Beta12Transformer(DecoderLM):
         c = self.config.block_size
         x = self.tok_embeddings(tokens)
         weights = self.decode_weights(cache, lambda: CellWeights(self, finished=True))
+        layout = self.key_layout()
         logits = []
         done = 0
         while done < tokens.shape[1]:
@@ -177,7 +180,7 @@ class Beta12Transformer(DecoderLM):
                                    [buf.view() for buf in cache.construction])
             # No attention dropout when decoding: the cache holds the dropout-free key layout.
             fin_k, fin_v, con_k, con_v, h = self._block(x[:, done:done + n], pos, history,
-                                                        weights, 0.0, True, True)
+                                                        weights, layout, 0.0, True, True)
             for l in range(len(self.layers)):
                 cache.construction[l].append(con_k[l], con_v[l])
                 cache.pending[l].append(fin_k[l], fin_v[l])
