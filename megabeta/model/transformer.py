@@ -110,9 +110,9 @@ class DecoderLM(nn.Module):
         sequence: at batch 8 a per-sequence chunk of 1024 made 134 MB logits buffers (vocab
         8192), freshly mapped every step, and their page faults cost up to ~0.2 s of a step;
         512 rows measured 2-11 % faster per step for the standard arm and 9-12 % for c = 256
-        (batch 8 x 512; no change at c = 32). Chunks are not blocks: the LM
-        head's weight gradient (vocab x d) is formed once per chunk, and per 32-token block it
-        dominated a t19_flash step.
+        (batch 8 x 512; no change at c = 32). Chunks are not blocks: the LM head's weight
+        gradient (vocab x d) is formed once per chunk, and per 32-token block it dominated a
+        t19_flash step.
         """
         if targets is None:
             return self.logits(h)
