@@ -67,9 +67,14 @@ def test_causality(arch: str, block: int) -> None:
         assert (changed[:, t:] - base[:, t:]).abs().max() > 0
 
 
+@pytest.mark.parametrize("chunk", [None, 5])
 @pytest.mark.parametrize("arch", ["beta12", "standard", "looped"])
-def test_loss_is_mean_next_token_cross_entropy(arch: str) -> None:
-    """`model(x, y)` (computed block by block) equals cross-entropy of `model(x)`; -100 is ignored."""
+def test_loss_is_mean_next_token_cross_entropy(arch: str, chunk: int | None,
+                                               monkeypatch) -> None:
+    """`model(x, y)` (computed block by block) equals cross-entropy of `model(x)`; -100 is ignored.
+    With `chunk`, the loss is taken in chunks of that many tokens, which cross sequences."""
+    if chunk is not None:
+        monkeypatch.setattr("megabeta.model.transformer.LOSS_CHUNK", chunk)
     model = tiny_model(arch=arch, block_size=4)
     x, y = tokens(length=T), tokens(length=T, seed=3)
     y[0, 2] = -100
