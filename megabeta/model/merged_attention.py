@@ -10,10 +10,11 @@ biases stay out of every kernel:
   shift of that group's lse. Its gradient is the row sum of the group's score gradient,
   `w_g·(dO·o_g - D)` with `w_g` the group's merge weight and `o_g` its own output (kept from
   the forward).
-- self slot: one key per query with score `q_i·k_i·scale + b_σ`; its part is that score and the
-  value `v_i`, written out elementwise.
-- in-block keys: a strictly causal flash call (queries 1…n-1 over keys 0…n-2); without a self
-  slot, the ordinary causal call.
+- the block's own keys (in-block and self slot): one causal flash call with a float mask
+  that carries b_σ on its diagonal. The kernel takes the mask as a constant; b_σ's gradient,
+  the diagonal's score gradient `p_ii·(dO_i·v_i - D_i)`, is written out. (Before: the self
+  slot as a part of its own, written out elementwise, and a strictly causal call for the
+  rest; at c = T its merge passes cost ~5 % of a training step.)
 
 So keys and values stay `head_dim` wide everywhere (no extra head columns, no sink key). Groups
 that read the same rows of adjacent source layers come stacked over the batch dimension
@@ -21,7 +22,7 @@ that read the same rows of adjacent source layers come stacked over the batch di
 
 In backward each part's kernel gets the MERGED output and lse (a group's lse shifted by its
 depth bias), which makes it produce that part's exact share of the gradient: it forms
-`P = exp(S - lse)` and `D = rowsum(dO ∘ O)`. The self slot's gradients are written out. (Batched
+`P = exp(S - lse)` and `D = rowsum(dO ∘ O)`. (Batched
 matmuls for the groups' backward, which materialize P, measured 1.2-3.4x slower than the kernel
 here, which keeps P in cache: 32 queries over 240-480 keys, float32, 2 threads.)
 
@@ -88,73 +89,42 @@ class _Merged(torch.autograd.Function):
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
                 slope: Tensor | None, anchor: Tensor | None, batches: list[GroupBatch],
                 on_backward: Callable[[], None] | None, scale: float) -> Tensor:
-        heads, n = q.shape[1], q.shape[2]
         # Merged in the kernels' lse precision (float32 for bf16 inputs).
         acc = torch.promote_types(q.dtype, torch.float32)
-        self_score, biases = None, []
-        if self_bias is None:
-            causal, causal_lse = flash_cpu(q, k, v, 0.0, True, scale=scale)[:2]
-            lse = causal_lse
-        else:
-            self_score = (q * per_query_head(k, heads)).sum(-1, dtype=acc) * scale
-            self_score = self_score + self_bias.to(acc)
-            lse = self_score
-            if n > 1:
-                # Query 0 sees no earlier key of its block: strictly causal over the rest.
-                causal, causal_lse = flash_cpu(q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], 0.0,
-                                               True, scale=scale)[:2]
-                lse = lse.clone()
-                lse[:, :, 1:] = torch.logaddexp(lse[:, :, 1:], causal_lse)
+        mask = None if self_bias is None else _self_mask(q.shape[2], self_bias, acc)
+        own, own_lse = flash_cpu(q, k, v, 0.0, True, attn_mask=mask, scale=scale)[:2]
+        out, lse, biases, weighted, weights = own, own_lse, [], None, None
         if batches:
             biases = [_bias(slope, b.offsets, acc) for b in batches]
             groups_out, groups_lse = _attend_groups(q, batches, biases, scale)
-            lse = torch.logaddexp(lse, torch.logsumexp(groups_lse, dim=0))
-
-        if self_score is None:
-            out = torch.exp(causal_lse - lse).unsqueeze(-1) * causal
-        else:
-            out = torch.exp(self_score - lse).unsqueeze(-1) * per_query_head(v, heads)
-            if n > 1:
-                # Rows written in place: full-size copies are most of what merging adds.
-                out[:, :, 1:].addcmul_(torch.exp(causal_lse - lse[:, :, 1:]).unsqueeze(-1),
-                                       causal)
-        weighted = weights = None
-        if batches:
+            lse = torch.logaddexp(own_lse, torch.logsumexp(groups_lse, dim=0))
             weights = torch.exp(groups_lse - lse)
             weighted = weights.unsqueeze(-1) * groups_out
-            out += weighted.sum(0)
+            out = torch.exp(own_lse - lse).unsqueeze(-1) * own + weighted.sum(0)
         if slope is None or not any(o for b in batches for o in b.offsets):
             # Only the depth bias's gradient reads the groups' weighted outputs.
             weighted = weights = None
         out = out.to(q.dtype)
         ctx.scale, ctx.batches, ctx.biases, ctx.on_backward = scale, batches, biases, on_backward
         ctx.has_anchor = anchor is not None
-        ctx.bias_dtype = None if self_bias is None else self_bias.dtype
-        ctx.save_for_backward(q, k, v, out, lse, self_score, slope, weighted, weights)
+        ctx.save_for_backward(q, k, v, out, lse, self_bias, mask, slope, weighted, weights)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse, self_score, slope, weighted, weights = ctx.saved_tensors
-        scale, heads, n, kv_heads = ctx.scale, q.shape[1], q.shape[2], k.shape[1]
-        acc = lse.dtype
+        q, k, v, out, lse, self_bias, mask, slope, weighted, weights = ctx.saved_tensors
+        scale, acc = ctx.scale, lse.dtype
+        dq, dk, dv = flash_cpu_backward(grad, q, k, v, out, lse, 0.0, True, attn_mask=mask,
+                                        scale=scale)[:3]
         d_bias = None
-        if self_score is None:
-            dq, dk, dv = flash_cpu_backward(grad, q, k, v, out, lse, 0.0, True, scale=scale)[:3]
-        else:
-            # The self slot's score gradient p·(dO·v_i - D), D = rowsum(dO ∘ out).
-            p_self = torch.exp(self_score - lse)
+        if ctx.needs_input_grad[3]:
+            # b_σ is on the mask's diagonal: its gradient is the diagonal's score gradient
+            # p_ii·(dO_i·v_i - D_i), D_i = dO_i·o_i, with p_ii = exp(q_i·k_i·scale + b_σ - lse_i).
+            heads = q.shape[1]
+            self_score = (q * per_query_head(k, heads)).sum(-1, dtype=acc) * scale
+            p_self = torch.exp(self_score + self_bias.to(acc) - lse)
             d_self = p_self * (grad * (per_query_head(v, heads) - out)).sum(-1, dtype=acc)
-            d_bias = d_self.sum().reshape(1).to(ctx.bias_dtype)
-            d_self = (d_self * scale).unsqueeze(-1)
-            dq_c = dk_c = dv_c = None
-            if n > 1:
-                dq_c, dk_c, dv_c = flash_cpu_backward(
-                    grad[:, :, 1:], q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], out[:, :, 1:],
-                    lse[:, :, 1:].contiguous(), 0.0, True, scale=scale)[:3]
-            dq = _plus_self(dq_c, d_self, per_query_head(k, heads), True, heads)
-            dk = _plus_self(dk_c, d_self, q, False, kv_heads)
-            dv = _plus_self(dv_c, p_self.unsqueeze(-1), grad, False, kv_heads)
+            d_bias = d_self.sum().reshape(1).to(self_bias.dtype)
         for b, bias in zip(ctx.batches, ctx.biases):
             grad_k, grad_v = b.grads() if b.grads is not None else (None, None)
             # The kernel forms P = exp(S·scale - lse_i) with lse_i = lse + λ·offset: each
@@ -185,26 +155,6 @@ class _Merged(torch.autograd.Function):
         return dq, dk, dv, d_bias, d_slope, d_anchor, None, None, None
 
 
-def _plus_self(part: Tensor | None, weight: Tensor, x: Tensor, queries: bool,
-               out_heads: int) -> Tensor:
-    """A gradient of the block's own queries/keys/values: the self slot's `weight·x` on every
-    row plus the causal kernel's `part`, which covers rows 1… (`queries`) or rows …n-2 (keys
-    and values). Written into one tensor rather than added afterwards: at c = T these full-size
-    passes are most of what the self slot costs. With GQA (`x` has more heads than the result's
-    `out_heads`) the self part is first summed onto the KV heads."""
-    dtype = x.dtype if part is None else part.dtype
-    rows, other = (slice(1, None), slice(0, 1)) if queries else (slice(0, -1), slice(-1, None))
-    if part is None or x.shape[1] != out_heads:
-        full = per_kv_head((weight * x).to(dtype), out_heads)
-        if part is not None:
-            full[:, :, rows] += part
-        return full
-    full = torch.empty(x.shape, dtype=dtype, device=x.device)
-    torch.addcmul(part, weight[:, :, rows], x[:, :, rows], out=full[:, :, rows])
-    torch.mul(weight[:, :, other], x[:, :, other], out=full[:, :, other])
-    return full
-
-
 def _attend_groups(q: Tensor, batches: list[GroupBatch], biases: list[Tensor | float],
                    scale: float) -> tuple[Tensor, Tensor]:
     """Each group's own attention output `[G, B, H, n, d_h]` and lse `[G, B, H, n]` (its depth
@@ -219,6 +169,15 @@ def _attend_groups(q: Tensor, batches: list[GroupBatch], biases: list[Tensor | f
     return torch.cat(outs), torch.cat(lses)
 
 
+def _self_mask(n: int, self_bias: Tensor, dtype: torch.dtype) -> Tensor:
+    """The float mask `[n, n]` of a block's own keys: b_σ on the diagonal (the self slot), 0
+    below it (in-block keys), -inf above. Detached: the kernels take it as a constant, and
+    `_Merged` writes b_σ's gradient out."""
+    mask = torch.full((n, n), float("-inf"), dtype=dtype, device=self_bias.device).triu_(1)
+    mask.diagonal().copy_(self_bias.detach().to(dtype).expand(n))
+    return mask
+
+
 def _bias(slope: Tensor | None, offsets: list[int], dtype: torch.dtype) -> Tensor | float:
     """The depth bias λ_h·(m - l) of each group `[g, 1, H, 1]` (subtracted from its lse)."""
     if slope is None or not any(offsets):
@@ -230,10 +189,3 @@ def _bias(slope: Tensor | None, offsets: list[int], dtype: torch.dtype) -> Tenso
 def per_query_head(x: Tensor, heads: int) -> Tensor:
     """KV heads `[B, H_kv, …]` repeated for the query heads they serve (GQA); as is without GQA."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def per_kv_head(x: Tensor, kv_heads: int) -> Tensor:
-    """Gradients of query heads `[B, H, …]` summed onto the KV heads they share (GQA)."""
-    if x.shape[1] == kv_heads:
-        return x
-    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads)).sum(2)
