@@ -129,11 +129,11 @@ class _Merged(torch.autograd.Function):
             grad_k, grad_v = b.grads() if b.grads is not None else (None, None)
             # The kernel forms P = exp(S·scale - lse_i) with lse_i = lse + λ·offset: each
             # group's exact share of the merged softmax, depth bias included.
-            shifted = (lse + bias).expand(len(b.offsets), *lse.shape)
-            for i in range(len(b.offsets)):
-                dq_g, dk_g, dv_g = flash_cpu_backward(grad, q, b.k[i], b.v[i], out,
-                                                      shifted[i].contiguous(), 0.0, False,
-                                                      scale=scale)[:3]
+            # (`[g, B, H, n]`: each group's rows contiguous, as the kernel needs them.)
+            shifted = (lse + bias).unbind() if isinstance(bias, Tensor) else [lse] * len(b.offsets)
+            for i, lse_g in enumerate(shifted):
+                dq_g, dk_g, dv_g = flash_cpu_backward(grad, q, b.k[i], b.v[i], out, lse_g, 0.0,
+                                                      False, scale=scale)[:3]
                 dq += dq_g
                 if grad_k is not None:
                     grad_k[i].add_(dk_g)

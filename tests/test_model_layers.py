@@ -1,0 +1,53 @@
+"""The building blocks with hand-written backward passes (model/layers.py) against their
+formulas (spec §1: RMSNorm, rotate-half RoPE) and against finite differences."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megabeta.model.layers import apply_rope, rms_normalize, rope_tables
+
+
+def _heads(*shape: int) -> torch.Tensor:
+    """A float64 `[B, heads, n, d]` that is a transposed view, as the projections hand out."""
+    b, h, n, d = shape
+    return torch.randn(b, n, h, d, dtype=torch.float64).transpose(1, 2).requires_grad_()
+
+
+def test_rms_normalize_matches_its_formula_and_finite_differences() -> None:
+    torch.manual_seed(0)
+    x = _heads(2, 3, 5, 8)
+    naive = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(rms_normalize(x, 1e-5), naive, rtol=0, atol=1e-14)
+    assert torch.autograd.gradcheck(lambda t: rms_normalize(t, 1e-5), (x,))
+
+
+def test_rope_matches_rotate_half_and_finite_differences() -> None:
+    torch.manual_seed(0)
+    x = _heads(2, 3, 5, 8)
+    cos, sin = rope_tables(8, 7, 5, 10000.0)
+    half = 4
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    torch.testing.assert_close(apply_rope(x, cos, sin), x * cos + rotated * sin,
+                               rtol=0, atol=1e-14)
+    # Row i is position 7 + i; pair (j, j + 4) turns by the angle (7 + i)·10000^(-2j/8).
+    angle = 9 * 10000.0 ** (-2 / 8)
+    a, b = x[0, 0, 2, 1].item(), x[0, 0, 2, 5].item()
+    expected = torch.tensor([a * math.cos(angle) - b * math.sin(angle),
+                             b * math.cos(angle) + a * math.sin(angle)], dtype=torch.float64)
+    torch.testing.assert_close(apply_rope(x, cos, sin)[0, 0, 2, [1, 5]], expected,
+                               rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos, sin), (x,))
+
+
+def test_rope_promotes_like_the_tables_and_returns_the_input_dtype_gradient() -> None:
+    """Under autocast the projections are bf16 and the tables float32: keys come out float32
+    (as `x * cos` would), and the gradient goes back in bf16."""
+    x = torch.randn(1, 2, 3, 4, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = (t.float() for t in rope_tables(4, 0, 3, 10000.0))
+    y = apply_rope(x, cos, sin)
+    assert y.dtype == torch.float32
+    y.sum().backward()
+    assert x.grad.dtype == torch.bfloat16
