@@ -121,10 +121,11 @@ class _Merged(torch.autograd.Function):
             # b_σ is on the mask's diagonal: its gradient is the diagonal's score gradient
             # p_ii·(dO_i·v_i - D_i), D_i = dO_i·o_i, with p_ii = exp(q_i·k_i·scale + b_σ - lse_i).
             heads = q.shape[1]
-            self_score = (q * per_query_head(k, heads)).sum(-1, dtype=acc) * scale
-            p_self = torch.exp(self_score + self_bias.to(acc) - lse)
-            d_self = p_self * (grad * (per_query_head(v, heads) - out)).sum(-1, dtype=acc)
-            d_bias = d_self.sum().reshape(1).to(self_bias.dtype)
+            self_score = _rowdot(q, per_query_head(k, heads), acc).mul_(scale)
+            p_self = self_score.add_(self_bias.to(acc) - lse).exp_()
+            d_self = _rowdot(grad, per_query_head(v, heads), acc).sub_(_rowdot(grad, out, acc))
+            d_bias = torch.linalg.vecdot(p_self.flatten(), d_self.flatten()).reshape(1)
+            d_bias = d_bias.to(self_bias.dtype)
         for b, bias in zip(ctx.batches, ctx.biases):
             grad_k, grad_v = b.grads() if b.grads is not None else (None, None)
             # The kernel forms P = exp(S·scale - lse_i) with lse_i = lse + λ·offset: each
@@ -153,6 +154,13 @@ class _Merged(torch.autograd.Function):
         ctx.batches = ctx.biases = ()
         d_anchor = grad.new_zeros(()) if ctx.has_anchor else None
         return dq, dk, dv, d_bias, d_slope, d_anchor, None, None, None
+
+
+def _rowdot(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
+    """`Σ_d a·b` over the last dimension in `acc` (one fused pass when no cast is needed)."""
+    if a.dtype == acc and b.dtype == acc:
+        return torch.linalg.vecdot(a, b)
+    return (a * b).sum(-1, dtype=acc)
 
 
 def _attend_groups(q: Tensor, batches: list[GroupBatch], biases: list[Tensor | float],

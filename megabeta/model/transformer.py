@@ -21,9 +21,8 @@ from megabeta.model.attention import KeyLayout, KeySet, block_attention
 from megabeta.model.cache import DecodeCache, KVBuffer
 from megabeta.model.config import ConfigError, ModelConfig
 from megabeta.model.layers import Projection, RMSNorm, TransformerLayer, rms_normalize, rope_tables
+from megabeta.model.loss import IGNORE_INDEX, linear_cross_entropy
 
-IGNORE_INDEX = -100
-"""Targets equal to this are left out of the loss (PyTorch's cross-entropy convention)."""
 LOSS_CHUNK = 512
 """Tokens (of the whole batch) per piece of the chunked training loss (see `DecoderLM.head`)."""
 
@@ -73,14 +72,6 @@ class DecoderLM(nn.Module):
     def logits(self, h: Tensor) -> Tensor:
         return F.linear(self.norm(h), self.head_weight())
 
-    def loss_sum(self, h: Tensor, targets: Tensor) -> Tensor:
-        """Summed next-token cross-entropy of final hidden states `h [N, d]` (tokens as rows)
-        against `targets [N]`."""
-        logits = self.logits(h)
-        # Cross-entropy in at least float32 (bf16 logits lose the loss's small differences).
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-
     def rope(self, start: int, length: int, like: Tensor) -> tuple[Tensor, Tensor]:
         """RoPE tables for positions `start … start+length-1` in `like`'s dtype and device.
 
@@ -104,23 +95,16 @@ class DecoderLM(nn.Module):
     def head(self, h: Tensor, targets: Tensor | None) -> Tensor:
         """Logits of final hidden states `h [B, T, d]`, or the mean next-token loss.
 
-        The loss is taken in chunks of LOSS_CHUNK tokens of the whole batch (the `[B, T]` tokens
-        flattened), each recomputed in backward under activation checkpointing, so the
-        `[B·T, vocab]` logits never exist at once in training. Counted over the batch, not per
-        sequence: at batch 8 a per-sequence chunk of 1024 made one 134 MB logits buffer (vocab
-        8192), and the operations on it (fill, log-softmax, its backward) took 22-39 ms each in
-        some steps and 85-245 ms in others (torch profiler), as freshly mapped pages do;
-        512 rows measured 2-11 % faster per step for the standard arm and 9-12 % for c = 256
-        (batch 8 x 512; no change at c = 32). Chunks are not blocks: the LM head's weight
-        gradient (vocab x d) is formed once per chunk, and per 32-token block it dominated a
-        t19_flash step.
+        The loss runs over LOSS_CHUNK tokens of the whole batch (the `[B, T]` tokens flattened)
+        at a time (`loss.linear_cross_entropy`), so the `[B·T, vocab]` logits never exist at
+        once in training. Chunks are not blocks: the LM head's weight gradient (vocab x d) is
+        accumulated once per chunk, and per 32-token block it dominated a t19_flash step.
         """
         if targets is None:
             return self.logits(h)
-        # Split, not sliced: one concatenation in backward (see layers.Projection).
-        parts = [self._run(self.loss_sum, hc, tc) for hc, tc in
-                 zip(h.flatten(0, 1).split(LOSS_CHUNK), targets.flatten().split(LOSS_CHUNK))]
-        return torch.stack(parts).sum() / (targets != IGNORE_INDEX).sum()
+        total = linear_cross_entropy(self.norm(h).flatten(0, 1), self.head_weight(),
+                                     targets.flatten(), LOSS_CHUNK)
+        return total / (targets != IGNORE_INDEX).sum()
 
     # ---- decoding (spec §4.5) -------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:
