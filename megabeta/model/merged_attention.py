@@ -107,13 +107,15 @@ class _Merged(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.scale, ctx.batches, ctx.biases, ctx.on_backward = scale, batches, biases, on_backward
         ctx.has_anchor = anchor is not None
-        ctx.save_for_backward(q, k, v, out, lse, self_bias, mask, slope, weighted, weights)
+        # The mask is n x n: made again in backward rather than kept per layer.
+        ctx.save_for_backward(q, k, v, out, lse, self_bias, slope, weighted, weights)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse, self_bias, mask, slope, weighted, weights = ctx.saved_tensors
+        q, k, v, out, lse, self_bias, slope, weighted, weights = ctx.saved_tensors
         scale, acc = ctx.scale, lse.dtype
+        mask = None if self_bias is None else _self_mask(q.shape[2], self_bias, acc)
         dq, dk, dv = flash_cpu_backward(grad, q, k, v, out, lse, 0.0, True, attn_mask=mask,
                                         scale=scale)[:3]
         d_bias = None
@@ -180,7 +182,8 @@ def _attend_groups(q: Tensor, batches: list[GroupBatch], biases: list[Tensor | f
 def _self_mask(n: int, self_bias: Tensor, dtype: torch.dtype) -> Tensor:
     """The float mask `[n, n]` of a block's own keys: b_σ on the diagonal (the self slot), 0
     below it (in-block keys), -inf above. Detached: the kernels take it as a constant, and
-    `_Merged` writes b_σ's gradient out."""
+    `_Merged` writes b_σ's gradient out. Quadratic in the block: 1 MiB at c = 512, 1 GiB for
+    one block of 16K tokens (float32), alive only during one kernel call."""
     mask = torch.full((n, n), float("-inf"), dtype=dtype, device=self_bias.device).triu_(1)
     mask.diagonal().copy_(self_bias.detach().to(dtype).expand(n))
     return mask
