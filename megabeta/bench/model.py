@@ -31,10 +31,12 @@ from megabeta.model import build_model, get_preset
 from megabeta.model.flops import training_flops
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TRAIN_WARMUP = 3
+"""Untimed training steps per process before the timed ones (`--warmup`): the first steps of a
+fresh process are slower while the allocator settles (README, "Measured figures")."""
 
 
-def _timed(fn: Callable[[], Any], device: torch.device, repeats: int,
-           warmup: int = 1) -> float:
+def _timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int) -> float:
     """Median seconds of `repeats` calls, after `warmup` untimed calls when `repeats` > 1."""
     def sync() -> None:
         if device.type == "cuda":
@@ -83,17 +85,18 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if case["kind"] == "train":
         seconds = _timed(_train_step(model, tokens), device, case["repeats"],
-                         case.get("warmup", 1))
+                         case.get("warmup", TRAIN_WARMUP))
         flops = batch * training_flops(config, length)
         out.update(seconds=seconds, flops=flops, flops_per_s=flops / seconds)
     else:
         model.eval()
         prompt = tokens[:, :length]
         capacity = length + case["decode_tokens"] + 1
-        seconds = _timed(lambda: model.prefill(prompt, capacity), device, case["repeats"])
+        # One untimed prefill and decode step each: no optimizer state or gradients to settle.
+        seconds = _timed(lambda: model.prefill(prompt, capacity), device, case["repeats"], 1)
         _, cache = model.prefill(prompt, capacity)
         step_tokens = tokens[:, -1]
-        decode = _timed(lambda: model.step(step_tokens, cache), device, case["decode_tokens"])
+        decode = _timed(lambda: model.step(step_tokens, cache), device, case["decode_tokens"], 1)
         out.update(prefill_ms_per_token=seconds * 1e3 / (batch * length),
                    decode_ms_per_token=decode * 1e3 / batch)
     out["peak_mib"] = _peak_mib(device)
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed")
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed steps per process (median, after the warm-up steps)")
-    parser.add_argument("--warmup", type=int, default=3,
+    parser.add_argument("--warmup", type=int, default=TRAIN_WARMUP,
                         help="untimed training steps per process before the timed ones "
                              "(default: %(default)s; the first steps of a fresh process run "
                              "slower while the allocator and caches settle)")
