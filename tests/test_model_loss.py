@@ -37,7 +37,7 @@ def test_loss_and_gradients_match_full_logits(chunk: int) -> None:
     assert got_h[[2, 7]].abs().max() == 0
 
 
-def test_frozen_head_gets_no_gradient_and_no_grad_mode_forms_none() -> None:
+def test_frozen_head_gets_no_gradient_and_no_grad_mode_gives_the_loss() -> None:
     h, weight, targets = _inputs()
     weight.requires_grad_(False)
     linear_cross_entropy(h, weight, targets, 4).backward()

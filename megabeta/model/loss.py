@@ -32,8 +32,8 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, chunk: int)
     device = h.device.type
     compute = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                else torch.promote_types(h.dtype, weight.dtype))
-    wants = (torch.is_grad_enabled() and h.requires_grad,
-             torch.is_grad_enabled() and weight.requires_grad)
+    grad_mode = torch.is_grad_enabled()  # off inside forward: asked here
+    wants = (grad_mode and h.requires_grad, grad_mode and weight.requires_grad)
     return _LinearCrossEntropy.apply(h, weight, targets, chunk, compute, wants)
 
 

@@ -118,14 +118,17 @@ class _Merged(torch.autograd.Function):
         mask = None if self_bias is None else _self_mask(q.shape[2], self_bias, acc)
         dq, dk, dv = flash_cpu_backward(grad, q, k, v, out, lse, 0.0, True, attn_mask=mask,
                                         scale=scale)[:3]
+        # D_i = dO_i·o_i, which the gradients of both learned biases read.
+        delta = (_rowdot(grad, out, acc) if ctx.needs_input_grad[3] or weighted is not None
+                 else None)
         d_bias = None
         if ctx.needs_input_grad[3]:
             # b_σ is on the mask's diagonal: its gradient is the diagonal's score gradient
-            # p_ii·(dO_i·v_i - D_i), D_i = dO_i·o_i, with p_ii = exp(q_i·k_i·scale + b_σ - lse_i).
+            # p_ii·(dO_i·v_i - D_i), with p_ii = exp(q_i·k_i·scale + b_σ - lse_i).
             heads = q.shape[1]
             self_score = _rowdot(q, per_query_head(k, heads), acc).mul_(scale)
             p_self = self_score.add_(self_bias.to(acc) - lse).exp_()
-            d_self = _rowdot(grad, per_query_head(v, heads), acc).sub_(_rowdot(grad, out, acc))
+            d_self = _rowdot(grad, per_query_head(v, heads), acc).sub_(delta)
             d_bias = torch.linalg.vecdot(p_self.flatten(), d_self.flatten()).reshape(1)
             d_bias = d_bias.to(self_bias.dtype)
         for b, bias in zip(ctx.batches, ctx.biases):
@@ -143,10 +146,9 @@ class _Merged(torch.autograd.Function):
                     grad_v[i].add_(dv_g)
         d_slope = None if slope is None else torch.zeros_like(slope)
         if weighted is not None:
-            delta = (grad * out).sum(-1, dtype=acc)
             # Score bias -λ·offset per group: dλ = -Σ offset · (row sums of the group's score
             # gradient), and that row sum is w_g·(dO·o_g - D) with o_g the group's own output.
-            d_shift = (grad.to(acc) * weighted).sum(-1) - weights * delta
+            d_shift = _rowdot(grad, weighted, acc) - weights * delta
             offsets = torch.tensor([o for b in ctx.batches for o in b.offsets], dtype=acc)
             d_slope = -(d_shift * offsets.view(-1, 1, 1, 1)).sum((0, 1, 3)).to(slope.dtype)
         if ctx.on_backward is not None:
