@@ -144,3 +144,28 @@ def test_concatenating_fallback_matches_reference(case: str,
         runs.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     for name in runs[0]:
         torch.testing.assert_close(runs[0][name], runs[1][name], rtol=0, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("case", ["c1_k2", "c3_k2", "gqa", "stride2", "deep_token_window",
+                                  "only_self", "no_extras"])
+def test_fused_cpu_kernels_and_aten_kernels_agree(case: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finished groups' fused CPU kernels (megabeta/kernels) and the ATen flash kernels
+    they replace (kept for bf16 and where the kernels cannot be built): same logits, same
+    gradients, and both equal to the naive reference."""
+    from megabeta.kernels import finished_groups
+
+    if not finished_groups.available(torch.float64):
+        pytest.skip("fused CPU kernels not built on this machine")
+    x, y = tokens(length=T), tokens(length=T, seed=2)
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(finished_groups, "FUSED", fused)
+        model = tiny_model(**CASES[case])
+        expected = reference_logits(model.state_dict(), model.config, x)
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-9)
+        model(x, y).backward()
+        runs.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert runs[0].keys() == runs[1].keys()
+    for name in runs[0]:
+        torch.testing.assert_close(runs[0][name], runs[1][name], rtol=0, atol=1e-10, msg=name)

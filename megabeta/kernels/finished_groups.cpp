@@ -1,0 +1,303 @@
+// A block's attention over its finished groups (merged_attention.py), forward and backward, as
+// fused CPU kernels.
+//
+// Forward: per (batch, head), attention over every group's keys, each group's scores shifted
+// by its depth bias (spec §3), merged by log-sum-exp into the block's own-key output and lse
+// that the caller passes in: one pass, no per-group outputs, no repeated queries.
+//
+// Backward: ATen's flash backward returns freshly zero-filled dK/dV for all history rows of
+// every group, which the caller then adds into the history's gradient buffer: four memory
+// passes over O(T²/c) numbers per layer that this kernel replaces with BLAS calls whose
+// beta = 1 adds in place. Per (batch, KV head) and tile of queries x keys, for each group g
+// (its depth bias folded into the shifted lse):
+//   P  = exp(Q·Kᵀ·scale - lse_g)         (the group's exact share of the merged softmax)
+//   dS = P ∘ (dO·Vᵀ - D),   D = rowsum(dO ∘ O)
+//   dV_g += Pᵀ·dO,   dK_g += scale·dSᵀ·Q,   dQ += scale·dS·K_g,   rows_g += rowsum(dS)
+// (rows_g: the gradient of group g's score shift, which the depth bias's gradient reads).
+// The tiles keep P and dS in cache, as the flash kernels do.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+extern "C" {
+// BLAS (column-major, 32-bit integers), exported by libtorch_cpu's MKL.
+void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
+            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+            const float* beta, float* c, const int* ldc);
+void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
+            const double* alpha, const double* a, const int* lda, const double* b,
+            const int* ldb, const double* beta, double* c, const int* ldc);
+}
+
+namespace {
+
+// Row-major C[m x n] = alpha·op(A)·op(B) + beta·C, op(A) being m x k: BLAS computes the
+// column-major transpose, Cᵀ = op(B)ᵀ·op(A)ᵀ.
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, int lda,
+          const T* b, int ldb, T beta, T* c, int ldc) {
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm_(&tb, &ta, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+  } else {
+    dgemm_(&tb, &ta, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+  }
+}
+
+// One row of a score tile, in AVX2 vectors (at::vec, Sleef's exp) plus a scalar tail.
+template <typename T>
+T row_max(const T* x, int n) {
+  using V = at::vec::Vectorized<T>;
+  int i = 0;
+  T m = -std::numeric_limits<T>::infinity();
+  if (n >= V::size()) {
+    V acc = V::loadu(x);
+    for (i = V::size(); i + V::size() <= n; i += V::size()) acc = at::vec::maximum(acc, V::loadu(x + i));
+    m = at::vec::vec_reduce_all<T>([](V& a, V& b) { return at::vec::maximum(a, b); }, acc);
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// x[i] = exp(x[i]·scale - shift); returns Σ x[i].
+template <typename T>
+T exp_row(T* x, int n, T scale, T shift) {
+  using V = at::vec::Vectorized<T>;
+  const V s(scale), h(shift);
+  V acc(T(0));
+  int i = 0;
+  for (; i + V::size() <= n; i += V::size()) {
+    V e = (V::loadu(x + i) * s - h).exp_u20();
+    e.store(x + i);
+    acc = acc + e;
+  }
+  T sum = at::vec::vec_reduce_all<T>([](V& a, V& b) { return a + b; }, acc);
+  for (; i < n; ++i) sum += x[i] = std::exp(x[i] * scale - shift);
+  return sum;
+}
+
+// ds[i] = p[i]·(ds[i] - d) (the score gradient); returns Σ ds[i].
+template <typename T>
+T score_grad_row(T* ds, const T* p, int n, T d) {
+  using V = at::vec::Vectorized<T>;
+  const V dv(d);
+  V acc(T(0));
+  int i = 0;
+  for (; i + V::size() <= n; i += V::size()) {
+    V g = V::loadu(p + i) * (V::loadu(ds + i) - dv);
+    g.store(ds + i);
+    acc = acc + g;
+  }
+  T sum = at::vec::vec_reduce_all<T>([](V& a, V& b) { return a + b; }, acc);
+  for (; i < n; ++i) sum += ds[i] = p[i] * (ds[i] - d);
+  return sum;
+}
+
+constexpr int64_t kQueryTile = 64;
+constexpr int64_t kKeyTile = 512;
+
+template <typename T>
+void run_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& keys,
+         const at::Tensor& values, const at::Tensor& lse, const at::Tensor& delta, double scale,
+         at::Tensor& dq, at::Tensor& grad_keys, at::Tensor& grad_values, at::Tensor& row_sums) {
+  const int64_t groups = keys.size(0), batch = keys.size(1), kv_heads = keys.size(2);
+  const int64_t rows = keys.size(3), dim = keys.size(4);
+  const int64_t heads = q.size(1), n = q.size(2), per_kv = heads / kv_heads;
+  const T sc = static_cast<T>(scale);
+  const T* q_ = q.data_ptr<T>();
+  const T* g_ = grad.data_ptr<T>();
+  const T* k_ = keys.data_ptr<T>();
+  const T* v_ = values.data_ptr<T>();
+  const T* lse_ = lse.data_ptr<T>();
+  const T* delta_ = delta.data_ptr<T>();
+  T* dq_ = dq.data_ptr<T>();
+  T* gk_ = grad_keys.data_ptr<T>();
+  T* gv_ = grad_values.data_ptr<T>();
+  T* rs_ = row_sums.numel() ? row_sums.data_ptr<T>() : nullptr;
+  auto rss = row_sums.strides();
+  // Strides: queries-like tensors [B, H, n, d], keys-like [G, B, H_kv, R, d]; the last
+  // dimension is contiguous (checked by the caller).
+  auto qs = q.strides(), gs = grad.strides(), dqs = dq.strides();
+  auto ks = keys.strides(), vs = values.strides(), gks = grad_keys.strides(),
+       gvs = grad_values.strides();
+  auto ls = lse.strides(), ds = delta.strides();
+  const int64_t qt = std::min(n, kQueryTile), kt = std::min(rows, kKeyTile);
+  // One (batch, KV head) per task: its query heads and every group add to its own gradients.
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> p(qt * kt), ds_buf(qt * kt);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, hk = task % kv_heads;
+      for (int64_t h = hk * per_kv; h < (hk + 1) * per_kv; ++h) {
+        const T* qh = q_ + b * qs[0] + h * qs[1];
+        const T* gh = g_ + b * gs[0] + h * gs[1];
+        T* dqh = dq_ + b * dqs[0] + h * dqs[1];
+        const T* dh = delta_ + b * ds[0] + h * ds[1];
+        for (int64_t g = 0; g < groups; ++g) {
+          const T* kg = k_ + g * ks[0] + b * ks[1] + hk * ks[2];
+          const T* vg = v_ + g * vs[0] + b * vs[1] + hk * vs[2];
+          T* gkg = gk_ + g * gks[0] + b * gks[1] + hk * gks[2];
+          T* gvg = gv_ + g * gvs[0] + b * gvs[1] + hk * gvs[2];
+          const T* lh = lse_ + g * ls[0] + b * ls[1] + h * ls[2];
+          T* rh = rs_ ? rs_ + g * rss[0] + b * rss[1] + h * rss[2] : nullptr;
+          for (int64_t i0 = 0; i0 < n; i0 += qt) {
+            const int mi = static_cast<int>(std::min(qt, n - i0));
+            const T* qi = qh + i0 * qs[2];
+            const T* gi = gh + i0 * gs[2];
+            T* dqi = dqh + i0 * dqs[2];
+            for (int64_t j0 = 0; j0 < rows; j0 += kt) {
+              const int nj = static_cast<int>(std::min(kt, rows - j0));
+              const T* kj = kg + j0 * ks[3];
+              const T* vj = vg + j0 * vs[3];
+              const int ld = nj, d = static_cast<int>(dim);
+              gemm<T>(false, true, mi, nj, d, T(1), qi, qs[2], kj, ks[3], T(0), p.data(), ld);
+              for (int i = 0; i < mi; ++i) {
+                exp_row<T>(p.data() + i * ld, nj, sc, lh[(i0 + i) * ls[3]]);
+              }
+              gemm<T>(false, true, mi, nj, d, T(1), gi, gs[2], vj, vs[3], T(0), ds_buf.data(),
+                      ld);
+              for (int i = 0; i < mi; ++i) {
+                const T di = dh[(i0 + i) * ds[2]];
+                T* dsr = ds_buf.data() + i * ld;
+                const T* pr = p.data() + i * ld;
+                const T sum = score_grad_row<T>(dsr, pr, nj, di);
+                if (rh) rh[(i0 + i) * rss[3]] += sum;
+              }
+              gemm<T>(true, false, nj, d, mi, T(1), p.data(), ld, gi, gs[2], T(1),
+                      gvg + j0 * gvs[3], gvs[3]);
+              gemm<T>(true, false, nj, d, mi, sc, ds_buf.data(), ld, qi, qs[2], T(1),
+                      gkg + j0 * gks[3], gks[3]);
+              gemm<T>(false, false, mi, d, nj, sc, ds_buf.data(), ld, kj, ks[3], T(1), dqi,
+                      dqs[2]);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// `rows`: tensors read as rows of d numbers (a contiguous last dimension); `other`: tensors
+// indexed element by element through their strides.
+void check(const at::Tensor& q, std::initializer_list<const at::Tensor*> rows,
+           std::initializer_list<const at::Tensor*> other) {
+  TORCH_CHECK(q.dim() == 4, "finished groups: queries must be [B, H, n, d]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
+              "finished groups: float32 or float64 only");
+  for (auto list : {rows, other}) {
+    for (const at::Tensor* t : list) {
+      TORCH_CHECK(t->scalar_type() == q.scalar_type() && t->device().is_cpu(),
+                  "finished groups: every tensor on the CPU in the queries' dtype");
+    }
+  }
+  for (const at::Tensor* t : rows) {
+    TORCH_CHECK(t->stride(-1) == 1, "finished groups: q, grad, out, dq, keys, values and their "
+                "gradients need a contiguous last dimension");
+  }
+}
+
+template <typename T>
+void run_forward(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                 const at::Tensor& shift, double scale, at::Tensor& out, at::Tensor& lse) {
+  const int64_t groups = keys.size(0), batch = keys.size(1), kv_heads = keys.size(2);
+  const int64_t rows = keys.size(3), dim = keys.size(4);
+  const int64_t heads = q.size(1), n = q.size(2), per_kv = heads / kv_heads;
+  const T* q_ = q.data_ptr<T>();
+  const T* k_ = keys.data_ptr<T>();
+  const T* v_ = values.data_ptr<T>();
+  const T* shift_ = shift.data_ptr<T>();
+  T* out_ = out.data_ptr<T>();
+  T* lse_ = lse.data_ptr<T>();
+  auto qs = q.strides(), ks = keys.strides(), vs = values.strides(), os = out.strides(),
+       ls = lse.strides(), ss = shift.strides();
+  const int64_t kt = std::min(rows, kKeyTile);
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> p(n * kt), o(n * dim), row_max(n), row_sum(n);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / heads, h = task % heads, hk = h / per_kv;
+      const T* qh = q_ + b * qs[0] + h * qs[1];
+      T* oh = out_ + b * os[0] + h * os[1];
+      T* lh = lse_ + b * ls[0] + h * ls[1];
+      const int d = static_cast<int>(dim), mi = static_cast<int>(n);
+      for (int64_t g = 0; g < groups; ++g) {
+        const T bias = shift_[g * ss[0] + h * ss[1]];
+        const T* kg = k_ + g * ks[0] + b * ks[1] + hk * ks[2];
+        const T* vg = v_ + g * vs[0] + b * vs[1] + hk * vs[2];
+        for (int64_t j0 = 0; j0 < rows; j0 += kt) {
+          const int nj = static_cast<int>(std::min(kt, rows - j0)), ld = nj;
+          gemm<T>(false, true, mi, nj, d, T(scale), qh, qs[2], kg + j0 * ks[3], ks[3], T(0),
+                  p.data(), ld);
+          for (int i = 0; i < mi; ++i) {
+            T* pr = p.data() + i * ld;
+            row_max[i] = ::row_max<T>(pr, nj);
+            row_sum[i] = exp_row<T>(pr, nj, T(1), row_max[i]);
+          }
+          gemm<T>(false, false, mi, d, nj, T(1), p.data(), ld, vg + j0 * vs[3], vs[3], T(0),
+                  o.data(), d);
+          // Merge the tile (unnormalized output o, log-sum m + log Σp - bias) into the
+          // running normalized output and lse.
+          for (int i = 0; i < mi; ++i) {
+            T* li = lh + i * ls[2];
+            const T tile = row_max[i] + std::log(row_sum[i]) - bias;
+            const T merged = std::max(*li, tile) +
+                             std::log1p(std::exp(-std::abs(*li - tile)));
+            const T keep = std::exp(*li - merged), add = std::exp(row_max[i] - bias - merged);
+            T* oi = oh + i * os[2];
+            const T* ti = o.data() + i * d;
+            for (int c = 0; c < d; ++c) oi[c] = oi[c] * keep + ti[c] * add;
+            *li = merged;
+          }
+        }
+      }
+    }
+  });
+}
+
+void finished_groups_forward(const at::Tensor& q, const at::Tensor& keys,
+                             const at::Tensor& values, const at::Tensor& shift, double scale,
+                             at::Tensor out, at::Tensor lse) {
+  check(q, {&q, &keys, &values, &out}, {&shift, &lse});
+  TORCH_CHECK(keys.dim() == 5 && shift.dim() == 2, "finished groups: keys [g, B, H_kv, R, d], "
+              "shift [g, H]");
+  if (q.scalar_type() == at::kFloat) {
+    run_forward<float>(q, keys, values, shift, scale, out, lse);
+  } else {
+    run_forward<double>(q, keys, values, shift, scale, out, lse);
+  }
+}
+
+void finished_groups_backward(const at::Tensor& grad, const at::Tensor& q,
+                              const at::Tensor& keys, const at::Tensor& values,
+                              const at::Tensor& lse, const at::Tensor& delta, double scale,
+                              at::Tensor dq, at::Tensor grad_keys, at::Tensor grad_values,
+                              at::Tensor row_sums) {
+  check(q, {&q, &grad, &keys, &values, &dq, &grad_keys, &grad_values},
+        {&lse, &delta, &row_sums});
+  TORCH_CHECK(keys.dim() == 5, "finished groups: keys [g, B, H_kv, R, d]");
+  if (q.scalar_type() == at::kFloat) {
+    run_backward<float>(grad, q, keys, values, lse, delta, scale, dq, grad_keys, grad_values,
+                        row_sums);
+  } else {
+    run_backward<double>(grad, q, keys, values, lse, delta, scale, dq, grad_keys, grad_values,
+                         row_sums);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(megabeta, m) {
+  m.def("finished_groups_forward(Tensor q, Tensor keys, Tensor values, Tensor shift, "
+        "float scale, Tensor(a!) out, Tensor(b!) lse) -> ()");
+  m.impl("finished_groups_forward", c10::DispatchKey::CPU, &finished_groups_forward);
+  m.def("finished_groups_backward(Tensor grad, Tensor q, Tensor keys, Tensor values, "
+        "Tensor lse, Tensor delta, float scale, Tensor(a!) dq, Tensor(b!) grad_keys, "
+        "Tensor(c!) grad_values, Tensor(d!) row_sums) -> ()");
+  m.impl("finished_groups_backward", c10::DispatchKey::CPU, &finished_groups_backward);
+}

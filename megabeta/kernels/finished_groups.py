@@ -1,0 +1,92 @@
+"""A block's attention over its finished groups as fused CPU kernels (`finished_groups.cpp`).
+
+Forward: the groups' attention merged by log-sum-exp into the block's own-key output in one
+pass per (batch, head): no repeated queries, no per-group outputs kept for backward.
+
+Backward: ATen's flash backward hands back freshly zero-filled key/value gradients for every
+history row of every group, which the caller then adds into the history's gradient buffer: at
+c = 32 those memory passes and the per-group calls cost more than the arithmetic. The kernel
+does the same arithmetic per tile and adds into the buffers in place (BLAS with beta = 1), and
+sums each group's score gradient per query row for the depth bias's gradient.
+
+It is built with torch's JIT extension loader the first time a process needs it (about 7 s
+with g++; cached under `TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`). Where it
+cannot be built or run (no C++ compiler, a CPU without AVX2, another dtype than float32 or
+float64), merged_attention.py keeps ATen's kernels: `available()` says which, and the reason is
+logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+FUSED = os.environ.get("MEGABETA_FUSED_KERNELS", "1") != "0"
+"""Use the fused kernel where it builds. `MEGABETA_FUSED_KERNELS=0` (or tests) switch it off."""
+
+DTYPES = (torch.float32, torch.float64)
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "finished_groups.cpp")
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> bool:
+    """Build (or find the cached build of) the kernel; None, with the reason logged, where it
+    cannot be built."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        reason = f"the kernel is written for x86-64 with AVX2, this machine is {platform.machine()}"
+    elif torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        reason = "this CPU lacks AVX2"
+    else:
+        try:
+            from torch.utils.cpp_extension import load
+
+            flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+            load(name="megabeta_finished_groups", sources=[_SOURCE], extra_cflags=flags,
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            return True
+        except Exception as error:  # noqa: BLE001 - any build failure means: use the fallback
+            reason = f"building it failed ({type(error).__name__}: {str(error).strip()[:300]})"
+    log.warning("megabeta: fused CPU kernels for the finished groups unavailable, using ATen's "
+                "flash kernels instead (slower at small blocks): %s", reason)
+    return False
+
+
+def available(dtype: torch.dtype) -> bool:
+    """Whether `finished_groups_backward` runs for tensors of `dtype` in this process."""
+    return FUSED and dtype in DTYPES and _load()
+
+
+def forward(q: Tensor, keys: Tensor, values: Tensor, shift: Tensor, scale: float, out: Tensor,
+            lse: Tensor) -> None:
+    """Merge attention over stacked finished groups into `out` and `lse` (in place).
+
+    `q, out [B, H, n, d]`: queries and, on entry, the output over the block's own keys
+    (normalized); `lse [B, H, n]`: its log-sum-exp; `keys, values [g, B, H_kv, R, d]`: the
+    groups; `shift [g, H]`: subtracted from group g's scores for head h (the depth bias).
+    On return `out`/`lse` are those of the merged key set. Query head h reads KV head
+    h // (H / H_kv). One dtype (`available`), contiguous last dimensions, any other strides.
+    """
+    torch.ops.megabeta.finished_groups_forward(q, keys, values, shift, scale, out, lse)
+
+
+def backward(grad: Tensor, q: Tensor, keys: Tensor, values: Tensor, lse: Tensor, delta: Tensor,
+             scale: float, dq: Tensor, grad_keys: Tensor, grad_values: Tensor,
+             row_sums: Tensor) -> None:
+    """Add the gradients of attention over stacked finished groups to `dq`, `grad_keys`,
+    `grad_values`, and each group's per-row score-gradient sums to `row_sums` (in place).
+
+    `q, grad, dq [B, H, n, d]`: queries, the merged output's gradient, the queries' gradient;
+    `keys, values, grad_keys, grad_values [g, B, H_kv, R, d]`: the groups and their gradient
+    buffers; `lse [g, B, H, n]`: the merged lse plus each group's shift; `delta [B, H, n]`:
+    rowsum(grad ∘ merged output); `row_sums [g, B, H, n]`, or empty when not wanted. Layouts as
+    in `forward`.
+    """
+    torch.ops.megabeta.finished_groups_backward(grad, q, keys, values, lse, delta, scale, dq,
+                                                grad_keys, grad_values, row_sums)

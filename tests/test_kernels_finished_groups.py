@@ -1,0 +1,138 @@
+"""The finished groups' fused CPU kernels (megabeta/kernels/finished_groups.cpp) against an
+explicit float64 attention with autograd, on shapes that cross their tiles (64 queries, 512
+keys), with GQA, strided inputs and per-head score shifts."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+
+import pytest
+import torch
+
+from megabeta.kernels import finished_groups
+
+B, H, H_KV, D, G = 2, 4, 2, 16, 3
+
+
+def _can_build() -> bool:
+    return (platform.machine() == "x86_64" and shutil.which("c++") is not None
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+
+
+@pytest.fixture(autouse=True)
+def _kernels() -> None:
+    if not _can_build():
+        pytest.skip("no x86-64 AVX2 CPU with a C++ compiler: the fused kernels are not built")
+    # Where they can be built they must be: a silent fallback would hide a broken build.
+    assert finished_groups.available(torch.float64)
+
+
+def _case(n: int, rows: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    # Strided like the model's: queries a transposed [B, n, H, d] projection, the groups a
+    # slice of a [L, B, H_kv, T, d] history buffer.
+    history_k, history_v = rand(G + 2, B, H_KV, rows + 5, D), rand(G + 2, B, H_KV, rows + 5, D)
+    return dict(q=rand(B, n, H, D).transpose(1, 2), keys=history_k[1:1 + G, :, :, :rows],
+                values=history_v[1:1 + G, :, :, :rows], own_k=rand(B, H, 5, D),
+                own_v=rand(B, H, 5, D), shift=rand(G, H).abs(), grad=rand(B, H, n, D))
+
+
+def _explicit(c: dict, scale: float) -> dict:
+    """Attention over the block's own keys and the groups, concatenated, in float64 autograd:
+    group g's scores shifted by -shift[g, h] per row (leaves, so their gradient is the row
+    sums), the queries twice (own / groups) to separate their gradient."""
+    q_own = c["q"].double().detach().requires_grad_()
+    q_groups = c["q"].double().detach().requires_grad_()
+    keys = c["keys"].double().detach().requires_grad_()
+    values = c["values"].double().detach().requires_grad_()
+    n = q_own.shape[2]
+    shift = c["shift"].double().view(G, 1, H, 1, 1).expand(G, B, H, n, 1).clone()
+    shift.requires_grad_()
+    per_q = H // H_KV
+    k_groups = keys.repeat_interleave(per_q, dim=2)
+    v_groups = values.repeat_interleave(per_q, dim=2)
+    scores_own = q_own @ c["own_k"].double().transpose(-1, -2) * scale
+    scores_groups = [q_groups @ k_groups[g].transpose(-1, -2) * scale - shift[g]
+                     for g in range(G)]
+    scores = torch.cat([scores_own, *scores_groups], dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.softmax(scores, dim=-1)
+    out = p @ torch.cat([c["own_v"].double(), *v_groups.unbind()], dim=2)
+    (out * c["grad"].double()).sum().backward()
+    own_scores = scores_own.detach()
+    return dict(out=out.detach(), lse=lse.detach(), dq=q_groups.grad, dk=keys.grad,
+                dv=values.grad, rows=-shift.grad.squeeze(-1),
+                own_lse=torch.logsumexp(own_scores, -1),
+                own_out=torch.softmax(own_scores, -1) @ c["own_v"].double())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)],
+                         ids=["fp64", "fp32"])
+@pytest.mark.parametrize("n,rows", [(5, 7), (70, 600), (64, 512)])
+def test_kernels_match_explicit_attention(n: int, rows: int, dtype: torch.dtype,
+                                          tol: float) -> None:
+    c = _case(n, rows, dtype)
+    scale = D ** -0.5
+    ref = _explicit(c, scale)
+
+    out, lse = ref["own_out"].to(dtype), ref["own_lse"].to(dtype)
+    finished_groups.forward(c["q"], c["keys"], c["values"], c["shift"], scale, out, lse)
+    torch.testing.assert_close(out.double(), ref["out"], rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), ref["lse"], rtol=tol, atol=tol)
+
+    history_dk, history_dv = (torch.zeros(G + 2, B, H_KV, rows + 5, D, dtype=dtype)
+                              for _ in range(2))
+    dk, dv = history_dk[1:1 + G, :, :, :rows], history_dv[1:1 + G, :, :, :rows]
+    dk += 1.0  # the kernel adds to what the buffers hold
+    dq = torch.full_like(c["grad"], 2.0)
+    rows_sum = torch.zeros(G, B, H, n, dtype=dtype)
+    delta = (c["grad"].double() * ref["out"]).sum(-1).to(dtype)
+    # Each group's lse: the merged one plus its shift (a stride-0 group dimension is fine).
+    lse_g = ref["lse"].to(dtype).expand(G, B, H, n) + c["shift"].view(G, 1, H, 1)
+    finished_groups.backward(c["grad"], c["q"], c["keys"], c["values"], lse_g, delta, scale, dq,
+                             dk, dv, rows_sum)
+    torch.testing.assert_close(dq.double() - 2.0, ref["dq"], rtol=tol, atol=tol)
+    torch.testing.assert_close(dk.double() - 1.0, ref["dk"], rtol=tol, atol=tol)
+    torch.testing.assert_close(dv.double(), ref["dv"], rtol=tol, atol=tol)
+    torch.testing.assert_close(rows_sum.double(), ref["rows"], rtol=tol, atol=tol)
+    # Rows outside the groups' slice are untouched.
+    assert history_dk[0].abs().sum() == 0 and history_dk[:, :, :, rows:].abs().sum() == 0
+    assert history_dv[G + 1].abs().sum() == 0
+
+
+def test_kernels_refuse_bad_layouts() -> None:
+    c = _case(4, 6, torch.float64)
+    out, lse = torch.zeros(B, H, 4, D, dtype=torch.float64), torch.zeros(B, H, 4,
+                                                                          dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="contiguous last dimension"):
+        finished_groups.forward(c["q"], c["keys"].transpose(-1, -2), c["values"], c["shift"],
+                                1.0, out, lse)
+    with pytest.raises(RuntimeError, match="dtype"):
+        finished_groups.forward(c["q"], c["keys"].float(), c["values"], c["shift"], 1.0, out,
+                                lse)
+
+
+def test_unavailable_kernels_fall_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A machine that cannot build the kernels (here: a pretend ARM CPU) runs ATen's kernels
+    and says why, once."""
+    finished_groups._load.cache_clear()
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    try:
+        with caplog.at_level(logging.WARNING, logger=finished_groups.__name__):
+            assert not finished_groups.available(torch.float32)
+            assert not finished_groups.available(torch.float64)
+        warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+        assert len(warnings) == 1 and "aarch64" in warnings[0].getMessage()
+        assert not finished_groups.available(torch.bfloat16)
+    finally:
+        finished_groups._load.cache_clear()
+    monkeypatch.undo()
+    assert finished_groups.available(torch.float64)
+    assert not finished_groups.available(torch.bfloat16)
