@@ -5,6 +5,7 @@ keys), with GQA, strided inputs and per-head score shifts."""
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import shutil
 
@@ -38,7 +39,10 @@ def _case(n: int, rows: int, dtype: torch.dtype, seed: int = 0) -> dict:
     # Strided like the model's: queries a transposed [B, n, H, d] projection, the groups a
     # slice of a [L, B, H_kv, T, d] history buffer.
     history_k, history_v = rand(G + 2, B, H_KV, rows + 5, D), rand(G + 2, B, H_KV, rows + 5, D)
-    return dict(q=rand(B, n, H, D).transpose(1, 2), keys=history_k[1:1 + G, :, :, :rows],
+    q = rand(B, n, H, D).transpose(1, 2)
+    if n == 1:  # a single query's row stride is arbitrary (here 1), never a BLAS ld
+        q = q.contiguous().as_strided((B, H, 1, D), (H * D, D, 1, 1))
+    return dict(q=q, keys=history_k[1:1 + G, :, :, :rows],
                 values=history_v[1:1 + G, :, :, :rows], own_k=rand(B, H, 5, D),
                 own_v=rand(B, H, 5, D), shift=rand(G, H).abs(), grad=rand(B, H, n, D))
 
@@ -74,7 +78,7 @@ def _explicit(c: dict, scale: float) -> dict:
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)],
                          ids=["fp64", "fp32"])
-@pytest.mark.parametrize("n,rows", [(5, 7), (70, 600), (64, 512)])
+@pytest.mark.parametrize("n,rows", [(1, 9), (5, 7), (70, 600), (64, 512)])
 def test_kernels_match_explicit_attention(n: int, rows: int, dtype: torch.dtype,
                                           tol: float) -> None:
     c = _case(n, rows, dtype)
@@ -136,3 +140,13 @@ def test_unavailable_kernels_fall_back_with_one_warning(monkeypatch: pytest.Monk
     monkeypatch.undo()
     assert finished_groups.available(torch.float64)
     assert not finished_groups.available(torch.bfloat16)
+
+
+def test_ninja_from_the_environment_when_not_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unactivated venv has the `ninja` package's binary off PATH; torch's loader needs it."""
+    import ninja
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    finished_groups._put_ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
+    assert shutil.which("ninja") is not None

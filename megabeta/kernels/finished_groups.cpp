@@ -52,7 +52,7 @@ void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, 
   }
 }
 
-// One row of a score tile, in AVX2 vectors (at::vec, Sleef's exp) plus a scalar tail.
+// Row operations on a score tile: AVX2 vectors (at::vec; its exp is Sleef's) and a scalar tail.
 template <typename T>
 T row_max(const T* x, int n) {
   using V = at::vec::Vectorized<T>;
@@ -60,7 +60,9 @@ T row_max(const T* x, int n) {
   T m = -std::numeric_limits<T>::infinity();
   if (n >= V::size()) {
     V acc = V::loadu(x);
-    for (i = V::size(); i + V::size() <= n; i += V::size()) acc = at::vec::maximum(acc, V::loadu(x + i));
+    for (i = V::size(); i + V::size() <= n; i += V::size()) {
+      acc = at::vec::maximum(acc, V::loadu(x + i));
+    }
     m = at::vec::vec_reduce_all<T>([](V& a, V& b) { return at::vec::maximum(a, b); }, acc);
   }
   for (; i < n; ++i) m = std::max(m, x[i]);
@@ -101,6 +103,15 @@ T score_grad_row(T* ds, const T* p, int n, T d) {
   return sum;
 }
 
+// Strides of a tensor read as rows of d numbers; the rows' stride (the second-to-last) is
+// BLAS's leading dimension: where that dimension has size 1 it may carry any stride and is
+// never stepped over, so it becomes d.
+std::vector<int64_t> row_strides(const at::Tensor& t) {
+  std::vector<int64_t> s(t.strides().begin(), t.strides().end());
+  if (t.size(-2) == 1) s[s.size() - 2] = t.size(-1);
+  return s;
+}
+
 constexpr int64_t kQueryTile = 64;
 constexpr int64_t kKeyTile = 512;
 
@@ -125,9 +136,9 @@ void run_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor&
   auto rss = row_sums.strides();
   // Strides: queries-like tensors [B, H, n, d], keys-like [G, B, H_kv, R, d]; the last
   // dimension is contiguous (checked by the caller).
-  auto qs = q.strides(), gs = grad.strides(), dqs = dq.strides();
-  auto ks = keys.strides(), vs = values.strides(), gks = grad_keys.strides(),
-       gvs = grad_values.strides();
+  auto qs = row_strides(q), gs = row_strides(grad), dqs = row_strides(dq);
+  auto ks = row_strides(keys), vs = row_strides(values), gks = row_strides(grad_keys),
+       gvs = row_strides(grad_values);
   auto ls = lse.strides(), ds = delta.strides();
   const int64_t qt = std::min(n, kQueryTile), kt = std::min(rows, kKeyTile);
   // One (batch, KV head) per task: its query heads and every group add to its own gradients.
@@ -198,8 +209,9 @@ void check(const at::Tensor& q, std::initializer_list<const at::Tensor*> rows,
     }
   }
   for (const at::Tensor* t : rows) {
-    TORCH_CHECK(t->stride(-1) == 1, "finished groups: q, grad, out, dq, keys, values and their "
-                "gradients need a contiguous last dimension");
+    TORCH_CHECK(t->stride(-1) == 1 && (t->size(-2) == 1 || t->stride(-2) >= t->size(-1)),
+                "finished groups: q, grad, out, dq, keys, values and their gradients need a "
+                "contiguous last dimension and non-overlapping rows");
   }
 }
 
@@ -215,11 +227,12 @@ void run_forward(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
   const T* shift_ = shift.data_ptr<T>();
   T* out_ = out.data_ptr<T>();
   T* lse_ = lse.data_ptr<T>();
-  auto qs = q.strides(), ks = keys.strides(), vs = values.strides(), os = out.strides(),
-       ls = lse.strides(), ss = shift.strides();
+  auto qs = row_strides(q), ks = row_strides(keys), vs = row_strides(values),
+       os = row_strides(out);
+  auto ls = lse.strides(), ss = shift.strides();
   const int64_t kt = std::min(rows, kKeyTile);
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> p(n * kt), o(n * dim), row_max(n), row_sum(n);
+    std::vector<T> p(n * kt), o(n * dim), maxima(n), sums(n);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / heads, h = task % heads, hk = h / per_kv;
       const T* qh = q_ + b * qs[0] + h * qs[1];
@@ -236,8 +249,8 @@ void run_forward(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
                   p.data(), ld);
           for (int i = 0; i < mi; ++i) {
             T* pr = p.data() + i * ld;
-            row_max[i] = ::row_max<T>(pr, nj);
-            row_sum[i] = exp_row<T>(pr, nj, T(1), row_max[i]);
+            maxima[i] = row_max<T>(pr, nj);
+            sums[i] = exp_row<T>(pr, nj, T(1), maxima[i]);
           }
           gemm<T>(false, false, mi, d, nj, T(1), p.data(), ld, vg + j0 * vs[3], vs[3], T(0),
                   o.data(), d);
@@ -245,10 +258,10 @@ void run_forward(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
           // running normalized output and lse.
           for (int i = 0; i < mi; ++i) {
             T* li = lh + i * ls[2];
-            const T tile = row_max[i] + std::log(row_sum[i]) - bias;
+            const T tile = maxima[i] + std::log(sums[i]) - bias;
             const T merged = std::max(*li, tile) +
                              std::log1p(std::exp(-std::abs(*li - tile)));
-            const T keep = std::exp(*li - merged), add = std::exp(row_max[i] - bias - merged);
+            const T keep = std::exp(*li - merged), add = std::exp(maxima[i] - bias - merged);
             T* oi = oh + i * os[2];
             const T* ti = o.data() + i * d;
             for (int c = 0; c < d; ++c) oi[c] = oi[c] * keep + ti[c] * add;

@@ -22,13 +22,16 @@ import functools
 import logging
 import os
 import platform
+import shutil
+
 import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
 
 FUSED = os.environ.get("MEGABETA_FUSED_KERNELS", "1") != "0"
-"""Use the fused kernel where it builds. `MEGABETA_FUSED_KERNELS=0` (or tests) switch it off."""
+"""Use the fused kernels where they build. `MEGABETA_FUSED_KERNELS=0` (or tests) switch them
+off."""
 
 DTYPES = (torch.float32, torch.float64)
 
@@ -37,17 +40,22 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "finished_groups.cpp")
 
 @functools.lru_cache(maxsize=None)
 def _load() -> bool:
-    """Build (or find the cached build of) the kernel; None, with the reason logged, where it
-    cannot be built."""
+    """Build (or find the cached build of) the kernels and register them as
+    `torch.ops.megabeta.*`; False, with the reason logged once, where they cannot be built."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        reason = f"the kernel is written for x86-64 with AVX2, this machine is {platform.machine()}"
+        reason = f"they are written for x86-64 with AVX2, this machine is {platform.machine()}"
     elif torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         reason = "this CPU lacks AVX2"
     else:
         try:
             from torch.utils.cpp_extension import load
 
-            flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+            _put_ninja_on_path()
+
+            # at::vec's AVX2 vectors (its exp is Sleef's, exported by libtorch_cpu) and OpenMP
+            # for at::parallel_for, which is inlined into the kernels.
+            flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DCPU_CAPABILITY=AVX2",
+                     "-DCPU_CAPABILITY_AVX2"]
             load(name="megabeta_finished_groups", sources=[_SOURCE], extra_cflags=flags,
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             return True
@@ -58,8 +66,17 @@ def _load() -> bool:
     return False
 
 
+def _put_ninja_on_path() -> None:
+    """torch's loader runs `ninja` from PATH; the `ninja` package's binary sits in the
+    environment's scripts folder, which is not on PATH when the venv is not activated."""
+    if shutil.which("ninja") is None:
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def available(dtype: torch.dtype) -> bool:
-    """Whether `finished_groups_backward` runs for tensors of `dtype` in this process."""
+    """Whether `forward`/`backward` run for tensors of `dtype` in this process."""
     return FUSED and dtype in DTYPES and _load()
 
 
