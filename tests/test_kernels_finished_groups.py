@@ -110,16 +110,26 @@ def test_kernels_match_explicit_attention(n: int, rows: int, dtype: torch.dtype,
     assert history_dv[G + 1].abs().sum() == 0
 
 
-def test_kernels_refuse_bad_layouts() -> None:
+def test_kernels_refuse_bad_shapes_and_layouts() -> None:
     c = _case(4, 6, torch.float64)
     out, lse = torch.zeros(B, H, 4, D, dtype=torch.float64), torch.zeros(B, H, 4,
                                                                           dtype=torch.float64)
+    strided = torch.zeros(*c["keys"].shape[:-1], 2 * D, dtype=torch.float64)[..., ::2]
     with pytest.raises(RuntimeError, match="contiguous last dimension"):
-        finished_groups.forward(c["q"], c["keys"].transpose(-1, -2), c["values"], c["shift"],
-                                1.0, out, lse)
+        finished_groups.forward(c["q"], strided, c["values"], c["shift"], 1.0, out, lse)
     with pytest.raises(RuntimeError, match="dtype"):
         finished_groups.forward(c["q"], c["keys"].float(), c["values"], c["shift"], 1.0, out,
                                 lse)
+    with pytest.raises(RuntimeError, match="shift must be"):
+        finished_groups.forward(c["q"], c["keys"], c["values"], c["shift"][:, :2], 1.0, out,
+                                lse)
+    with pytest.raises(RuntimeError, match="multiple of H_kv"):
+        finished_groups.forward(c["q"], c["keys"][:, :1], c["values"][:, :1], c["shift"], 1.0,
+                                out, lse)
+    with pytest.raises(RuntimeError, match="lse must be"):
+        finished_groups.backward(c["grad"][:, :, :4], c["q"], c["keys"], c["values"], lse,
+                                 lse, 1.0, out, torch.zeros_like(c["keys"]),
+                                 torch.zeros_like(c["values"]), torch.empty(0, dtype=lse.dtype))
 
 
 def test_unavailable_kernels_fall_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,

@@ -117,8 +117,9 @@ constexpr int64_t kKeyTile = 512;
 
 template <typename T>
 void run_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& keys,
-         const at::Tensor& values, const at::Tensor& lse, const at::Tensor& delta, double scale,
-         at::Tensor& dq, at::Tensor& grad_keys, at::Tensor& grad_values, at::Tensor& row_sums) {
+                  const at::Tensor& values, const at::Tensor& lse, const at::Tensor& delta,
+                  double scale, at::Tensor& dq, at::Tensor& grad_keys, at::Tensor& grad_values,
+                  at::Tensor& row_sums) {
   const int64_t groups = keys.size(0), batch = keys.size(1), kv_heads = keys.size(2);
   const int64_t rows = keys.size(3), dim = keys.size(4);
   const int64_t heads = q.size(1), n = q.size(2), per_kv = heads / kv_heads;
@@ -195,11 +196,17 @@ void run_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor&
   });
 }
 
-// `rows`: tensors read as rows of d numbers (a contiguous last dimension); `other`: tensors
-// indexed element by element through their strides.
-void check(const at::Tensor& q, std::initializer_list<const at::Tensor*> rows,
+// Shapes (q [B, H, n, d], keys [g, B, H_kv, R, d]), dtypes and layouts. `rows`: tensors read
+// as rows of d numbers (a contiguous last dimension); `other`: tensors indexed element by
+// element through their strides.
+void check(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+           std::initializer_list<const at::Tensor*> rows,
            std::initializer_list<const at::Tensor*> other) {
-  TORCH_CHECK(q.dim() == 4, "finished groups: queries must be [B, H, n, d]");
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 5 && values.sizes() == keys.sizes() &&
+                  keys.size(1) == q.size(0) && keys.size(4) == q.size(3) &&
+                  q.size(1) % keys.size(2) == 0,
+              "finished groups: queries [B, H, n, d] and keys/values [g, B, H_kv, R, d] with H "
+              "a multiple of H_kv, got ", q.sizes(), " and ", keys.sizes());
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
               "finished groups: float32 or float64 only");
   for (auto list : {rows, other}) {
@@ -213,6 +220,11 @@ void check(const at::Tensor& q, std::initializer_list<const at::Tensor*> rows,
                 "finished groups: q, grad, out, dq, keys, values and their gradients need a "
                 "contiguous last dimension and non-overlapping rows");
   }
+}
+
+void check_shape(const at::Tensor& t, at::IntArrayRef expected, const char* name) {
+  TORCH_CHECK(t.sizes() == expected, "finished groups: ", name, " must be ", expected, ", got ",
+              t.sizes());
 }
 
 template <typename T>
@@ -276,9 +288,10 @@ void run_forward(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
 void finished_groups_forward(const at::Tensor& q, const at::Tensor& keys,
                              const at::Tensor& values, const at::Tensor& shift, double scale,
                              at::Tensor out, at::Tensor lse) {
-  check(q, {&q, &keys, &values, &out}, {&shift, &lse});
-  TORCH_CHECK(keys.dim() == 5 && shift.dim() == 2, "finished groups: keys [g, B, H_kv, R, d], "
-              "shift [g, H]");
+  check(q, keys, values, {&q, &keys, &values, &out}, {&shift, &lse});
+  check_shape(out, q.sizes(), "out");
+  check_shape(lse, q.sizes().slice(0, 3), "lse");
+  check_shape(shift, {keys.size(0), q.size(1)}, "shift");
   if (q.scalar_type() == at::kFloat) {
     run_forward<float>(q, keys, values, shift, scale, out, lse);
   } else {
@@ -291,9 +304,16 @@ void finished_groups_backward(const at::Tensor& grad, const at::Tensor& q,
                               const at::Tensor& lse, const at::Tensor& delta, double scale,
                               at::Tensor dq, at::Tensor grad_keys, at::Tensor grad_values,
                               at::Tensor row_sums) {
-  check(q, {&q, &grad, &keys, &values, &dq, &grad_keys, &grad_values},
+  check(q, keys, values, {&q, &grad, &keys, &values, &dq, &grad_keys, &grad_values},
         {&lse, &delta, &row_sums});
-  TORCH_CHECK(keys.dim() == 5, "finished groups: keys [g, B, H_kv, R, d]");
+  check_shape(grad, q.sizes(), "grad");
+  check_shape(dq, q.sizes(), "dq");
+  check_shape(grad_keys, keys.sizes(), "grad_keys");
+  check_shape(grad_values, keys.sizes(), "grad_values");
+  check_shape(delta, q.sizes().slice(0, 3), "delta");
+  const std::vector<int64_t> per_group{keys.size(0), q.size(0), q.size(1), q.size(2)};
+  check_shape(lse, per_group, "lse");
+  if (row_sums.numel()) check_shape(row_sums, per_group, "row_sums");
   if (q.scalar_type() == at::kFloat) {
     run_backward<float>(grad, q, keys, values, lse, delta, scale, dq, grad_keys, grad_values,
                         row_sums);
