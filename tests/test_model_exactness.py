@@ -126,6 +126,24 @@ def test_buffered_history_checks_its_ordering() -> None:
     assert history.release(0, 4) == [None] * 4  # no reader gradient yet: nothing to hand out
 
 
+def _switch_agrees(case: str, monkeypatch: pytest.MonkeyPatch, module: object,
+                   switch: str) -> None:
+    """The model with `module.switch` on and off: logits equal to the naive reference both
+    times, and the same parameters with the same gradients."""
+    x, y = tokens(length=T), tokens(length=T, seed=2)
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(module, switch, on)
+        model = tiny_model(**CASES[case])
+        expected = reference_logits(model.state_dict(), model.config, x)
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-9)
+        model(x, y).backward()
+        runs.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert runs[0].keys() == runs[1].keys()
+    for name in runs[0]:
+        torch.testing.assert_close(runs[0][name], runs[1][name], rtol=0, atol=1e-10, msg=name)
+
+
 @pytest.mark.parametrize("case", ["c3_k2", "gqa", "deep_token_window", "stride2"])
 def test_concatenating_fallback_matches_reference(case: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,17 +151,7 @@ def test_concatenating_fallback_matches_reference(case: str,
     concatenated and backward recomputes SDPA with autograd: same values, same gradients."""
     from megabeta.model import merged_attention
 
-    x, y = tokens(length=T), tokens(length=T, seed=2)
-    runs = []
-    for flash in (True, False):
-        monkeypatch.setattr(merged_attention, "FLASH_ON_CPU", flash)
-        model = tiny_model(**CASES[case])
-        expected = reference_logits(model.state_dict(), model.config, x)
-        torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-9)
-        model(x, y).backward()
-        runs.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    for name in runs[0]:
-        torch.testing.assert_close(runs[0][name], runs[1][name], rtol=0, atol=1e-10, msg=name)
+    _switch_agrees(case, monkeypatch, merged_attention, "FLASH_ON_CPU")
 
 
 @pytest.mark.parametrize("case", ["c1_k2", "c3_k2", "gqa", "stride2", "deep_token_window",
@@ -157,15 +165,4 @@ def test_fused_cpu_kernels_and_aten_kernels_agree(case: str,
 
     if not finished_groups.available(torch.float64):
         pytest.skip("fused CPU kernels not built on this machine")
-    x, y = tokens(length=T), tokens(length=T, seed=2)
-    runs = []
-    for fused in (True, False):
-        monkeypatch.setattr(finished_groups, "FUSED", fused)
-        model = tiny_model(**CASES[case])
-        expected = reference_logits(model.state_dict(), model.config, x)
-        torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-9)
-        model(x, y).backward()
-        runs.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    assert runs[0].keys() == runs[1].keys()
-    for name in runs[0]:
-        torch.testing.assert_close(runs[0][name], runs[1][name], rtol=0, atol=1e-10, msg=name)
+    _switch_agrees(case, monkeypatch, finished_groups, "FUSED")
