@@ -105,6 +105,11 @@ def test_kernels_match_explicit_attention(n: int, rows: int, dtype: torch.dtype,
     torch.testing.assert_close(dk.double() - 1.0, ref["dk"], rtol=tol, atol=tol)
     torch.testing.assert_close(dv.double(), ref["dv"], rtol=tol, atol=tol)
     torch.testing.assert_close(rows_sum.double(), ref["rows"], rtol=tol, atol=tol)
+    # Without key/value gradient buffers the kernel forms dq alone, the same.
+    dq_only, empty = torch.full_like(c["grad"], 2.0), torch.empty(0, dtype=dtype)
+    finished_groups.backward(c["grad"], c["q"], c["keys"], c["values"], lse_g, delta, scale,
+                             dq_only, empty, empty, empty)
+    torch.testing.assert_close(dq_only, dq, rtol=0, atol=0)
     # Rows outside the groups' slice are untouched.
     assert history_dk[0].abs().sum() == 0 and history_dk[:, :, :, rows:].abs().sum() == 0
     assert history_dv[G + 1].abs().sum() == 0

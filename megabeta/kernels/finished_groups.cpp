@@ -14,9 +14,11 @@
 //   dS = P ∘ (dO·Vᵀ - D),   D = rowsum(dO ∘ O)
 //   dV_g += Pᵀ·dO,   dK_g += scale·dSᵀ·Q,   dQ += scale·dS·K_g,   rows_g += rowsum(dS)
 // (rows_g: the gradient of group g's score shift, which the depth bias's gradient reads).
+// Given empty key/value gradient buffers (nobody wants them), only dQ and rows_g.
 // The tiles keep P and dS in cache, as the flash kernels do.
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -69,20 +71,20 @@ T row_max(const T* x, int n) {
   return m;
 }
 
-// x[i] = exp(x[i]·scale - shift); returns Σ x[i].
+// x[i] = exp(x[i] - shift); returns Σ x[i].
 template <typename T>
-T exp_row(T* x, int n, T scale, T shift) {
+T exp_row(T* x, int n, T shift) {
   using V = at::vec::Vectorized<T>;
-  const V s(scale), h(shift);
+  const V h(shift);
   V acc(T(0));
   int i = 0;
   for (; i + V::size() <= n; i += V::size()) {
-    V e = (V::loadu(x + i) * s - h).exp_u20();
+    V e = (V::loadu(x + i) - h).exp_u20();
     e.store(x + i);
     acc = acc + e;
   }
   T sum = at::vec::vec_reduce_all<T>([](V& a, V& b) { return a + b; }, acc);
-  for (; i < n; ++i) sum += x[i] = std::exp(x[i] * scale - shift);
+  for (; i < n; ++i) sum += x[i] = std::exp(x[i] - shift);
   return sum;
 }
 
@@ -131,15 +133,16 @@ void run_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor&
   const T* lse_ = lse.data_ptr<T>();
   const T* delta_ = delta.data_ptr<T>();
   T* dq_ = dq.data_ptr<T>();
-  T* gk_ = grad_keys.data_ptr<T>();
-  T* gv_ = grad_values.data_ptr<T>();
+  // Empty key/value gradient buffers: nobody wants those gradients, only dq.
+  T* gk_ = grad_keys.numel() ? grad_keys.data_ptr<T>() : nullptr;
+  T* gv_ = grad_values.numel() ? grad_values.data_ptr<T>() : nullptr;
   T* rs_ = row_sums.numel() ? row_sums.data_ptr<T>() : nullptr;
   auto rss = row_sums.strides();
   // Strides: queries-like tensors [B, H, n, d], keys-like [G, B, H_kv, R, d]; the last
   // dimension is contiguous (checked by the caller).
   auto qs = row_strides(q), gs = row_strides(grad), dqs = row_strides(dq);
-  auto ks = row_strides(keys), vs = row_strides(values), gks = row_strides(grad_keys),
-       gvs = row_strides(grad_values);
+  auto ks = row_strides(keys), vs = row_strides(values);
+  auto gks = gk_ ? row_strides(grad_keys) : ks, gvs = gv_ ? row_strides(grad_values) : vs;
   auto ls = lse.strides(), ds = delta.strides();
   const int64_t qt = std::min(n, kQueryTile), kt = std::min(rows, kKeyTile);
   // One (batch, KV head) per task: its query heads and every group add to its own gradients.
@@ -155,8 +158,8 @@ void run_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor&
         for (int64_t g = 0; g < groups; ++g) {
           const T* kg = k_ + g * ks[0] + b * ks[1] + hk * ks[2];
           const T* vg = v_ + g * vs[0] + b * vs[1] + hk * vs[2];
-          T* gkg = gk_ + g * gks[0] + b * gks[1] + hk * gks[2];
-          T* gvg = gv_ + g * gvs[0] + b * gvs[1] + hk * gvs[2];
+          T* gkg = gk_ ? gk_ + g * gks[0] + b * gks[1] + hk * gks[2] : nullptr;
+          T* gvg = gv_ ? gv_ + g * gvs[0] + b * gvs[1] + hk * gvs[2] : nullptr;
           const T* lh = lse_ + g * ls[0] + b * ls[1] + h * ls[2];
           T* rh = rs_ ? rs_ + g * rss[0] + b * rss[1] + h * rss[2] : nullptr;
           for (int64_t i0 = 0; i0 < n; i0 += qt) {
@@ -169,9 +172,9 @@ void run_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor&
               const T* kj = kg + j0 * ks[3];
               const T* vj = vg + j0 * vs[3];
               const int ld = nj, d = static_cast<int>(dim);
-              gemm<T>(false, true, mi, nj, d, T(1), qi, qs[2], kj, ks[3], T(0), p.data(), ld);
+              gemm<T>(false, true, mi, nj, d, sc, qi, qs[2], kj, ks[3], T(0), p.data(), ld);
               for (int i = 0; i < mi; ++i) {
-                exp_row<T>(p.data() + i * ld, nj, sc, lh[(i0 + i) * ls[3]]);
+                exp_row<T>(p.data() + i * ld, nj, lh[(i0 + i) * ls[3]]);
               }
               gemm<T>(false, true, mi, nj, d, T(1), gi, gs[2], vj, vs[3], T(0), ds_buf.data(),
                       ld);
@@ -182,10 +185,12 @@ void run_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor&
                 const T sum = score_grad_row<T>(dsr, pr, nj, di);
                 if (rh) rh[(i0 + i) * rss[3]] += sum;
               }
-              gemm<T>(true, false, nj, d, mi, T(1), p.data(), ld, gi, gs[2], T(1),
-                      gvg + j0 * gvs[3], gvs[3]);
-              gemm<T>(true, false, nj, d, mi, sc, ds_buf.data(), ld, qi, qs[2], T(1),
-                      gkg + j0 * gks[3], gks[3]);
+              if (gkg) {
+                gemm<T>(true, false, nj, d, mi, T(1), p.data(), ld, gi, gs[2], T(1),
+                        gvg + j0 * gvs[3], gvs[3]);
+                gemm<T>(true, false, nj, d, mi, sc, ds_buf.data(), ld, qi, qs[2], T(1),
+                        gkg + j0 * gks[3], gks[3]);
+              }
               gemm<T>(false, false, mi, d, nj, sc, ds_buf.data(), ld, kj, ks[3], T(1), dqi,
                       dqs[2]);
             }
@@ -262,7 +267,7 @@ void run_forward(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
           for (int i = 0; i < mi; ++i) {
             T* pr = p.data() + i * ld;
             maxima[i] = row_max<T>(pr, nj);
-            sums[i] = exp_row<T>(pr, nj, T(1), maxima[i]);
+            sums[i] = exp_row<T>(pr, nj, maxima[i]);
           }
           gemm<T>(false, false, mi, d, nj, T(1), p.data(), ld, vg + j0 * vs[3], vs[3], T(0),
                   o.data(), d);
@@ -292,11 +297,9 @@ void finished_groups_forward(const at::Tensor& q, const at::Tensor& keys,
   check_shape(out, q.sizes(), "out");
   check_shape(lse, q.sizes().slice(0, 3), "lse");
   check_shape(shift, {keys.size(0), q.size(1)}, "shift");
-  if (q.scalar_type() == at::kFloat) {
-    run_forward<float>(q, keys, values, shift, scale, out, lse);
-  } else {
-    run_forward<double>(q, keys, values, shift, scale, out, lse);
-  }
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "finished_groups_forward", [&] {
+    run_forward<scalar_t>(q, keys, values, shift, scale, out, lse);
+  });
 }
 
 void finished_groups_backward(const at::Tensor& grad, const at::Tensor& q,
@@ -304,23 +307,24 @@ void finished_groups_backward(const at::Tensor& grad, const at::Tensor& q,
                               const at::Tensor& lse, const at::Tensor& delta, double scale,
                               at::Tensor dq, at::Tensor grad_keys, at::Tensor grad_values,
                               at::Tensor row_sums) {
-  check(q, keys, values, {&q, &grad, &keys, &values, &dq, &grad_keys, &grad_values},
-        {&lse, &delta, &row_sums});
+  TORCH_CHECK(grad_keys.numel() == grad_values.numel(),
+              "finished groups: grad_keys and grad_values both given or both empty");
+  check(q, keys, values, {&q, &grad, &keys, &values, &dq}, {&lse, &delta, &row_sums});
   check_shape(grad, q.sizes(), "grad");
   check_shape(dq, q.sizes(), "dq");
-  check_shape(grad_keys, keys.sizes(), "grad_keys");
-  check_shape(grad_values, keys.sizes(), "grad_values");
+  if (grad_keys.numel()) {
+    check(q, keys, values, {&grad_keys, &grad_values}, {});
+    check_shape(grad_keys, keys.sizes(), "grad_keys");
+    check_shape(grad_values, keys.sizes(), "grad_values");
+  }
   check_shape(delta, q.sizes().slice(0, 3), "delta");
   const std::vector<int64_t> per_group{keys.size(0), q.size(0), q.size(1), q.size(2)};
   check_shape(lse, per_group, "lse");
   if (row_sums.numel()) check_shape(row_sums, per_group, "row_sums");
-  if (q.scalar_type() == at::kFloat) {
-    run_backward<float>(grad, q, keys, values, lse, delta, scale, dq, grad_keys, grad_values,
-                        row_sums);
-  } else {
-    run_backward<double>(grad, q, keys, values, lse, delta, scale, dq, grad_keys, grad_values,
-                         row_sums);
-  }
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "finished_groups_backward", [&] {
+    run_backward<scalar_t>(grad, q, keys, values, lse, delta, scale, dq, grad_keys, grad_values,
+                           row_sums);
+  });
 }
 
 }  // namespace

@@ -103,9 +103,9 @@ def backward(grad: Tensor, q: Tensor, keys: Tensor, values: Tensor, lse: Tensor,
 
     `q, grad, dq [B, H, n, d]`: queries, the merged output's gradient, the queries' gradient;
     `keys, values, grad_keys, grad_values [g, B, H_kv, R, d]`: the groups and their gradient
-    buffers; `lse [g, B, H, n]`: the merged lse plus each group's shift; `delta [B, H, n]`:
-    rowsum(grad ∘ merged output); `row_sums [g, B, H, n]`, or empty when not wanted. Layouts as
-    in `forward`.
+    buffers (both empty: only `dq` is wanted); `lse [g, B, H, n]`: the merged lse plus each
+    group's shift; `delta [B, H, n]`: rowsum(grad ∘ merged output); `row_sums [g, B, H, n]`,
+    or empty when not wanted. Layouts as in `forward`.
     """
     torch.ops.megabeta.finished_groups_backward(grad, q, keys, values, lse, delta, scale, dq,
                                                 grad_keys, grad_values, row_sums)

@@ -158,8 +158,8 @@ class _Merged(torch.autograd.Function):
                 # Each group's lse `[g, B, H, n]` (a broadcast view when no bias shifts it).
                 g = len(b.offsets)
                 lse_g = lse + bias if isinstance(bias, Tensor) else lse.expand(g, *lse.shape)
-                if grad_k is None:
-                    grad_k, grad_v = torch.zeros_like(b.k), torch.zeros_like(b.v)
+                if grad_k is None:  # no key/value gradient wanted: the kernel forms dq only
+                    grad_k = grad_v = q.new_empty(0)
                 rows = lse.new_zeros(g, *lse.shape) if depth else lse.new_empty(0)
                 finished_groups.backward(grad, q, b.k, b.v, lse_g, delta, scale, dq, grad_k,
                                          grad_v, rows)
