@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from dist_helpers import REPORT, free_port, launcher_free_environ, read_reports
 
@@ -19,6 +20,7 @@ from megabeta.parallel import env as distenv
 from megabeta.parallel.env import (
     DistEnv,
     DistEnvError,
+    choose_device,
     discover,
     expand_hostlist,
     expand_tasks_per_node,
@@ -195,6 +197,90 @@ def test_logging_rank0_info_others_warnings_with_rank(
     out = capsys.readouterr().out
     assert "hello from zero" in out and "hidden info" not in out
     assert "[rank 1] disk almost full" in out and out.count("disk almost full") == 1
+
+
+# ---------------------------------------------------------------- choose_device() per launcher
+
+TORCHRUN_8 = {"RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8",
+              "MASTER_ADDR": "head", "MASTER_PORT": "29400"}
+SRUN_TASK = {"SLURM_PROCID": "7", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3", "SLURM_NODEID": "1",
+             "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[01-02]",
+             "SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0"}
+MPIRUN = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+          "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+          "MASTER_ADDR": "node0", "MASTER_PORT": "29501"}
+
+
+@pytest.mark.parametrize("environ, count, visible, device", [
+    (TORCHRUN_8, 8, None, "cuda:3"),
+    (SRUN_TASK, 1, "3", "cuda:0"),  # srun --gpus-per-task=1: task 3 sees only its GPU, as 0
+    (SRUN_TASK, 8, "0,1,2,3,4,5,6,7", "cuda:3"),  # plain srun: every task sees the node's GPUs
+    (MPIRUN, 2, None, "cuda:1"),
+    ({}, 1, None, "cuda:0"),  # single process
+    (TORCHRUN_8, 0, None, "cpu"),  # no GPU
+    (SRUN_TASK, 0, "", "cpu"),
+    (MPIRUN, 2, "", "cpu"),  # CUDA_VISIBLE_DEVICES="" hides every GPU
+])
+def test_choose_device(environ: dict[str, str], count: int, visible: str | None,
+                       device: str) -> None:
+    assert choose_device(discover(environ), cuda_count=count, visible=visible) == \
+        torch.device(device)
+
+
+@pytest.mark.parametrize("environ, count, visible, names", [
+    (TORCHRUN_8, 2, "0,1", ["LOCAL_RANK=3", "only 2 GPUs", "CUDA_VISIBLE_DEVICES='0,1'"]),
+    # Local rank 0 has a GPU of its own but its node-mates would not: it fails alike.
+    ({**TORCHRUN_8, "RANK": "8", "LOCAL_RANK": "0"}, 2, None,
+     ["LOCAL_RANK=0", "LOCAL_WORLD_SIZE", "only 2 GPUs", "CUDA_VISIBLE_DEVICES=unset"]),
+    (SRUN_TASK, 3, "0,1,2", ["SLURM_LOCALID=3", "SLURM_TASKS_PER_NODE", "only 3 GPUs",
+                             "CUDA_VISIBLE_DEVICES='0,1,2'", "--gpus-per-task=1"]),
+])
+def test_too_few_gpus_names_the_variables(environ: dict[str, str], count: int,
+                                          visible: str | None, names: list[str]) -> None:
+    with pytest.raises(DistEnvError) as info:
+        choose_device(discover(environ), cuda_count=count, visible=visible)
+    for name in names:
+        assert name in str(info.value)
+
+
+def test_choose_device_defaults_read_torch_and_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    env = discover(SRUN_TASK)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert choose_device(env) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert choose_device(env) == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert choose_device(env) == torch.device("cuda", 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert choose_device(env) == torch.device("cpu")
+
+
+def test_init_distributed_sets_the_chosen_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process group's GPU is choose_device's: under srun --gpus-per-task=1, cuda:0."""
+    for name in [k for k in os.environ if k not in launcher_free_environ()]:
+        monkeypatch.delenv(name)
+    for name, value in {**SRUN_TASK, "CUDA_VISIBLE_DEVICES": "3"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                 "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "x")  # init_distributed exports these: undone after the test
+        monkeypatch.delenv(name)
+    chosen: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: None)
+    monkeypatch.setattr(distenv, "_active", None)
+    try:
+        env = init_distributed("nccl")
+    finally:
+        distenv.destroy_distributed()
+    assert env.launcher == "slurm" and env.local_rank == 3
+    assert chosen == [torch.device("cuda", 0)]
 
 
 # ---------------------------------------------------------------- real 2-process rendezvous

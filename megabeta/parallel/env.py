@@ -25,7 +25,7 @@ import re
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -61,6 +61,10 @@ class DistEnv:
     master_port: int
     launcher: str
     """"torchrun", "slurm", "mpi" or "single"."""
+    local_rank_name: str = field(default="local rank", compare=False, repr=False)
+    """Where `local_rank` came from ("LOCAL_RANK", "SLURM_LOCALID", ...), for error messages."""
+    local_world_name: str = field(default="local world size", compare=False, repr=False)
+    """Where `local_world_size` came from ("LOCAL_WORLD_SIZE", "SLURM_TASKS_PER_NODE", ...)."""
 
     @property
     def is_rank0(self) -> bool:
@@ -386,7 +390,8 @@ def _checked(launcher: str, rank: int, world: int, local_rank: int,
     if not 0 <= local_rank < local_world:
         raise bad(f"{local_rank_name}={local_rank} must be in "
                   f"[0, {local_world_name}={local_world})")
-    return DistEnv(rank, world, local_rank, local_world, addr, port, launcher)
+    return DistEnv(rank, world, local_rank, local_world, addr, port, launcher,
+                   local_rank_name, local_world_name)
 
 
 _active: DistEnv | None = None
@@ -399,7 +404,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600,
     The rendezvous goes through env:// with the discovered values exported (MASTER_ADDR,
     MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), so libraries that read them later
     (DeepSpeed, DCP) agree. backend "auto" means nccl when CUDA is available, else gloo; with nccl
-    the process's GPU is selected first. Calling again returns the same DistEnv.
+    the process's GPU is selected first, by `choose_device` (the trainer's choice too, so the
+    group and the model use the same GPU). Calling again returns the same DistEnv.
     `group_for_one` starts a one-rank group for a single process too (FSDP2, DDP and DeepSpeed
     need one), over an in-memory store.
     """
@@ -425,7 +431,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600,
                 os.environ.setdefault(name, "1")
             backend = _resolve_backend(backend)
             if backend == "nccl":
-                torch.cuda.set_device(_cuda_device(env))
+                torch.cuda.set_device(_nccl_device(env))
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0,
                                     world_size=1, timeout=timedelta(seconds=timeout_s))
     else:
@@ -434,7 +440,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600,
                                "which this torch build lacks")
         backend = _resolve_backend(backend)
         if backend == "nccl":
-            torch.cuda.set_device(_cuda_device(env))
+            torch.cuda.set_device(_nccl_device(env))
         os.environ.update(
             MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port), RANK=str(env.rank),
             WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
@@ -467,15 +473,54 @@ def _resolve_backend(backend: str) -> str:
     return backend
 
 
-def _cuda_device(env: DistEnv) -> int:
-    """GPU of this rank: its local rank, or 0 when the launcher shows each rank only its own GPU."""
-    count = torch.cuda.device_count()
-    if env.local_rank < count:
-        return env.local_rank
-    if count == 1:  # e.g. srun --gpus-per-task=1: CUDA_VISIBLE_DEVICES holds this rank's GPU only
-        return 0
-    raise DistEnvError(f"local rank {env.local_rank} but only {count} GPUs are visible "
-                       f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+def choose_device(env: DistEnv, cuda_count: int | None = None,
+                  visible: str | None = None) -> torch.device:
+    """The device this rank computes on; `init_distributed` selects the same one for nccl.
+
+    `cuda_count` defaults to torch.cuda.device_count() (0 without CUDA), `visible` to
+    CUDA_VISIBLE_DEVICES. One function for the trainer and the process group, because the answer
+    is not always ``cuda:<local rank>``:
+
+    - no GPU visible (none present, or CUDA_VISIBLE_DEVICES=""): cpu;
+    - at least one GPU per rank on the node (count >= local world size): ``cuda:<local rank>``
+      (torchrun, mpirun, plain srun on a node whose GPUs every task sees);
+    - exactly one GPU visible: ``cuda:0``. ``srun --gpus-per-task=1`` (or a wrapper setting
+      CUDA_VISIBLE_DEVICES per rank) shows each task only its own GPU, which CUDA numbers 0
+      whatever its physical index and whatever SLURM_LOCALID is; ``cuda:<local rank>`` would not
+      exist there.
+    - otherwise (several GPUs, but fewer than the ranks on this node) DistEnvError. This is
+      checked against the local world size, not just this rank's local rank, so every rank of the
+      node fails alike instead of the low ranks going on to wait for the others in a collective.
+    """
+    if cuda_count is None:
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cuda_count <= 0 or (visible is not None and not visible.strip()):
+        return torch.device("cpu")
+    if cuda_count >= env.local_world_size:
+        return torch.device("cuda", env.local_rank)
+    if cuda_count == 1:
+        return torch.device("cuda", 0)
+    shown = "unset" if visible is None else repr(visible)
+    raise DistEnvError(
+        f"{env.local_rank_name}={env.local_rank} with {env.local_world_size} ranks on this node "
+        f"(from {env.local_world_name}), but only {cuda_count} GPUs are visible "
+        f"(CUDA_VISIBLE_DEVICES={shown}): launch at most one rank per visible GPU "
+        f"(e.g. torchrun --nproc_per_node={cuda_count}, srun --ntasks-per-node={cuda_count}), "
+        "or give each rank its own GPU (srun --gpus-per-task=1, or set CUDA_VISIBLE_DEVICES "
+        "per rank)"
+    )
+
+
+def _nccl_device(env: DistEnv) -> torch.device:
+    """`choose_device`, which nccl needs to be a GPU."""
+    device = choose_device(env)
+    if device.type != "cuda":
+        raise DistEnvError("backend 'nccl' needs a GPU but none is visible "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
+                           "use 'gloo' or 'auto'")
+    return device
 
 
 def destroy_distributed() -> None:
