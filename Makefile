@@ -1,15 +1,23 @@
 # Entry points; see README.md. `make demo` and `make test` create the virtual environment when it
-# is missing. TORCH picks the torch build (CPU wheel by default; `make demo TORCH=torch` on GPUs).
-VENV  ?= .venv
-PY    := $(VENV)/bin/python
-TORCH ?= torch==2.13.0+cpu
+# is missing and install the project with every extra: `pip install -e ".[dev,all]"` (all =
+# deepspeed + mpi; see pyproject.toml).
+# TORCH is the torch requirement installed first, when the venv has no torch yet: by default the
+# CPU wheel torch==2.13.0+cpu, from the configured indexes (a local wheel folder) or, when they
+# cannot provide it, from PyTorch's CPU index (TORCH_INDEX). Override it, e.g. `make demo
+# TORCH=torch` for PyPI's default (CUDA) build on GPUs; a venv that has torch keeps it.
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+TORCH       ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: test demo bench-model bench-data venv
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(VENV)/bin/pip install -q "$(TORCH)"
-	$(VENV)/bin/pip install -q -e ".[dev]"
+	$(PY) -c "import torch" 2>/dev/null || $(VENV)/bin/pip install -q "$(TORCH)" 2>/dev/null || \
+	  { echo "$(TORCH) is not on the configured indexes: trying $(TORCH_INDEX)"; \
+	    $(VENV)/bin/pip install -q --index-url "$(TORCH_INDEX)" "$(TORCH)"; }
+	$(VENV)/bin/pip install -q -e ".[dev,all]"
 	touch $@
 
 venv: $(VENV)/.installed

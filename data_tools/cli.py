@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--chunk-mb", type=float, default=TokenizeConfig.chunk_bytes / 1e6,
                      metavar="MB", help="input megabytes per unit of work sent to a worker")
     tok.add_argument("--mpi", choices=MPI_MODES, default=TokenizeConfig.mpi,
-                     help="auto: use MPI when launched by mpirun/srun; on: require it; off: never")
+                     help="auto: use MPI when launched by mpirun/srun; on: require it; off: "
+                          "never (MPI needs pip install 'megabeta[mpi]')")
     _add_read_arguments(tok)
     _add_output_arguments(tok)
     tok.set_defaults(run=_run_tokenize)

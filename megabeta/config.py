@@ -303,16 +303,43 @@ def _apply(table: dict[str, dict[str, Any]], top: dict[str, Any]) -> TrainConfig
     return config
 
 
+def shipped_configs_dir() -> Path:
+    """The configs shipped with megabeta: the package's `configs/` in an installed wheel (the
+    repository's top-level `configs/`, packaged as `megabeta.configs`), or that top-level folder
+    itself in a source checkout or an editable install."""
+    package = Path(__file__).resolve().parent
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
+def shipped_config(name: str) -> Path | None:
+    """The shipped config `name` (`t19_flash` or `t19_flash.toml`); None when there is none."""
+    if not name or os.sep in name or (os.altsep and os.altsep in name) or name.startswith("."):
+        return None
+    folder = shipped_configs_dir()
+    for candidate in (folder / name, folder / f"{name}.toml"):
+        if candidate.suffix == ".toml" and candidate.is_file():
+            return candidate
+    return None
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """TOML file (optional) plus `--section.key=value` / `--key=value` overrides, validated."""
+    """TOML file (optional) plus `--section.key=value` / `--key=value` overrides, validated.
+
+    `path` is a file, or the bare name of a shipped config (`t19_flash`, `demo.toml`: see
+    `shipped_configs_dir()`) when no file of that name is in the working directory."""
     raw: dict[str, Any] = {}
     if path is not None:
+        if not os.path.exists(path):
+            path = shipped_config(os.fspath(path)) or path
         try:
             with open(path, "rb") as f:
                 raw = tomllib.load(f)
         except FileNotFoundError:
+            names = sorted(p.stem for p in shipped_configs_dir().glob("*.toml"))
             raise ConfigError(f"config file {path} does not exist; pass --config PATH of a TOML "
-                              "file (see configs/)") from None
+                              "file or the name of a shipped config: "
+                              f"{', '.join(names) or '(none found)'}") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
     flat: dict[str, Any] = {}

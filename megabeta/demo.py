@@ -3,11 +3,13 @@
 1. corpus    Python's standard-library sources (present on every machine), one document per file
 2. tokenizer a sentencepiece BPE model trained by `megabeta-data train-tokenizer`
 3. dataset   `megabeta-data tokenize` with 2 workers into an indexed .bin/.idx dataset
-4. train     `torchrun --nproc_per_node=2 -m megabeta.train` with FSDP2 (configs/demo.toml)
+4. train     `torchrun --nproc_per_node=2 -m megabeta.train` with FSDP2 (the shipped demo.toml)
 5. evaluate  `megabeta eval` on the held-out documents
 6. generate  `megabeta generate` continues a prompt with the KV cache
 
-Every stage is the real command a user would run; this script only chains them and reports.
+Every stage is the real command a user would run; this script only chains them and reports. It
+needs only an installed megabeta (editable or not): everything is written under --workdir, relative
+to the working directory, and the config is the shipped configs/demo.toml.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from megabeta.config import shipped_config
 
 
 def build_corpus(out: Path, max_files: int) -> tuple[int, int]:
@@ -44,7 +46,7 @@ def run(cmd: list[str], title: str, env: dict | None = None) -> str:
     start = time.time()
     lines = []
     with subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          env=env, cwd=REPO) as proc:
+                          env=env) as proc:
         for line in proc.stdout:  # streamed: training takes minutes
             print(line, end="", flush=True)
             lines.append(line)
@@ -57,16 +59,20 @@ def run(cmd: list[str], title: str, env: dict | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megabeta.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", default="runs/demo", help="where everything goes")
+    parser.add_argument("--workdir", default="runs/demo",
+                        help="where everything goes (relative to the working directory)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="training steps (default: configs/demo.toml's)")
+                        help="training steps (default: the shipped demo.toml's)")
     parser.add_argument("--max-files", type=int, default=600, help="stdlib files in the corpus")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--quick", action="store_true",
                         help="a tiny model and a few steps: every stage in about a minute (CI)")
     args = parser.parse_args(argv)
 
-    work = (REPO / args.workdir).resolve()
+    config = shipped_config("demo.toml")
+    if config is None:
+        sys.exit("demo: the shipped config demo.toml is missing from this installation of megabeta")
+    work = Path(args.workdir).resolve()
     data_dir, run_dir = work / "data", work / "run"
     data_dir.mkdir(parents=True, exist_ok=True)
     py = sys.executable
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     train = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-             "-m", "megabeta.train", "--config", str(REPO / "configs" / "demo.toml"),
+             "-m", "megabeta.train", "--config", str(config),
              f"--data.path={data_dir / 'stdlib'}", f"--data.tokenizer={data_dir / 'tok.model'}",
              f"--run_dir={run_dir}", "--resume=", *overrides]
     if run_dir.exists():
