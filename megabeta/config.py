@@ -19,7 +19,8 @@ from typing import Any
 
 import tomli_w
 
-from megabeta.model.config import ConfigError, ModelConfig, get_preset
+from megabeta.model.config import MOVED_FIELDS, ConfigError, ModelConfig, get_preset
+from megabeta.model.execution import ExecutionConfig
 
 
 @dataclass
@@ -112,8 +113,6 @@ class ParallelConfig:
     """DeepSpeed ZeRO stage 1, 2 or 3."""
     deepspeed_optimizer: str = "torch"
     """`torch` (torch.optim.AdamW handed to the engine) or `deepspeed` (its own AdamW)."""
-    compile: bool = False
-    """torch.compile each layer's computation (per block)."""
 
 
 @dataclass
@@ -161,6 +160,7 @@ class TrainConfig:
     resume: str = ""
     """`` (start fresh), `auto` (newest complete checkpoint in run_dir, if any) or a checkpoint path."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -229,11 +229,15 @@ class TrainConfig:
 
 
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "train": TrainLoopConfig, "optim": OptimConfig,
+    "model": ModelConfig, "execution": ExecutionConfig, "data": DataConfig, "train": TrainLoopConfig, "optim": OptimConfig,
     "schedule": ScheduleConfig, "parallel": ParallelConfig, "checkpoint": CheckpointConfig,
     "logging": LoggingConfig, "eval": EvalConfig,
 }
 """TOML section name -> its dataclass (the fields of TrainConfig with the same names)."""
+
+MOVED_KEYS = {**{f"model.{k}": v for k, v in MOVED_FIELDS.items()},
+              "parallel.compile": "execution.compile"}
+"""Keys of older configs -> where the setting lives now."""
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -279,6 +283,9 @@ def _coerce(value: Any, kind: Any, name: str) -> Any:
 
 
 def _unknown(name: str, known: list[str]) -> ConfigError:
+    if name in MOVED_KEYS:
+        return ConfigError(f"config key {name!r} has moved: set {MOVED_KEYS[name]} instead "
+                           "(how a model runs is apart from what it is)")
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(known))}"
     return ConfigError(f"unknown config key {name!r}{hint}")

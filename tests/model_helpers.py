@@ -6,9 +6,12 @@ from typing import Any
 
 import torch
 
-from megabeta.model import DecoderLM, ModelConfig, build_model
+from megabeta.model import DecoderLM, ExecutionConfig, ModelConfig, build_model
 
 VOCAB = 37
+
+ATTENTION = ["explicit", "sdpa", "cpu_flash", "cpu_fused"]
+"""Every attention backend that runs on this CPU (execution.attention)."""
 
 
 def tiny_config(**overrides: Any) -> ModelConfig:
@@ -31,9 +34,13 @@ def randomise(model: DecoderLM, seed: int = 0) -> DecoderLM:
     return model
 
 
-def tiny_model(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides: Any) -> DecoderLM:
+def tiny_model(dtype: torch.dtype = torch.float64, seed: int = 0, attention: str = "auto",
+               activation_checkpoint: str = "none", **overrides: Any) -> DecoderLM:
+    """`tiny_config(**overrides)` with randomised weights, run with the attention backend and
+    activation checkpointing given."""
     torch.manual_seed(seed)
-    return randomise(build_model(tiny_config(**overrides)).to(dtype), seed)
+    execution = ExecutionConfig(attention=attention, activation_checkpoint=activation_checkpoint)
+    return randomise(build_model(tiny_config(**overrides), execution).to(dtype), seed)
 
 
 def tokens(batch: int = 2, length: int = 19, seed: int = 1) -> torch.Tensor:

@@ -59,3 +59,31 @@ def test_every_key_is_documented() -> None:
     assert len(lines) > 60
     assert all("#" in line and line.split("#", 1)[1].strip() for line in lines), [
         line for line in lines if not line.split("#", 1)[1].strip()]
+
+
+@pytest.mark.parametrize("key,value,new_place", [
+    ("model.use_sdpa", "false", "execution.attention"),
+    ("model.activation_checkpoint", "block", "execution.activation_checkpoint"),
+    ("parallel.compile", "true", "execution.compile"),
+])
+def test_moved_key_names_its_new_place(key: str, value: str, new_place: str,
+                                       tmp_path: Path) -> None:
+    """A setting in its old place, on the command line or in a TOML file, is an error that says
+    where it lives now (not a bare 'unknown key')."""
+    with pytest.raises(ConfigError, match=f"{key!r} has moved: set {new_place}"):
+        load_config(None, [f"--{key}={value}"])
+    section, name = key.split(".")
+    path = tmp_path / "old.toml"
+    path.write_text(f'[{section}]\n{name} = {value if value in ("true", "false") else repr(value)}\n')
+    with pytest.raises(ConfigError, match=f"{key!r} has moved: set {new_place}"):
+        load_config(path)
+
+
+def test_execution_section_is_apart_from_the_model() -> None:
+    config = load_config(None, ["--execution.attention=explicit",
+                                "--execution.activation_checkpoint=block"])
+    assert (config.execution.attention, config.execution.activation_checkpoint) == (
+        "explicit", "block")
+    assert "attention" not in config.model.identity()
+    with pytest.raises(ConfigError, match="execution.activation_checkpoint = 'layer': must be one"):
+        load_config(None, ["--execution.activation_checkpoint=layer"])

@@ -15,7 +15,8 @@ T = 17
 
 @pytest.mark.parametrize("arch,block,kw", [
     ("beta12", 4, {}), ("beta12", 1, {}), ("beta12", 3, dict(num_kv_heads=2, qk_norm=True)),
-    ("beta12", 4, dict(deep_token_window=3, depth_stride=2)), ("beta12", 4, dict(use_sdpa=False)),
+    ("beta12", 4, dict(deep_token_window=3, depth_stride=2)), ("beta12", 4, dict(attention="explicit")),
+    ("beta12", 4, dict(attention="sdpa")), ("beta12", 4, dict(attention="cpu_flash")),
     ("standard", 4, {}), ("looped", 4, dict(num_kv_heads=2)),
 ])
 @pytest.mark.parametrize("prompt_len", [6, 8, 1], ids=["mid_block", "on_boundary", "one_token"])
@@ -67,12 +68,12 @@ def test_greedy_generation_equals_argmax_of_full_forward(arch: str) -> None:
 def test_sampling_is_seeded_and_filters_apply() -> None:
     model = tiny_model(block_size=3)
     prompt = tokens(length=4)
-    a = model.generate(prompt, 6, temperature=1.0, top_k=5, seed=7)
-    b = model.generate(prompt, 6, temperature=1.0, top_k=5, seed=7)
-    c = model.generate(prompt, 6, temperature=1.0, top_k=5, seed=8)
+    a = generate(model, prompt, 6, temperature=1.0, top_k=5, seed=7)
+    b = generate(model, prompt, 6, temperature=1.0, top_k=5, seed=7)
+    c = generate(model, prompt, 6, temperature=1.0, top_k=5, seed=8)
     assert torch.equal(a, b) and not torch.equal(a, c)
-    assert torch.equal(model.generate(prompt, 6, top_k=1, seed=3),
-                       model.generate(prompt, 6, temperature=0))
+    assert torch.equal(generate(model, prompt, 6, top_k=1, seed=3),
+                       generate(model, prompt, 6, temperature=0))
 
 
 def test_top_k_and_top_p_keep_the_right_tokens() -> None:

@@ -17,7 +17,7 @@ T = 19
                                        dict(block_size=5, num_kv_heads=2, tie_embedding=False)])
 def test_dense_flops_match_torch_flop_counter(overrides: dict) -> None:
     """Weight matmuls run as aten.mm; everything else (attention) as bmm/SDPA."""
-    model = tiny_model(use_sdpa=False, **overrides)
+    model = tiny_model(attention="explicit", **overrides)
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
         model(tokens(batch=1, length=T))

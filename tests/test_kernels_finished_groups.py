@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from megabeta.kernels import finished_groups
+from megabeta.model import ConfigError
+from model_helpers import tiny_model
 
 B, H, H_KV, D, G = 2, 4, 2, 16, 3
 
@@ -27,7 +29,7 @@ def _kernels() -> None:
     if not _can_build():
         pytest.skip("no x86-64 AVX2 CPU with a C++ compiler: the fused kernels are not built")
     # Where they can be built they must be: a silent fallback would hide a broken build.
-    assert finished_groups.available(torch.float64)
+    assert finished_groups.build()
 
 
 def _case(n: int, rows: int, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -139,22 +141,25 @@ def test_kernels_refuse_bad_shapes_and_layouts() -> None:
 
 def test_unavailable_kernels_fall_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
-    """A machine that cannot build the kernels (here: a pretend ARM CPU) runs ATen's kernels
-    and says why, once."""
-    finished_groups._load.cache_clear()
+    """A machine that cannot build the kernels (here: a pretend ARM CPU) says why, once; `auto`
+    then selects ATen's kernels (cpu_flash), and asking for cpu_fused is a config error."""
+    finished_groups.build.cache_clear()
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     try:
         with caplog.at_level(logging.WARNING, logger=finished_groups.__name__):
-            assert not finished_groups.available(torch.float32)
-            assert not finished_groups.available(torch.float64)
+            assert not finished_groups.build()
+            assert not finished_groups.build()
+            assert tiny_model().attention_backend.name == "cpu_flash"
+            with pytest.raises(ConfigError, match="execution.attention = 'cpu_fused'.*cpu_flash"):
+                tiny_model(attention="cpu_fused")
         warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
         assert len(warnings) == 1 and "aarch64" in warnings[0].getMessage()
-        assert not finished_groups.available(torch.bfloat16)
     finally:
-        finished_groups._load.cache_clear()
+        finished_groups.build.cache_clear()
     monkeypatch.undo()
-    assert finished_groups.available(torch.float64)
-    assert not finished_groups.available(torch.bfloat16)
+    assert finished_groups.build()
+    assert tiny_model().attention_backend.name == "cpu_fused"
+    assert finished_groups.supports(torch.float64) and not finished_groups.supports(torch.bfloat16)
 
 
 def test_ninja_from_the_environment_when_not_on_path(monkeypatch: pytest.MonkeyPatch) -> None:

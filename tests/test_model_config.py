@@ -38,7 +38,7 @@ def test_t19_flash_is_the_article_config() -> None:
     expected = dict(vocab_size=-1, d_model=1600, hidden_dim=3200, num_heads=8, num_layers=4,
                     dropout=0.0, max_seq_len=16384, depth_window=2, block_size=32,
                     lambda_max=2.0, depth_bias=True, layer_enc=True, self_slot=True,
-                    qk_norm=False, deep_token_window=0, tie_embedding=True, use_sdpa=True)
+                    qk_norm=False, deep_token_window=0, tie_embedding=True)
     assert {k: getattr(config, k) for k in expected} == expected
     layers = count_parameters(config)  # vocab -1: layers (+ final norm) only
     assert 0.100e9 < layers < 0.105e9
@@ -90,7 +90,6 @@ def test_every_preset_builds() -> None:
     (dict(deep_token_window=-2), "model.deep_token_window = -2: must be an integer >= 0"),
     (dict(num_kv_heads=3), "model.num_kv_heads = 3: must be a positive divisor of num_heads"),
     (dict(arch="mamba"), "model.arch = 'mamba': must be one of beta12, standard, looped"),
-    (dict(activation_checkpoint="layer"), "model.activation_checkpoint = 'layer': must be one of"),
     (dict(dropout=1.0), r"model.dropout = 1.0: must be in \[0, 1\)"),
     (dict(vocab_size=0), "model.vocab_size = 0: must be positive, or -1"),
     (dict(lambda_max=-1.0), "model.lambda_max = -1.0: must be >= 0"),

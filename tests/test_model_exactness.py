@@ -1,11 +1,11 @@
-"""The fast block loop (both attention paths) against the naive spec reference (spec §4.3)."""
+"""The block loop on every attention backend against the naive spec reference (spec §4.3)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model_helpers import tiny_model, tokens
+from model_helpers import ATTENTION, tiny_model, tokens
 from reference_beta12 import reference_logits
 
 T = 19  # not a multiple of 3 or 8: the last block is ragged
@@ -32,9 +32,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("use_sdpa", [True, False], ids=["sdpa", "explicit"])
-def test_block_loop_matches_naive_reference(case: str, use_sdpa: bool) -> None:
-    model = tiny_model(use_sdpa=use_sdpa, **CASES[case])
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_block_loop_matches_naive_reference(case: str, attention: str) -> None:
+    model = tiny_model(attention=attention, **CASES[case])
+    assert model.attention_backend.name == attention
     x = tokens(length=T)
     expected = reference_logits(model.state_dict(), model.config, x)
     got = model(x)
@@ -59,22 +60,24 @@ def test_low_precision_fused_kernel_matches_reference(case: str, dtype: torch.dt
 
 @pytest.mark.parametrize("checkpoint", ["none", "block"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_fused_and_explicit_gradients_agree(case: str, checkpoint: str) -> None:
-    """The fused path routes the learnable biases through extra head dimensions and reads the
-    history from buffers whose gradients it routes back by hand (model/history.py); its
-    gradients must equal those of the literal matmul-softmax path over concatenated pieces."""
+def test_backend_gradients_agree_with_explicit(case: str, checkpoint: str) -> None:
+    """The fast backends read the history from buffers whose gradients they route back by hand
+    (model/history.py), with the learnable biases as lse shifts (cpu_*) or extra head columns
+    (sdpa); their gradients must equal those of the literal matmul-softmax over concatenated
+    pieces (explicit)."""
     x, y = tokens(length=T), tokens(length=T, seed=2)
     grads = []
-    for use_sdpa in (True, False):
-        model = tiny_model(use_sdpa=use_sdpa, activation_checkpoint=checkpoint, **CASES[case])
+    for attention in ("explicit", "sdpa", "cpu_flash", "cpu_fused"):
+        model = tiny_model(attention=attention, activation_checkpoint=checkpoint, **CASES[case])
         model(x, y).backward()
         # No grad (a θ whose layer reads no deeper group) counts as a zero grad.
         grads.append({n: torch.zeros_like(p) if p.grad is None else p.grad
                       for n, p in model.named_parameters()})
-    assert all(grads[1][n].abs().sum() > 0 for n in grads[1]
+    assert all(grads[0][n].abs().sum() > 0 for n in grads[0]
                if n.endswith(("self_bias", "e_k", "e_v")) and CASES[case].get("block_size") < T)
-    for name in grads[0]:
-        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=1e-10, msg=name)
+    for other in grads[1:]:
+        for name in grads[0]:
+            torch.testing.assert_close(other[name], grads[0][name], rtol=0, atol=1e-10, msg=name)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
@@ -124,45 +127,3 @@ def test_buffered_history_checks_its_ordering() -> None:
         history.release(0, 4)
     history.read_back[8] = 2
     assert history.release(0, 4) == [None] * 4  # no reader gradient yet: nothing to hand out
-
-
-def _switch_agrees(case: str, monkeypatch: pytest.MonkeyPatch, module: object,
-                   switch: str) -> None:
-    """The model with `module.switch` on and off: logits equal to the naive reference both
-    times, and the same parameters with the same gradients."""
-    x, y = tokens(length=T), tokens(length=T, seed=2)
-    runs = []
-    for on in (True, False):
-        monkeypatch.setattr(module, switch, on)
-        model = tiny_model(**CASES[case])
-        expected = reference_logits(model.state_dict(), model.config, x)
-        torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-9)
-        model(x, y).backward()
-        runs.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    assert runs[0].keys() == runs[1].keys()
-    for name in runs[0]:
-        torch.testing.assert_close(runs[0][name], runs[1][name], rtol=0, atol=1e-10, msg=name)
-
-
-@pytest.mark.parametrize("case", ["c3_k2", "gqa", "deep_token_window", "stride2"])
-def test_concatenating_fallback_matches_reference(case: str,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off the CPU flash kernels (other devices, attention dropout), the buffered history is
-    concatenated and backward recomputes SDPA with autograd: same values, same gradients."""
-    from megabeta.model import merged_attention
-
-    _switch_agrees(case, monkeypatch, merged_attention, "FLASH_ON_CPU")
-
-
-@pytest.mark.parametrize("case", ["c1_k2", "c3_k2", "gqa", "stride2", "deep_token_window",
-                                  "only_self", "no_extras"])
-def test_fused_cpu_kernels_and_aten_kernels_agree(case: str,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """The finished groups' fused CPU kernels (megabeta/kernels) and the ATen flash kernels
-    they replace (kept for bf16 and where the kernels cannot be built): same logits, same
-    gradients, and both equal to the naive reference."""
-    from megabeta.kernels import finished_groups
-
-    if not finished_groups.available(torch.float64):
-        pytest.skip("fused CPU kernels not built on this machine")
-    _switch_agrees(case, monkeypatch, finished_groups, "FUSED")

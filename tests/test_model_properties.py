@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from megabeta.model import build_model
 from megabeta.model.beta12 import Beta12Transformer
 from megabeta.model.history import BufferedHistory
-from model_helpers import VOCAB, tiny_config, tiny_model, tokens
+from model_helpers import ATTENTION, VOCAB, tiny_config, tiny_model, tokens
 
 T = 19
 
@@ -26,12 +26,12 @@ def standard_twin(model: torch.nn.Module) -> torch.nn.Module:
     return twin
 
 
-@pytest.mark.parametrize("use_sdpa", [True, False])
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_one_block_is_the_standard_transformer(use_sdpa: bool, qk_norm: bool) -> None:
+def test_one_block_is_the_standard_transformer(attention: str, qk_norm: bool) -> None:
     """c >= T, b_σ = 0 and f = 0: the logits equal the standard arm's (spec §4.1), whatever e_K,
     e_V and θ are (no finished KV is read)."""
-    model = tiny_model(block_size=T, use_sdpa=use_sdpa, qk_norm=qk_norm)
+    model = tiny_model(block_size=T, attention=attention, qk_norm=qk_norm)
     with torch.no_grad():
         for layer in model.layers:
             layer.attention.self_bias.zero_()
@@ -82,14 +82,14 @@ def test_loss_is_mean_next_token_cross_entropy(arch: str, chunk: int | None,
     torch.testing.assert_close(model(x, y), expected, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("arch,use_sdpa", [("beta12", True), ("beta12", False),
-                                           ("standard", True), ("looped", True)])
-def test_block_checkpointing_keeps_loss_and_gradients(arch: str, use_sdpa: bool) -> None:
+@pytest.mark.parametrize("arch,attention", [("beta12", a) for a in ATTENTION]
+                         + [("standard", "auto"), ("looped", "auto")])
+def test_block_checkpointing_keeps_loss_and_gradients(arch: str, attention: str) -> None:
     """Recomputing each block in backward reads the same history (spec §4.6)."""
     x, y = tokens(length=T), tokens(length=T, seed=2)
     runs = []
     for mode in ("none", "block"):
-        model = tiny_model(arch=arch, block_size=4, use_sdpa=use_sdpa,
+        model = tiny_model(arch=arch, block_size=4, attention=attention,
                            activation_checkpoint=mode)
         loss = model(x, y)
         loss.backward()
@@ -171,15 +171,17 @@ def test_a_training_step_frees_its_history(checkpoint: str, monkeypatch) -> None
 def test_merged_attention_refuses_key_groups_it_cannot_differentiate() -> None:
     """Groups handed to the CPU merge without a gradient buffer (decoding's pieces) would get no
     gradient: under autograd that is an error, not a silently missing gradient."""
-    from megabeta.model.merged_attention import GroupBatch, merged_attention
+    from megabeta.model.attention import AttentionBias, GroupBatch
+    from megabeta.model.attention.cpu_merged import merged_attention
 
     q, k, v = (torch.randn(1, 2, 3, 4, dtype=torch.float64) for _ in range(3))
     group = torch.randn(1, 1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
     batch = GroupBatch(group, group, [1])
+    bias = AttentionBias(self_bias=torch.zeros(1, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="gradient buffer"):
-        merged_attention(q, k, v, [batch], None, torch.zeros(1, dtype=torch.float64), 0.5)
+        merged_attention(q, k, v, [batch], bias, 0.5, fused_kernels=True)
     with torch.no_grad():
-        out = merged_attention(q, k, v, [batch], None, torch.zeros(1, dtype=torch.float64), 0.5)
+        out = merged_attention(q, k, v, [batch], bias, 0.5, fused_kernels=True)
     # Without autograd the same call is fine and exact: query i sees the group and keys 0 … i.
     for i in range(q.shape[2]):
         keys = torch.cat([group[0], k[:, :, :i + 1]], dim=2)

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from megabeta.config import OptimConfig, ScheduleConfig
-from megabeta.train.optim import build_optimizer, lr_at
+from megabeta.engine.optim import build_optimizer
+from megabeta.train.schedule import lr_at
 from model_helpers import tiny_model
 
 

@@ -55,6 +55,20 @@ def test_a_hidden_module_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     assert (caught.value.module, caught.value.extra) == ("deepspeed", "deepspeed")
 
 
+def test_deepspeed_engine_without_deepspeed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Choosing parallel.backend = deepspeed where DeepSpeed is not installed: the engine's
+    construction says which extra to install (the trainer's CLI prints it and exits 2)."""
+    import torch
+
+    from megabeta.engine import build_engine
+    from megabeta.model import build_model
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    config = load_config(None, ["--parallel.backend=deepspeed", "--model.vocab_size=16"])
+    with pytest.raises(MissingExtra, match=r"pip install 'megabeta\[deepspeed\]'"):
+        build_engine(build_model(config.model), config, torch.device("cpu"), grad_accumulation=1)
+
+
 def test_a_submodule_of_a_hidden_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "mpi4py", None)
     monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)

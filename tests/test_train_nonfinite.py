@@ -19,31 +19,31 @@ def poisoned_trainer(tiny_data, run_dir, poisoned_steps, *extra: str) -> Trainer
     config = load_config(TINY_CONFIG, [*TINY_OVERRIDES, f"--data.path={prefix}", f"--run_dir={run_dir}",
                                 "--checkpoint.save_at_end=false", *extra])
     trainer = Trainer(config)
-    clean = trainer.backend.forward_backward
+    clean = trainer.engine.forward_backward
 
     def forward_backward(*args, **kwargs):
         loss = clean(*args, **kwargs)
         if trainer.state.step in poisoned_steps:
-            for p in trainer.backend.model.parameters():
+            for p in trainer.engine.model.parameters():
                 p.grad.fill_(math.nan)
             return loss * math.nan
         return loss
 
-    trainer.backend.forward_backward = forward_backward
+    trainer.engine.forward_backward = forward_backward
     return trainer
 
 
 def test_nonfinite_step_is_skipped_counted_and_logged(tiny_data, tmp_path) -> None:
     trainer = poisoned_trainer(tiny_data, tmp_path, poisoned_steps={2})
     snapshots = []
-    clean_step = trainer.backend.step
+    clean_step = trainer.engine.step
 
     def step(*args, **kwargs):
         result = clean_step(*args, **kwargs)
-        snapshots.append([p.detach().clone() for p in trainer.backend.model.parameters()])
+        snapshots.append([p.detach().clone() for p in trainer.engine.model.parameters()])
         return result
 
-    trainer.backend.step = step
+    trainer.engine.step = step
     trainer.train()
     records = train_records(tmp_path)
     assert [r["skipped"] for r in records] == [0, 0, 1, 1, 1, 1]

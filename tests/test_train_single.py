@@ -73,6 +73,35 @@ def test_resume_is_bitwise_exact(async_save: bool, full_run: Path, tiny_data,
     assert losses(tmp_path) == losses(full_run)  # every step, bitwise
 
 
+def test_resume_accepts_execution_changes(full_run: Path, tiny_data, tmp_path: Path) -> None:
+    """Activation checkpointing (block -> none), the attention backend and max_seq_len say how
+    the model runs, not what it is: a run resumes across a change of them and continues the
+    uninterrupted run's losses (to float32 rounding: other kernels add in another order)."""
+    prefix, tokenizer = tiny_data
+    done = launch([*TINY, f"--data.path={prefix}", f"--data.tokenizer={tokenizer}",
+                   f"--run_dir={tmp_path}", "--train.steps=12", "--optim.lr=1e-2",
+                   f"--resume={full_run / 'checkpoints' / 'step_00000009'}",
+                   "--execution.activation_checkpoint=none", "--execution.attention=explicit",
+                   "--model.max_seq_len=256"])
+    assert "attention explicit" in done.stdout
+    resumed, full = losses(tmp_path), losses(full_run)
+    assert sorted(resumed) == [10, 11, 12]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(full[step], abs=1e-5)
+
+
+@pytest.mark.parametrize("override,field", [("--model.d_model=48", "model.d_model = 32"),
+                                            ("--model.block_size=4", "model.block_size = 8")])
+def test_resume_refuses_a_different_model(override: str, field: str, full_run: Path, tiny_data,
+                                          tmp_path: Path) -> None:
+    """A change of a field that shapes the parameters or the function is refused, naming it."""
+    prefix, _ = tiny_data
+    done = launch([*TINY, f"--data.path={prefix}", f"--run_dir={tmp_path}", override,
+                   f"--resume={full_run / 'checkpoints' / 'step_00000009'}"], check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"cannot resume: {field} in the checkpoint" in done.stderr
+
+
 def test_dcp_checkpoint_converts_with_torch_tools(full_run: Path, tmp_path: Path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -125,12 +154,12 @@ def test_bad_checkpoints_and_configs_are_clear_errors(full_run: Path, tiny_data,
     assert done.returncode == 2 and "tokenizer" in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("flag,tolerance", [("--parallel.compile=true", 1e-4),
+@pytest.mark.parametrize("flag,tolerance", [("--execution.compile=true", 1e-4),
                                              ("--train.precision=bf16", 5e-2)],
                          ids=["compile", "bf16"])
 def test_variant_trains_like_the_eager_fp32_run(flag: str, tolerance: float, full_run: Path,
                                                 tiny_data, tmp_path: Path) -> None:
-    """parallel.compile compiles each layer's residual branches in place (same names): same
+    """execution.compile compiles each layer's residual branches in place (same names): same
     losses.
     train.precision=bf16 (autocast; the GPU setting, the same code path on this CPU): losses
     follow the fp32 run's at bf16's precision, and are not its losses."""

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from megabeta.model import build_model, get_preset
+from megabeta.model import ExecutionConfig, build_model, get_preset
 from megabeta.model.flops import training_flops
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -64,7 +64,8 @@ def _setup(case: dict[str, Any]) -> tuple[Any, torch.nn.Module, torch.Tensor]:
     device = torch.device(case["device"])
     torch.manual_seed(0)
     config = get_preset(case["preset"], vocab_size=case["vocab"], **case.get("overrides", {}))
-    model = build_model(config).to(device=device, dtype=DTYPES[case["dtype"]])
+    execution = ExecutionConfig(**case.get("execution", {}))
+    model = build_model(config, execution).to(device=device, dtype=DTYPES[case["dtype"]])
     tokens = torch.randint(0, config.vocab_size, (case["batch"], case["length"] + 1),
                            device=device)
     return config, model, tokens
@@ -144,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", choices=["none", "block"], default="none",
                         help="activation checkpointing of every arm in the training case (the "
                              "t19_flash memory case always uses block)")
+    parser.add_argument("--attention", default="auto",
+                        help="execution.attention of every arm (default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--skip-t19", action="store_true",
                         help="skip the t19_flash 16K-token memory case (minutes on a CPU)")
@@ -155,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_case(json.loads(args.case))))
         return
 
-    common = dict(device=args.device, dtype=args.dtype, vocab=args.vocab, repeats=args.repeats)
+    common = dict(device=args.device, dtype=args.dtype, vocab=args.vocab, repeats=args.repeats,
+                  execution=dict(attention=args.attention))
     arms = [("standard", args.control, {})]
     arms += [(f"beta c={c}", args.preset, dict(block_size=int(c))) for c in args.blocks.split(",")]
     arms.append((f"beta c=T={args.seq_len}", args.preset, dict(block_size=args.seq_len)))
@@ -171,8 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|")
     cases = [dict(common, name=name, kind="train", preset=preset, batch=args.batch,
                   length=args.seq_len, warmup=args.warmup,
-                  overrides=dict(over, activation_checkpoint=args.checkpoint,
-                                 max_seq_len=args.seq_len))
+                  overrides=dict(over, max_seq_len=args.seq_len),
+                  execution=dict(common["execution"], activation_checkpoint=args.checkpoint))
              for name, preset, over in arms]
     rounds = [[_in_subprocess(case) for case in cases] for _ in range(args.rounds)]
     for i, case in enumerate(cases):
@@ -218,8 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_t19:
         res = _in_subprocess(dict(common, name="t19_flash", kind="train", preset="t19_flash",
                                   vocab=55000, repeats=1, batch=1, length=args.t19_len,
-                                  overrides=dict(activation_checkpoint="block",
-                                                 max_seq_len=args.t19_len)))
+                                  overrides=dict(max_seq_len=args.t19_len),
+                                  execution=dict(common["execution"],
+                                                 activation_checkpoint="block")))
         results["train t19_flash"] = res
         gib = res["peak_mib"] / 1024
         print(f"- t19_flash fwd+bwd at {args.t19_len} tokens (batch 1, {args.dtype}, block "

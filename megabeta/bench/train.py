@@ -28,8 +28,8 @@ import torch
 
 from megabeta.config import TrainConfig, load_config
 from megabeta.data import StatefulLoader, TrainValData, build_train_val
+from megabeta.engine.optim import build_optimizer
 from megabeta.model import build_model
-from megabeta.train.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = {
@@ -38,7 +38,7 @@ SHAPES = {
     # The preset's shape, spelled out: keys in the config file would override a preset.
     "beta_1.2_test": ["--model.d_model=192", "--model.hidden_dim=512", "--model.num_heads=3",
                       "--model.num_layers=20", "--model.block_size=32", "--model.depth_window=2",
-                      "--model.activation_checkpoint=block"],
+                      "--execution.activation_checkpoint=block"],
 }
 BACKENDS = [("single", 1, []), ("ddp", 2, []), ("fsdp", 2, []),
             ("deepspeed", 2, ["--parallel.zero_stage=1"]),
@@ -74,7 +74,7 @@ def plain_loop(args: list[str], steps: int, warmup: int) -> float:
     """Median seconds per step of a bare loop: same model, data, batch, AdamW, clipping."""
     config, data = _config_and_data(args)
     torch.manual_seed(config.train.seed)
-    model = build_model(config.model)
+    model = build_model(config.model, config.execution)
     optimizer = build_optimizer(model, config.optim)
     batches = iter(StatefulLoader(data.train, data.train_sampler(1, 0, config.train.seed),
                                   config.train.micro_batch))
@@ -94,12 +94,13 @@ def plain_loop(args: list[str], steps: int, warmup: int) -> float:
 
 def checkpoint_io(args: list[str], workdir: Path) -> tuple[float, float, float]:
     """(save s, load s, MiB) of the single backend's DCP checkpoint of this model."""
-    from megabeta.parallel.backend import TorchBackend
+    from megabeta.engine.torch_engine import TorchEngine
 
     config, data = _config_and_data(args)
-    backend = TorchBackend(build_model(config.model), config, torch.device("cpu"))
+    backend = TorchEngine(build_model(config.model, config.execution), config,
+                          torch.device("cpu"))
     batch = next(iter(StatefulLoader(data.train, data.train_sampler(1, 0, 0), 2)))
-    backend.forward_backward(batch[:, :-1], batch[:, 1:], True, 1.0)
+    backend.forward_backward(batch[:, :-1], batch[:, 1:], last=True, scale=1.0)
     backend.step(True)  # optimizer state exists now
     path = workdir / "ckpt"
     start = time.perf_counter()

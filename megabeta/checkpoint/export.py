@@ -19,23 +19,27 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from megabeta.checkpoint.manager import CheckpointError, read_train_state
-from megabeta.model import DecoderLM, ModelConfig, build_model
+from megabeta.extras import require
+from megabeta.model import DecoderLM, ExecutionConfig, ModelConfig, build_model
 
 EXPORT_FORMAT = "megabeta-export/1"
 
 
 def _model_state_from_checkpoint(path: Path, model: DecoderLM, backend: str) -> dict:
     if backend == "deepspeed":
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(str(path / "model"), tag="engine")
+        zero_to_fp32 = require("deepspeed.utils.zero_to_fp32", extra="deepspeed",
+                               feature=f"reading the DeepSpeed checkpoint {path}")
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(path / "model"),
+                                                                     tag="engine")
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(path / "model"), no_dist=True)
     return state["model"]
 
 
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> DecoderLM:
-    """The model in a checkpoint directory (any backend) or an exported .safetensors file."""
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
+               execution: ExecutionConfig | None = None) -> DecoderLM:
+    """The model in a checkpoint directory (any backend) or an exported .safetensors file,
+    running as `execution` says (default: `ExecutionConfig()`)."""
     path = Path(path)
     try:
         if path.suffix == ".safetensors":
@@ -44,11 +48,12 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> D
             if meta.get("format") != EXPORT_FORMAT:
                 raise CheckpointError(f"{path} was not written by `megabeta export` (no "
                                       f"{EXPORT_FORMAT} metadata)")
-            model = build_model(ModelConfig(**json.loads(meta["model_config"])))
+            model = build_model(ModelConfig.from_saved(json.loads(meta["model_config"])),
+                                execution)
             state = load_file(str(path))
         else:
             saved = read_train_state(path)
-            model = build_model(ModelConfig(**saved.model_config))
+            model = build_model(ModelConfig.from_saved(saved.model_config), execution)
             state = _model_state_from_checkpoint(path, model, saved.backend)
         model.load_state_dict(state, strict=True)
     except (OSError, RuntimeError, KeyError, ValueError) as err:

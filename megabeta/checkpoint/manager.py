@@ -116,21 +116,21 @@ class CheckpointManager:
         return sorted(p for p in self.root.glob("step_*") if p.is_dir() and "." not in p.name
                       and (p / STATE_FILE).is_file())
 
-    def resolve(self, resume: str) -> Path | None:
-        """The checkpoint to resume from: `auto` = newest complete one (None if there is none)."""
+    def resolve(self, resume: str) -> tuple[Path, TrainState] | None:
+        """The checkpoint to resume from and its train state (read once, here): `auto` = the
+        newest complete one (None if there is none), else the path `resume` names."""
         if not resume:
             return None
         if resume != "auto":
             path = Path(resume)
-            read_train_state(path)
-            return path
+            return path, read_train_state(path)
         latest = self.root / "latest"
         if latest.is_file():
             path = self.root / latest.read_text().strip()
             if (path / STATE_FILE).is_file():
-                return path
+                return path, read_train_state(path)
         found = self.complete()
-        return found[-1] if found else None
+        return (found[-1], read_train_state(found[-1])) if found else None
 
     def save(self, step: int, state: TrainState, write_model: Callable[[Path], Any],
              async_save: bool = False) -> Path:

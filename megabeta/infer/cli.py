@@ -4,7 +4,6 @@ from an exported .safetensors file or a checkpoint directory, on one process."""
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -13,7 +12,8 @@ import torch
 from megabeta.checkpoint import CheckpointError
 from megabeta.checkpoint.export import load_model
 from megabeta.config import load_config
-from megabeta.data import DataError, GlobalSampler, StatefulLoader, build_train_val
+from megabeta.data import DataError, GlobalSampler, build_train_val
+from megabeta.infer.evaluate import evaluate
 from megabeta.infer.generate import generate
 
 
@@ -26,21 +26,16 @@ def _run_config_value(checkpoint: Path, key: str) -> str:
     return ""
 
 
-@torch.no_grad()
-def evaluate(checkpoint: str, data_paths: list[str], seq_len: int, batch_size: int,
-             val_fraction: float, max_batches: int) -> dict[str, float]:
+def evaluate_checkpoint(checkpoint: str, data_paths: list[str], *, seq_len: int,
+                        batch_size: int, val_fraction: float,
+                        max_batches: int) -> dict[str, float]:
+    """`evaluate` of a checkpoint's model on the held-out split of `data_paths` (the whole
+    data when `val_fraction` is 0)."""
     model = load_model(checkpoint)
-    data = build_train_val(data_paths, None, seq_len, val_fraction)
+    data = build_train_val(data_paths, None, seq_len=seq_len, val_fraction=val_fraction)
     dataset = data.val if data.val is not None else data.train
     sampler = GlobalSampler(len(dataset), shuffle=False, num_epochs=1)
-    total, count = 0.0, 0
-    for i, batch in enumerate(StatefulLoader(dataset, sampler, batch_size)):
-        if max_batches and i >= max_batches:
-            break
-        total += float(model(batch[:, :-1], batch[:, 1:])) * batch.shape[0]
-        count += batch.shape[0]
-    loss = total / max(count, 1)
-    return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "samples": count}
+    return evaluate(model, dataset, sampler, batch_size=batch_size, max_batches=max_batches)
 
 
 def eval_main(argv: list[str] | None = None) -> int:
@@ -55,8 +50,9 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=0, help="at most this many (0 = all)")
     args = parser.parse_args(argv)
     try:
-        result = evaluate(args.checkpoint, args.data.split(","), args.seq_len, args.batch_size,
-                          args.val_fraction, args.batches)
+        result = evaluate_checkpoint(args.checkpoint, args.data.split(","), seq_len=args.seq_len,
+                                     batch_size=args.batch_size, val_fraction=args.val_fraction,
+                                     max_batches=args.batches)
     except (CheckpointError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

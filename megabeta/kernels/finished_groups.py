@@ -7,15 +7,16 @@ Backward: ATen's flash backward hands back freshly zero-filled key/value gradien
 history row of every group, which the caller then adds into the history's gradient buffer. At
 c = 32 those memory passes, the per-group calls and the merge's small operations took about 40 %
 of the merged attention's time (86-90 ms a layer against 52-57 ms for ATen's kernel calls
-alone; README, session 8). The kernel does the same arithmetic per tile and adds into the
+alone; docs/benchmarks/2026-12-01-amd-epyc-2core.md). The kernel does the same arithmetic per tile and adds into the
 buffers in place (BLAS with beta = 1), and sums each group's score gradient per query row for
 the depth bias's gradient.
 
 It is built with torch's JIT extension loader the first time a process needs it (about 7 s
 with g++; cached under `TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`). Where it
-cannot be built or run (no C++ compiler, a CPU without AVX2, another dtype than float32 or
-float64), merged_attention.py keeps ATen's kernels: `available()` says which, and the reason is
-logged once.
+cannot be built (no C++ compiler, a CPU without AVX2), attention selection takes the
+`cpu_flash` backend instead (`build()` says whether they built, and the reason is logged once);
+for another dtype than float32 or float64 (`supports`) the `cpu_fused` backend uses ATen's
+kernels.
 """
 
 from __future__ import annotations
@@ -31,17 +32,13 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-FUSED = os.environ.get("MEGABETA_FUSED_KERNELS", "1") != "0"
-"""Use the fused kernels where they build. `MEGABETA_FUSED_KERNELS=0` (or tests) switch them
-off."""
-
 DTYPES = (torch.float32, torch.float64)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "finished_groups.cpp")
 
 
 @functools.lru_cache(maxsize=None)
-def _load() -> bool:
+def build() -> bool:
     """Build (or find the cached build of) the kernels and register them as
     `torch.ops.megabeta.*`; False, with the reason logged once, where they cannot be built."""
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -63,8 +60,8 @@ def _load() -> bool:
             return True
         except Exception as error:  # noqa: BLE001 - any build failure means: use the fallback
             reason = f"building it failed ({type(error).__name__}: {str(error).strip()[:300]})"
-    log.warning("megabeta: fused CPU kernels for the finished groups unavailable, using ATen's "
-                "flash kernels instead (slower at small blocks): %s", reason)
+    log.warning("megabeta: fused CPU kernels for the finished groups unavailable, attention "
+                "takes the cpu_flash backend (ATen's kernels, slower at small blocks): %s", reason)
     return False
 
 
@@ -77,9 +74,9 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def available(dtype: torch.dtype) -> bool:
-    """Whether `forward`/`backward` run for tensors of `dtype` in this process."""
-    return FUSED and dtype in DTYPES and _load()
+def supports(dtype: torch.dtype) -> bool:
+    """Whether the kernels take tensors of `dtype` (once `build()` succeeded)."""
+    return dtype in DTYPES
 
 
 def forward(q: Tensor, keys: Tensor, values: Tensor, shift: Tensor, scale: float, out: Tensor,
@@ -90,7 +87,7 @@ def forward(q: Tensor, keys: Tensor, values: Tensor, shift: Tensor, scale: float
     (normalized); `lse [B, H, n]`: its log-sum-exp; `keys, values [g, B, H_kv, R, d]`: the
     groups; `shift [g, H]`: subtracted from group g's scores for head h (the depth bias).
     On return `out`/`lse` are those of the merged key set. Query head h reads KV head
-    h // (H / H_kv). One dtype (`available`), contiguous last dimensions, any other strides.
+    h // (H / H_kv). One dtype (`supports`), contiguous last dimensions, any other strides.
     """
     torch.ops.megabeta.finished_groups_forward(q, keys, values, shift, scale, out, lse)
 

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 ARCHS = ("beta12", "standard", "looped")
-CHECKPOINT_MODES = ("none", "block")
+
+RESUMABLE_FIELDS = ("dropout", "max_seq_len", "init_std")
+"""Fields a resumed run may change: a training hyperparameter, a length limit, and the
+initialisation (the loaded weights replace it). Every other field shapes the parameters or the
+function, and resuming refuses a change of it."""
+
+MOVED_FIELDS = {"use_sdpa": "execution.attention (auto, explicit, sdpa, cpu_flash, cpu_fused)",
+                "activation_checkpoint": "execution.activation_checkpoint"}
+"""Keys that used to be model fields, and where they live now (config files and CLI)."""
 
 
 class ConfigError(ValueError):
@@ -38,9 +46,9 @@ class ModelConfig:
     num_layers: int = 4
     """Physical layers L."""
     dropout: float = 0.0
-    """Dropout on attention probabilities and residual branches (training only)."""
+    """Dropout on attention probabilities and residual branches (training only; may change on resume)."""
     max_seq_len: int = 2048
-    """Longest sequence (training or prompt + generation) the model accepts."""
+    """Longest sequence (training or prompt + generation) the model accepts (a limit; may change on resume)."""
     depth_window: int = 2
     """k: layer l reads finished KVs of layers l … min(l+k, L-1) (spec §3)."""
     depth_stride: int = 1
@@ -61,16 +69,12 @@ class ModelConfig:
     """w: finished groups of deeper layers (m > l) see only the last w tokens before the block; 0 = off."""
     tie_embedding: bool = True
     """Share the LM head with the token embedding."""
-    use_sdpa: bool = True
-    """Fused `scaled_dot_product_attention` (production) instead of explicit matmul-softmax."""
     rope_theta: float = 10000.0
     """RoPE base."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     loops: int = 2
     """`looped` arm only: times the weight-tied layer stack is applied."""
-    activation_checkpoint: str = "none"
-    """`none` or `block`: recompute one block through all layers in backward (beta12); per layer otherwise."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
 
@@ -116,8 +120,6 @@ class ModelConfig:
         need(self.rope_theta > 0, "rope_theta", "must be positive")
         need(self.norm_eps > 0, "norm_eps", "must be positive")
         need(isinstance(self.loops, int) and self.loops >= 1, "loops", "must be an integer >= 1")
-        need(self.activation_checkpoint in CHECKPOINT_MODES, "activation_checkpoint",
-             f"must be one of {', '.join(CHECKPOINT_MODES)}")
         need(self.init_std > 0, "init_std", "must be positive")
 
     def source_layers(self, layer: int) -> list[int]:
@@ -129,19 +131,33 @@ class ModelConfig:
         """A validated copy with `changes` applied."""
         return dataclasses.replace(self, **changes)
 
+    def identity(self) -> dict[str, Any]:
+        """The fields that define the parameters and the function (all but RESUMABLE_FIELDS)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in RESUMABLE_FIELDS}
+
+    def identity_changes(self, saved: dict[str, Any]) -> list[str]:
+        """Identity fields whose value differs from `saved` (a saved config's fields)."""
+        return sorted(k for k, v in self.identity().items() if k in saved and saved[k] != v)
+
+    @classmethod
+    def from_saved(cls, fields: dict[str, Any]) -> "ModelConfig":
+        """The config stored with a checkpoint or export; keys of MOVED_FIELDS, which older
+        checkpoints carry, are execution settings and are dropped."""
+        return cls(**{k: v for k, v in fields.items() if k not in MOVED_FIELDS})
+
 
 # The ~10 M-parameter ablation shape (article §7). The article does not print its widths; this one
 # gives 10.4 M parameters at a 8192-token vocabulary: d = 192, 3 heads of 64, SwiGLU 512, L = 20.
 _ARM_10M = dict(d_model=192, hidden_dim=512, num_heads=3, num_layers=20, max_seq_len=2048,
                 depth_window=2, lambda_max=2.0, depth_bias=True, layer_enc=True, self_slot=True,
-                qk_norm=False, deep_token_window=0, tie_embedding=True, use_sdpa=True)
+                qk_norm=False, deep_token_window=0, tie_embedding=True)
 
 _PRESETS: dict[str, dict[str, Any]] = {
     # spec §6, verbatim from the article's §8.
     "t19_flash": dict(vocab_size=-1, d_model=1600, hidden_dim=3200, num_heads=8, num_layers=4,
                       dropout=0.0, max_seq_len=16384, depth_window=2, block_size=32,
                       lambda_max=2.0, depth_bias=True, layer_enc=True, self_slot=True,
-                      qk_norm=False, deep_token_window=0, tie_embedding=True, use_sdpa=True),
+                      qk_norm=False, deep_token_window=0, tie_embedding=True),
     "beta_1.2_test": dict(_ARM_10M, block_size=32),
     "beta_1.2_c256": dict(_ARM_10M, block_size=256),
     "t16_std_tf_rope": dict(_ARM_10M, arch="standard"),
@@ -214,4 +230,5 @@ def resolve_fair_config(control: ModelConfig, **arm: Any) -> ModelConfig:
 
 
 __all__ = ["ModelConfig", "ConfigError", "get_preset", "preset_names", "count_parameters",
-           "resolve_fair_config", "FAIR_CONTROL", "FAIR_TOLERANCE", "ARCHS", "CHECKPOINT_MODES"]
+           "resolve_fair_config", "FAIR_CONTROL", "FAIR_TOLERANCE", "ARCHS", "RESUMABLE_FIELDS",
+           "MOVED_FIELDS"]

@@ -16,12 +16,10 @@ Instead:
   once per block (`_Publish`). The group of source m that a block reads is rows [0, start) of
   layer m (or the deep-token window's rows): a view, no copy, and never rewritten afterwards.
   Adjacent source layers that read the same rows are one view `[g, B, H_kv, rows, d_h]`, which
-  merged_attention.py attends to in one kernel call (`BufferedView.batches`).
-- Attention. On the CPU flash kernels, merged_attention.py: the groups and the block's own keys
-  as parts merged by log-sum-exp. Elsewhere, and with attention dropout, `_ReadHistory`
-  concatenates the groups and the block's tail (sink and in-block keys, in attention.py's
-  column layout) for one SDPA call, and backward recomputes it with autograd: exact, with the
-  copies.
+  the backends attend to in one kernel call (`BufferedView.batches`).
+- Attention. A `BufferedView` is what the backends read (`attention.backend.StoredHistory`):
+  the cpu backends attend to the groups and the block's own keys as parts merged by log-sum-exp;
+  the sdpa backend concatenates them for one call (attention/sdpa.py).
 - Gradients. The history is read from detached views, so autograd has no edge from readers to
   the finished-KV producers. Readers add each group's key/value gradient into one gradient
   buffer shaped like the storage; `_Publish` of block b hands block b's rows to the producers in
@@ -34,15 +32,13 @@ Instead:
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from megabeta.model.attention import KeySet, sdpa
-from megabeta.model.merged_attention import GroupBatch, merged_attention
+from megabeta.model.attention.backend import GroupBatch, KeySet
 
 History = list[tuple[Tensor, ...]]
 """Per source layer m, the finished K (or V) pieces covering tokens 0 … start(block)-1, in order."""
@@ -176,9 +172,9 @@ class BufferedHistory:
             self.values[m, :, :, start:start + n] = fin_v[m]
         self.published = start + n
 
-    def grads(self, sources: int | slice, rows: slice) -> tuple[Tensor, Tensor]:
-        """The gradient buffers (K, V) of `sources`' history `rows` (`[g, B, H_kv, rows, d]` for
-        a slice of source layers, `[B, H_kv, rows, d]` for one), for readers to add to."""
+    def grads(self, sources: slice, rows: slice) -> tuple[Tensor, Tensor]:
+        """The gradient buffers (K, V) of `sources`' history `rows` (`[g, B, H_kv, rows, d]`),
+        for readers to add to."""
         if self.grad_keys is None:
             # Summed over every later block: in float32 even when the history is bf16.
             dtype = torch.promote_types(self.keys.dtype, torch.float32)
@@ -225,7 +221,7 @@ class BufferedView:
         return KeySet(k=k, v=v, stored=self)
 
     def batches(self, layer: int) -> list[GroupBatch]:
-        """The finished groups of `layer` as merged_attention's batches: runs of adjacent
+        """The finished groups of `layer` as stacked batches: runs of adjacent
         source layers that read the same rows, each one view of the buffers."""
         history = self.history
         runs: list[list[tuple[int, slice]]] = []
@@ -243,23 +239,12 @@ class BufferedView:
                 lambda sources=sources, rows=rows: history.grads(sources, rows)))
         return batches
 
-    def attend_merged(self, layer: int, q: Tensor, k: Tensor, v: Tensor, slope: Tensor | None,
-                      self_bias: Tensor | None, scale: float) -> Tensor:
-        """merged_attention over `layer`'s finished groups and the block's own keys, in the
-        history's dtype (the kernels take one; autocast does not reach them)."""
-        dtype = self.history.keys.dtype
-        start = self.block_start
-        return merged_attention(q.to(dtype), k.to(dtype), v.to(dtype), self.batches(layer), slope,
-                                self_bias, scale, self.anchor,
-                                lambda: self.history.read(start))
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.history.keys.dtype
 
-    def attend(self, layer: int, q: Tensor, k_tail: Tensor, v_tail: Tensor, dropout_p: float,
-               scale: float) -> Tensor:
-        """Attention of `q` over the finished groups of `layer` and the tail `k_tail/v_tail`
-        (attention.py's column layout), in the history's dtype."""
-        dtype = self.history.keys.dtype
-        return _ReadHistory.apply(q.to(dtype), k_tail.to(dtype), v_tail.to(dtype), self.anchor,
-                                  self.history, layer, self.block_start, dropout_p, scale)
+    def done_reading(self) -> None:
+        self.history.read(self.block_start)
 
 
 class _Publish(torch.autograd.Function):
@@ -276,63 +261,3 @@ class _Publish(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:
         return (None, None, *ctx.history.release(ctx.start, ctx.n))
-
-
-class _ReadHistory(torch.autograd.Function):
-    """One SDPA call over a block's finished groups (concatenated) and its tail; backward
-    recomputes it with autograd over leaves that alias the buffers, replaying the forward's
-    dropout (there is no kernel to call directly off the CPU)."""
-
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k_tail: Tensor, v_tail: Tensor, anchor: Tensor,
-                history: BufferedHistory, layer: int, start: int, dropout_p: float,
-                scale: float) -> Tensor:
-        ctx.args = history, layer, start, dropout_p, scale
-        ctx.rng = _rng_state(q.device) if dropout_p else None
-        ctx.save_for_backward(q, k_tail, v_tail)
-        groups = history.groups(layer, start)
-        keys = [history.keys[m, :, :, rows] for m, rows in groups]
-        values = [history.values[m, :, :, rows] for m, rows in groups]
-        return sdpa(q, torch.cat([*keys, k_tail], 2), torch.cat([*values, v_tail], 2),
-                    dropout_p, scale)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        history, layer, start, dropout_p, scale = ctx.args
-        groups = history.groups(layer, start)
-        q, k_tail, v_tail = ctx.saved_tensors
-        with torch.enable_grad(), _restored_rng(ctx.rng, q.device):
-            keys = [history.keys[m, :, :, rows].detach().requires_grad_() for m, rows in groups]
-            values = [history.values[m, :, :, rows].detach().requires_grad_()
-                      for m, rows in groups]
-            leaves = [t.detach().requires_grad_() for t in (q, k_tail, v_tail)]
-            out = sdpa(leaves[0], torch.cat([*keys, leaves[1]], 2),
-                       torch.cat([*values, leaves[2]], 2), dropout_p, scale)
-            dq, dk_tail, dv_tail, *dkv = torch.autograd.grad(out, leaves + keys + values, grad)
-        for (m, rows), dk, dv in zip(groups, dkv[:len(groups)], dkv[len(groups):]):
-            grad_k, grad_v = history.grads(m, rows)
-            grad_k.add_(dk)
-            grad_v.add_(dv)
-        history.read(start)
-        return (dq, dk_tail, dv_tail, grad.new_zeros(()), None, None, None, None, None)
-
-
-def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextlib.contextmanager
-def _restored_rng(state: tuple[Tensor, Tensor | None] | None,
-                  device: torch.device) -> Iterator[None]:
-    """Replay the forward's attention dropout in backward (same RNG state), leaving the caller's
-    RNG streams untouched."""
-    if state is None:
-        yield
-        return
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
-        yield

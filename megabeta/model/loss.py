@@ -6,8 +6,7 @@ whole. Each chunk of rows goes through one reused `[chunk, vocab]` buffer: logit
 its log-sum-exp and, when gradients are wanted, its softmax minus the one-hot target, from
 which the head's input and weight gradients are formed right away (the head's weight gradient
 accumulated over chunks). Backward only scales them by the incoming gradient. Against autograd
-over per-chunk log-softmax (kept before session 7): no logits or log-probabilities saved for
-backward, no head matmul recomputed under activation checkpointing, and one buffer per step
+over per-chunk log-softmax: no logits or log-probabilities saved for backward, no head matmul recomputed under activation checkpointing, and one buffer per step
 instead of fresh 16 MB ones per chunk (vocab 8192), on which the same log-softmax and its
 backward once took 4-6x as long in one fresh process as in another (torch profiler, same
 shapes; freshly mapped pages are the likely cause, not measured as such).

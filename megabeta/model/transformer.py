@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from megabeta.model.attention import KeyLayout, KeySet, block_attention
+from megabeta.model.attention import NO_BIAS, AttentionBackend, KeySet, select_attention
 from megabeta.model.cache import DecodeCache, KVBuffer
 from megabeta.model.config import ConfigError, ModelConfig
+from megabeta.model.execution import ExecutionConfig
 from megabeta.model.layers import Projection, RMSNorm, TransformerLayer, rms_normalize, rope_tables
 from megabeta.model.loss import IGNORE_INDEX, linear_cross_entropy
 
@@ -32,12 +33,13 @@ class DecoderLM(nn.Module):
 
     beta_extras = False
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, execution: ExecutionConfig | None = None) -> None:
         super().__init__()
         if config.vocab_size < 1:
             raise ConfigError("model.vocab_size = -1 must be resolved before building the model: "
                               "set --model.vocab_size or take it from the dataset sidecar")
         self.config = config
+        self.execution = ExecutionConfig() if execution is None else execution
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(TransformerLayer(config, self.beta_extras)
                                     for _ in range(config.num_layers))
@@ -45,6 +47,7 @@ class DecoderLM(nn.Module):
         self.output = (None if config.tie_embedding
                        else nn.Linear(config.d_model, config.vocab_size, bias=False))
         self.init_weights()
+        self._select_attention()
 
     # ---- parameters -----------------------------------------------------------------------------
     def init_weights(self) -> None:
@@ -61,10 +64,22 @@ class DecoderLM(nn.Module):
             else:
                 nn.init.zeros_(p)
 
-    def key_layout(self, dropout: float = 0.0) -> KeyLayout:
-        """How this arm stores keys and values for attention with this attention dropout (plain
-        for the control arms)."""
-        return KeyLayout(self.config.head_dim)
+    # ---- execution ------------------------------------------------------------------------------
+    def _select_attention(self) -> None:
+        """Choose the attention backend for the parameters' device (select.py), once: here and
+        whenever the model is moved (`_apply`), never per call."""
+        c = self.config
+        self.attention_backend: AttentionBackend = select_attention(
+            self.execution.attention, device=self.tok_embeddings.weight.device,
+            dropout=c.dropout, head_dim=c.head_dim,
+            depth_bias=self.beta_extras and c.depth_bias and c.depth_window > 0,
+            self_slot=self.beta_extras and c.self_slot)
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "DecoderLM":
+        # `to`, `cuda`, `cpu`, `to_empty`, dtype casts all end here: the device may have changed.
+        out = super()._apply(fn, recurse)
+        self._select_attention()
+        return out
 
     def head_weight(self) -> Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
@@ -86,11 +101,11 @@ class DecoderLM(nn.Module):
             raise ValueError(f"sequence of {length} tokens exceeds model.max_seq_len = "
                              f"{self.config.max_seq_len}; raise max_seq_len or shorten the input")
 
-    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call `fn`, recomputing it in backward when activation checkpointing is on."""
-        if self.config.activation_checkpoint != "none" and torch.is_grad_enabled():
-            return checkpoint(fn, *args, use_reentrant=False)
-        return fn(*args)
+        if self.execution.activation_checkpoint != "none" and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return fn(*args, **kwargs)
 
     def head(self, h: Tensor, targets: Tensor | None) -> Tensor:
         """Logits of final hidden states `h [B, T, d]`, or the mean next-token loss.
@@ -126,8 +141,9 @@ class DecoderLM(nn.Module):
 
     def _kv_buffers(self, batch: int, count: int, capacity: int) -> list[KVBuffer]:
         p = self.tok_embeddings.weight
-        return [KVBuffer(batch, self.config.num_kv_heads, capacity, self.key_layout().width,
-                         p.dtype, p.device) for _ in range(count)]
+        return [KVBuffer(batch, self.config.num_kv_heads, capacity,
+                         self.attention_backend.layout.width, p.dtype, p.device)
+                for _ in range(count)]
 
     def _capacity(self, capacity: int | None) -> int:
         capacity = self.config.max_seq_len if capacity is None else capacity
@@ -144,15 +160,6 @@ class DecoderLM(nn.Module):
     def step(self, token: Tensor, cache: DecodeCache) -> Tensor:
         """Logits `[B, V]` of the next token `token [B]`; the cache advances in place."""
         return self.extend(token[:, None], cache)[:, -1]
-
-    def generate(self, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None) -> Tensor:
-        """Sample a continuation with the KV cache; see `megabeta.infer.generate`."""
-        from megabeta.infer.generate import generate
-
-        return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, seed=seed)
 
 
 class StandardTransformer(DecoderLM):
@@ -179,8 +186,7 @@ class StandardTransformer(DecoderLM):
         if cache is not None:
             keys.prefix_k, keys.prefix_v = cache.view()
         dropout = self.config.dropout if self.training else 0.0
-        o = block_attention(q, keys, self.key_layout(dropout), None, None, self.config.use_sdpa, 0,
-                            dropout)
+        o = self.attention_backend.attend(q, keys, NO_BIAS, layer=0, dropout_p=dropout)
         return layer.mlp_residual(layer.attention_residual(x, o), gate_up), k, v
 
     def _applications(self) -> list[tuple[TransformerLayer, tuple[Projection, Tensor]]]:

@@ -1,6 +1,6 @@
 """The training loop: set up, then step, log, evaluate, checkpoint, until done or preempted.
 
-    setup:  ranks → seeds → data → model (vocab from the data) → backend → resume
+    setup:  ranks → device → seeds → data → model (vocab from the data) → engine → resume
     step:   lr → micro-batches (forward, backward) → clip, skip if non-finite, update → log
     every:  eval.interval → evaluate; checkpoint.interval → save
     signal: SIGTERM / SIGUSR1 / SIGINT → finish the step, save, (requeue under SLURM), exit 0
@@ -24,15 +24,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
 from megabeta.checkpoint import CheckpointError, CheckpointManager, TrainState
-from megabeta.checkpoint.manager import read_train_state
 from megabeta.config import TrainConfig, save_config
 from megabeta.data import StatefulLoader, build_train_val, file_sha256
-from megabeta.model import ConfigError, build_model, count_parameters
+from megabeta.engine import build_engine
+from megabeta.infer.evaluate import evaluate
+from megabeta.model import ConfigError, ModelConfig, build_model, count_parameters
 from megabeta.model.flops import training_flops
-from megabeta.parallel.backend import DeepSpeedBackend, TorchBackend
-from megabeta.parallel.env import DistEnv, init_distributed, setup_logging
+from megabeta.parallel.env import choose_device, init_distributed, setup_logging
 from megabeta.train.metrics import MetricsLogger, device_peak_flops, memory_gib
-from megabeta.train.optim import lr_at
+from megabeta.train.schedule import lr_at
 from megabeta.train.signals import PreemptionHandler, maybe_requeue
 
 log = logging.getLogger("megabeta")
@@ -59,12 +59,6 @@ def _all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _device(env: DistEnv) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", env.local_rank)
-    return torch.device("cpu")
-
-
 class Trainer:
     """One training run of `config` on this process's rank."""
 
@@ -73,7 +67,7 @@ class Trainer:
         self.env = init_distributed(config.parallel.dist_backend,
                                     group_for_one=config.parallel.backend != "single")
         setup_logging(self.env)
-        self.device = _device(self.env)
+        self.device = choose_device(self.env)
         self.run_dir = Path(config.run_dir)
         if self.env.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -81,22 +75,19 @@ class Trainer:
         self.grad_accumulation = config.grad_accumulation(self.env.world_size)
         self._setup_data()
         self.checkpoints = CheckpointManager(self.run_dir, config.checkpoint.keep)
-        resume_from = self.checkpoints.resolve(config.resume)
-        resharding = False
-        if resume_from is not None:
-            saved = read_train_state(resume_from)
-            self._check_compatible(saved)
-            resharding = saved.world_size != self.env.world_size
-        model = build_model(config.model)  # same seed on every rank: identical initial weights
-        if config.parallel.backend == "deepspeed":
-            self.backend = DeepSpeedBackend(model, config, self.device, self.grad_accumulation,
-                                            load_universal=resharding)
-        else:
-            self.backend = TorchBackend(model, config, self.device)
+        resume = self.checkpoints.resolve(config.resume)
+        if resume is not None:
+            self._check_compatible(resume[1])
+        # Same seed on every rank: identical initial weights. The engine moves the model to the
+        # device, where its attention backend is chosen (DecoderLM._select_attention).
+        model = build_model(config.model, config.execution)
+        self.engine = build_engine(
+            model, config, self.device, grad_accumulation=self.grad_accumulation,
+            resharding=resume is not None and resume[1].world_size != self.env.world_size)
         self.state = TrainState(backend=config.parallel.backend, world_size=self.env.world_size,
                                 model_config=asdict(config.model))
-        if resume_from is not None:
-            self._resume(resume_from)
+        if resume is not None:
+            self._resume(*resume)
         if self.env.is_rank0:
             save_config(config, self.run_dir / "config.toml")
         dtype = torch.bfloat16 if config.train.precision == "bf16" else torch.float32
@@ -104,10 +95,10 @@ class Trainer:
         self.step_flops = config.train.global_batch * training_flops(config.model,
                                                                      config.data.seq_len)
         log.info("run %s | %s on %d rank(s) (%s) | %s | %d params | accumulation %d | "
-                 "peak %.3g FLOP/s per rank (%s)", self.run_dir, config.parallel.backend,
-                 self.env.world_size, self.env.launcher, config.model.arch,
-                 count_parameters(config.model), self.grad_accumulation,
-                 self.peak_flops, peak_source)
+                 "peak %.3g FLOP/s per rank (%s) | attention %s", self.run_dir,
+                 config.parallel.backend, self.env.world_size, self.env.launcher,
+                 config.model.arch, count_parameters(config.model), self.grad_accumulation,
+                 self.peak_flops, peak_source, self.engine.model.attention_backend.name)
 
     # ---- set-up -----------------------------------------------------------------------------------
     def _setup_data(self) -> None:
@@ -117,7 +108,8 @@ class Trainer:
                               "`megabeta-data tokenize`)")
         tokenizer_hash = file_sha256(config.data.tokenizer) if config.data.tokenizer else None
         self.data = build_train_val(config.data.path, config.data.weights or None,
-                                    config.data.seq_len, config.data.val_fraction,
+                                    seq_len=config.data.seq_len,
+                                    val_fraction=config.data.val_fraction,
                                     expected_tokenizer_hash=tokenizer_hash,
                                     verify_token_ids=config.data.verify_token_ids)
         vocab = self.data.vocab_size
@@ -135,21 +127,25 @@ class Trainer:
                                      num_workers=config.data.num_workers)
 
     def _check_compatible(self, saved: TrainState) -> None:
+        """Refuse a checkpoint this run cannot continue: another engine, or a model whose
+        parameters or function differ (execution settings, dropout and max_seq_len may change)."""
         if saved.backend != self.config.parallel.backend:
             raise CheckpointError(f"checkpoint was written by parallel.backend = "
                                   f"{saved.backend!r}, this run uses "
                                   f"{self.config.parallel.backend!r}; resume with the same backend "
                                   "(or `megabeta export` it and start from the export)")
-        if saved.model_config and saved.model_config != asdict(self.config.model):
-            changed = sorted(k for k, v in saved.model_config.items()
-                             if asdict(self.config.model).get(k) != v)
-            raise CheckpointError(f"checkpoint model differs from this run's in {changed}; "
-                                  "resume with the model config it was trained with")
+        changed = self.config.model.identity_changes(saved.model_config)
+        if changed:
+            was = ModelConfig.from_saved(saved.model_config)
+            diffs = ", ".join(f"model.{k} = {getattr(was, k)!r} in the checkpoint, "
+                              f"{getattr(self.config.model, k)!r} now" for k in changed)
+            raise CheckpointError(f"cannot resume: {diffs}; these define the parameters or the "
+                                  "function, resume with the values the checkpoint was trained "
+                                  "with")
 
-    def _resume(self, path: Path) -> None:
-        saved = read_train_state(path)
+    def _resume(self, path: Path, saved: TrainState) -> None:
         try:
-            self.backend.load(path / "model")
+            self.engine.load(path / "model")
         except (Exception, DCPCheckpointException) as err:  # noqa: BLE001 - any failure here
             # means an unusable checkpoint (DCP's exception derives from BaseException)
             raise CheckpointError(f"could not load model/optimizer shards from {path}: {err}; "
@@ -167,8 +163,17 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         """Run to `train.steps` (or a stop signal). Returns the last logged metrics."""
+        metrics = MetricsLogger(self.run_dir, enabled=self.env.is_rank0,
+                                tensorboard=self.config.logging.tensorboard)
+        try:
+            return self._loop(metrics)
+        finally:
+            # The one way out, whatever ended the loop: a save in flight completes, metrics flush.
+            self.checkpoints.finalize()
+            metrics.close()
+
+    def _loop(self, metrics: MetricsLogger) -> dict[str, Any]:
         config = self.config
-        metrics = MetricsLogger(self.run_dir, self.env.is_rank0, config.logging.tensorboard)
         batches = iter(self.loader)
         nonfinite_in_a_row = 0
         last: dict[str, Any] = {}
@@ -178,15 +183,16 @@ class Trainer:
             while self.state.step < config.train.steps:
                 start = time.perf_counter()
                 lr = lr_at(self.state.step, config.train.steps, config.optim, config.schedule)
-                self.backend.set_lr(lr)
+                self.engine.set_lr(lr)
                 losses = []
                 for micro in range(self.grad_accumulation):
                     batch = next(batches).to(self.device, non_blocking=True)
-                    losses.append(self.backend.forward_backward(
-                        batch[:, :-1], batch[:, 1:], micro == self.grad_accumulation - 1,
-                        1.0 / self.grad_accumulation))
+                    losses.append(self.engine.forward_backward(
+                        batch[:, :-1], batch[:, 1:], last=micro == self.grad_accumulation - 1,
+                        scale=1.0 / self.grad_accumulation))
                 loss = float(_all_reduce_mean(torch.stack(losses).mean()))
-                grad_norm, applied = self.backend.step(math.isfinite(loss))
+                result = self.engine.step(math.isfinite(loss))
+                grad_norm, applied = result.grad_norm, result.applied
                 self.state.step += 1
                 self.state.tokens_seen += tokens_per_step
                 if applied:
@@ -208,7 +214,6 @@ class Trainer:
                             "skipped": self.state.skipped_steps}
                     metrics.log(self.state.step, last)
                 if nonfinite_in_a_row >= config.train.max_nonfinite:
-                    metrics.close()
                     raise TrainingStopped(
                         f"{nonfinite_in_a_row} non-finite steps in a row (train.max_nonfinite = "
                         f"{config.train.max_nonfinite}) at step {self.state.step}: lower optim.lr, "
@@ -226,7 +231,6 @@ class Trainer:
                     self.checkpoints.finalize()
                     if not exit_now:
                         maybe_requeue(config.checkpoint.requeue)
-                    metrics.close()
                     return last
                 if (config.checkpoint.interval and self.state.step % config.checkpoint.interval == 0
                         and not done):
@@ -237,38 +241,29 @@ class Trainer:
             last.update({f"eval_{k}": v for k, v in final_eval.items()})
         if config.checkpoint.save_at_end:
             self.save()
-        self.checkpoints.finalize()
-        metrics.close()
         return last
 
     def save(self) -> Path:
         self.state.data = self.loader.state_dict()
-        write = functools.partial(self.backend.save,
+        write = functools.partial(self.engine.save,
                                   async_save=self.config.checkpoint.async_save)
         return self.checkpoints.save(self.state.step, self.state, write)
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Mean loss and perplexity over the validation split (or `eval.batches` of it)."""
         if self.data.val is None:
             return {}
-        sampler = self.data.val_sampler(self.env.world_size, self.env.rank)
-        loader = StatefulLoader(self.data.val, sampler, self.config.train.micro_batch)
-        was_training = self.backend.model.training
-        self.backend.model.eval()
-        total, count = torch.zeros((), dtype=torch.float64), 0
-        for i, batch in enumerate(loader):
-            if self.config.eval.batches and i >= self.config.eval.batches:
-                break
-            batch = batch.to(self.device)
-            total += float(self.backend.eval_loss(batch[:, :-1], batch[:, 1:])) * batch.shape[0]
-            count += batch.shape[0]
-        self.backend.model.train(was_training)
-        totals = torch.tensor([float(total), float(count)], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(totals)
-        loss = float(totals[0] / max(totals[1], 1))
-        return {"loss": loss, "ppl": math.exp(min(loss, 700.0))}
+        model = self.engine.model
+        was_training = model.training
+        model.eval()
+        try:
+            result = evaluate(self.engine.eval_loss, self.data.val,
+                              self.data.val_sampler(self.env.world_size, self.env.rank),
+                              batch_size=self.config.train.micro_batch,
+                              max_batches=self.config.eval.batches, device=self.device)
+        finally:
+            model.train(was_training)
+        return {"loss": result["loss"], "ppl": result["ppl"]}
 
 
 def run(config: TrainConfig) -> dict[str, Any]:

@@ -62,7 +62,7 @@ def memory_gib(device: torch.device) -> float:
 class MetricsLogger:
     """Rank 0 writes every logged step to stdout, TensorBoard (<run_dir>/tb) and metrics.jsonl."""
 
-    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool) -> None:
+    def __init__(self, run_dir: str | Path, *, enabled: bool, tensorboard: bool) -> None:
         self.enabled = enabled
         self.jsonl = None
         self.tb = None

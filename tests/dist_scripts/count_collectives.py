@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from megabeta.config import config_from_flat
 from megabeta.model import build_model
-from megabeta.parallel.backend import DeepSpeedBackend, TorchBackend
+from megabeta.engine.deepspeed_engine import DeepSpeedEngine
+from megabeta.engine.torch_engine import TorchEngine
 from megabeta.parallel.env import init_distributed
 
 
@@ -22,20 +23,20 @@ def main() -> None:
     config = config_from_flat({
         "model.vocab_size": 64, "model.d_model": 32, "model.hidden_dim": 64,
         "model.num_heads": 2, "model.num_layers": 3, "model.block_size": 4,
-        "model.max_seq_len": 32, "model.activation_checkpoint": sys.argv[2],
+        "model.max_seq_len": 32, "execution.activation_checkpoint": sys.argv[2],
         "data.seq_len": 32, "train.global_batch": 4, "train.micro_batch": 2,
         "parallel.backend": "deepspeed" if backend == "zero3" else "fsdp",
         "parallel.zero_stage": 3})
     torch.manual_seed(0)
-    model = build_model(config.model)
+    model = build_model(config.model, config.execution)
     if backend == "zero3":
-        runner = DeepSpeedBackend(model, config, torch.device("cpu"), 1)
+        runner = DeepSpeedEngine(model, config, torch.device("cpu"), grad_accumulation=1)
         import deepspeed.comm as comm
         names = {"allgather_fn": "gather", "all_gather_into_tensor": "gather",
                  "reduce_scatter_fn": "scatter", "reduce_scatter_tensor": "scatter"}
         module = comm
     else:
-        runner = TorchBackend(model, config, torch.device("cpu"))
+        runner = TorchEngine(model, config, torch.device("cpu"))
         names = {"all_gather_single": "gather", "reduce_scatter_single": "scatter"}
         module = dist
     counts = {"gather": 0, "scatter": 0}
@@ -51,7 +52,7 @@ def main() -> None:
     per_step = []
     for _ in range(3):
         counts.update(gather=0, scatter=0)
-        runner.forward_backward(tokens[:, :-1], tokens[:, 1:], True, 1.0)
+        runner.forward_backward(tokens[:, :-1], tokens[:, 1:], last=True, scale=1.0)
         after_forward_backward = dict(counts)
         runner.step(True)
         per_step.append({"total": dict(counts), "fwd_bwd": after_forward_backward})

@@ -13,7 +13,7 @@ import torch
 
 from megabeta.config import config_from_flat
 from megabeta.model import build_model
-from megabeta.parallel.backend import DeepSpeedBackend
+from megabeta.engine.deepspeed_engine import DeepSpeedEngine
 from megabeta.parallel.env import init_distributed
 
 
@@ -35,7 +35,7 @@ def main() -> None:
         return loss * math.nan if poisoned["on"] else loss
 
     model.forward = forward
-    runner = DeepSpeedBackend(model, config, torch.device("cpu"), 1)
+    runner = DeepSpeedEngine(model, config, torch.device("cpu"), grad_accumulation=1)
     import deepspeed
 
     def params() -> list[torch.Tensor]:
@@ -47,8 +47,8 @@ def main() -> None:
     for poison in (False, True, False):
         poisoned["on"] = poison
         before = params()
-        loss = runner.forward_backward(tokens[:, :-1], tokens[:, 1:], True, 1.0)
-        _, applied = runner.step(math.isfinite(float(loss)))
+        loss = runner.forward_backward(tokens[:, :-1], tokens[:, 1:], last=True, scale=1.0)
+        applied = runner.step(math.isfinite(float(loss))).applied
         after = params()
         changed = any(not torch.equal(a, b) for a, b in zip(before, after))
         finite = all(bool(torch.isfinite(p).all()) for p in after)

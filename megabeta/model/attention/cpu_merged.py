@@ -1,4 +1,4 @@
-"""beta_1.2 attention on CPU kernels: the key set in parts, merged by log-sum-exp.
+"""`cpu_flash` and `cpu_fused`: the key set in parts on CPU kernels, merged by log-sum-exp.
 
 A block's queries of layer l attend over (spec §3) the finished groups of its source layers, the
 construction KVs of earlier tokens of the block (strictly causal) and the self slot. Each part is
@@ -12,80 +12,118 @@ biases stay out of every kernel:
   and `o_g` its own output kept from the forward).
 - the block's own keys (in-block and self slot): one causal flash call with a float mask
   that carries b_σ on its diagonal. The kernel takes the mask as a constant; b_σ's gradient,
-  the diagonal's score gradient `p_ii·(dO_i·v_i - D_i)`, is written out. (Before: the self
-  slot as a part of its own, written out elementwise, and a strictly causal call for the
-  rest; at c = T its merge passes cost ~5 % of a training step.)
+  the diagonal's score gradient `p_ii·(dO_i·v_i - D_i)`, is written out.
 
 So keys and values stay `head_dim` wide everywhere (no extra head columns, no sink key). Groups
 that read the same rows of adjacent source layers come stacked (`GroupBatch`, views of the
 history's buffers).
 
-The groups run on the fused CPU kernels of `megabeta/kernels/finished_groups.py` where they
-build (float32/float64, x86-64 with AVX2 and a C++ compiler): forward merges every group into
-the own keys' output and lse in place; backward adds the keys' and values' gradients straight
-into the history's gradient buffers. Elsewhere (bf16, or no compiler) they run on ATen's flash
-kernels: one forward call per stacked batch; in backward each group's kernel call gets the
-MERGED output and lse (shifted by the group's depth bias), which makes it produce that group's
-exact share of the gradient, and its zero-filled key/value gradients are added into the
-buffers. Measured at c = 32 (one layer's 15 blocks with history, batch 8, 3 heads, forward and
-backward of this whole function): 50 ms with the fused kernels against 86-90 ms on ATen's.
+`cpu_fused` runs the groups on the fused kernels of `megabeta/kernels/finished_groups.py`
+(float32/float64): forward merges every group into the own keys' output and lse in place;
+backward adds the keys' and values' gradients straight into the history's gradient buffers.
+`cpu_flash`, and `cpu_fused` for bf16 tensors, run them on ATen's flash kernels: one forward
+call per stacked batch; in backward each group's kernel call gets the MERGED output and lse
+(shifted by the group's depth bias), which makes it produce that group's exact share of the
+gradient, and its zero-filled key/value gradients are added into the buffers. Measured at
+c = 32 (one layer's 15 blocks with history, batch 8, 3 heads, forward and backward of this
+whole function): 50 ms with the fused kernels against 86-90 ms on ATen's.
 
-The CPU flash kernels (`torch.ops.aten._scaled_dot_product_flash_attention_for_cpu[_backward]`)
-are the ones that expose the lse to us here, and they have no dropout: other devices and
-attention dropout take attention.py's single-SDPA path, with the biases in extra head columns.
+ATen's CPU flash kernels (`_scaled_dot_product_flash_attention_for_cpu[_backward]`) are the ones
+that expose the lse here, and they have no dropout: attention dropout needs the `sdpa` backend.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from megabeta.kernels import finished_groups
-
-FLASH_ON_CPU = True
-"""Use the CPU flash kernels and log-sum-exp merges. Tests switch it off to check the path that
-other devices use."""
+from megabeta.model.attention.backend import (
+    AttentionBias,
+    GroupBatch,
+    KeyLayout,
+    KeySet,
+    causal_sdpa,
+    per_query_head,
+)
 
 flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def merges_on(device: torch.device, dropout_p: float) -> bool:
-    """Whether attention on `device` with this dropout runs here (else: attention.py's columns)."""
-    return FLASH_ON_CPU and device.type == "cpu" and dropout_p == 0.0
+class CpuMergedAttention:
+    """`cpu_fused` (`fused_kernels=True`) or `cpu_flash`."""
+
+    reads_buffers = True
+
+    def __init__(self, head_dim: int, *, fused_kernels: bool) -> None:
+        self.name = "cpu_fused" if fused_kernels else "cpu_flash"
+        self.layout = KeyLayout(head_dim)
+        self.fused_kernels = fused_kernels
+
+    def attend(self, q: Tensor, keys: KeySet, bias: AttentionBias, *, layer: int,
+               dropout_p: float) -> Tensor:
+        if dropout_p:
+            raise ValueError(f"{self.name} attention has no dropout (select the sdpa backend)")
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        if keys.stored is not None:
+            # In the buffers' dtype: the kernels take one, and autocast does not reach them.
+            stored, dtype = keys.stored, keys.stored.dtype
+            return merged_attention(q.to(dtype), keys.k.to(dtype), keys.v.to(dtype),
+                                    stored.batches(layer), bias, scale,
+                                    fused_kernels=self.fused_kernels, anchor=stored.anchor,
+                                    on_backward=stored.done_reading)
+        if bias.self_bias is None and not keys.finished:
+            # No groups and no self slot: the depth bias would shift every key alike, which
+            # softmax ignores, so plain causal SDPA over (prefix, own keys) is exact.
+            hist_k, hist_v, _ = keys.history_pieces()
+            return causal_sdpa(q, torch.cat([*hist_k, keys.k], dim=2),
+                               torch.cat([*hist_v, keys.v], dim=2), 0.0, scale)
+        # One dtype for the kernels (under autocast RoPE leaves q and k float32, v bf16).
+        return merged_attention(q, keys.k.to(q.dtype), keys.v.to(q.dtype), _piece_batches(keys),
+                                bias, scale, fused_kernels=self.fused_kernels)
 
 
-@dataclass(eq=False)
-class GroupBatch:
-    """Finished groups (or a decoding prefix) that a block's queries read in one kernel call.
+def _piece_batches(keys: KeySet) -> list[GroupBatch]:
+    """The history pieces as merged_attention's groups: the pieces of one finished group (one
+    depth offset) concatenated, and the prefix as a group of offset 0. Read-only (decoding)."""
+    groups: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+    for offset, k, v in keys.finished:
+        ks, vs = groups.setdefault(offset, ([], []))
+        ks.append(k)
+        vs.append(v)
+    if keys.prefix_k is not None and keys.prefix_k.shape[2] > 0:
+        groups.setdefault(0, ([], []))
+        groups[0][0].append(keys.prefix_k)
+        groups[0][1].append(keys.prefix_v)
+    return [GroupBatch(_joined(ks)[None], _joined(vs)[None], [offset])
+            for offset, (ks, vs) in groups.items()]
 
-    `k/v [g, B, H_kv, rows, d_h]` stack g groups of the same rows; `offsets` are their depth
-    offsets m - l (0 for a prefix); `grads()` gives the `[g, B, H_kv, rows, d_h]` buffers their
-    gradients are added to (None: no gradient wanted, as in decoding).
-    """
 
-    k: Tensor
-    v: Tensor
-    offsets: list[int]
-    grads: Callable[[], tuple[Tensor, Tensor]] | None = None
+def _joined(pieces: list[Tensor]) -> Tensor:
+    """Pieces `[B, H_kv, len, d_h]` as one tensor (no copy for a single piece)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
 
 
 def merged_attention(q: Tensor, k: Tensor, v: Tensor, batches: list[GroupBatch],
-                     slope: Tensor | None, self_bias: Tensor | None, scale: float,
+                     bias: AttentionBias, scale: float, *, fused_kernels: bool,
                      anchor: Tensor | None = None,
                      on_backward: Callable[[], None] | None = None) -> Tensor:
     """Attention `[B, H, n, d_h]` of queries `q` over the groups in `batches`, their own keys
-    `k/v [B, H_kv, n, d_h]` (in-block and self slot) and, with `slope` λ per head `[H]`, the depth
-    bias. `anchor` (an input whose backward must wait for this one's) and `on_backward` (called
-    when this backward is done) let history.py order the finished-KV gradients."""
+    `k/v [B, H_kv, n, d_h]` (in-block and self slot) and the biases. `fused_kernels`: the groups
+    on megabeta/kernels where the dtype allows. `anchor` (an input whose backward must wait for
+    this one's) and `on_backward` (called when this backward is done) let history.py order the
+    finished-KV gradients."""
     if torch.is_grad_enabled() and any(b.grads is None and (b.k.requires_grad or b.v.requires_grad)
                                        for b in batches):
         raise RuntimeError("merged_attention: key groups that require grad need a gradient "
                            "buffer (GroupBatch.grads)")
-    return _Merged.apply(q, k, v, self_bias, slope, anchor, batches, on_backward, scale)
+    fused = fused_kernels and bool(batches) and finished_groups.supports(q.dtype)
+    return _Merged.apply(q, k, v, bias.self_bias, bias.slope, anchor, batches, on_backward,
+                         scale, fused)
 
 
 class _Merged(torch.autograd.Function):
@@ -94,16 +132,14 @@ class _Merged(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
                 slope: Tensor | None, anchor: Tensor | None, batches: list[GroupBatch],
-                on_backward: Callable[[], None] | None, scale: float) -> Tensor:
+                on_backward: Callable[[], None] | None, scale: float, fused: bool) -> Tensor:
         # Merged in the kernels' lse precision (float32 for bf16 inputs).
         acc = torch.promote_types(q.dtype, torch.float32)
         mask = None if self_bias is None else _self_mask(q.shape[2], self_bias, acc)
         own, own_lse = flash_cpu(q, k, v, 0.0, True, attn_mask=mask, scale=scale)[:2]
         out, lse, biases, weighted, weights = own, own_lse, [], None, None
-        # The fused kernels (megabeta/kernels) where they run: the groups merged into the
-        # block's own output in place, and in backward the depth bias's row sums come from the
-        # kernel, so nothing per group is kept.
-        fused = bool(batches) and finished_groups.available(q.dtype)
+        # On the fused kernels the groups merge into the block's own output in place, and in
+        # backward the depth bias's row sums come from the kernel, so nothing per group is kept.
         depth = slope is not None and any(o for b in batches for o in b.offsets)
         if batches:
             biases = [_bias(slope, b.offsets, acc) for b in batches]
@@ -191,7 +227,7 @@ class _Merged(torch.autograd.Function):
         # (with block checkpointing it lives on in a reference cycle until a collection).
         ctx.batches = ctx.biases = ()
         d_anchor = grad.new_zeros(()) if ctx.has_anchor else None
-        return dq, dk, dv, d_bias, d_slope, d_anchor, None, None, None
+        return dq, dk, dv, d_bias, d_slope, d_anchor, None, None, None, None
 
 
 def _rowdot(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
@@ -231,8 +267,3 @@ def _bias(slope: Tensor | None, offsets: list[int], dtype: torch.dtype) -> Tenso
         return 0.0
     steps = torch.tensor(offsets, dtype=dtype, device=slope.device).view(-1, 1, 1, 1)
     return steps * slope.to(dtype).view(1, 1, -1, 1)
-
-
-def per_query_head(x: Tensor, heads: int) -> Tensor:
-    """KV heads `[B, H_kv, …]` repeated for the query heads they serve (GQA); as is without GQA."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)

@@ -1,0 +1,63 @@
+"""The contract between the trainer and an engine: what the training loop may ask of it.
+
+The trainer owns the schedule, the data, metrics, evaluation and when to save; an engine owns
+how one rank's model is wrapped for parallelism, how a micro-batch's gradients are made and
+reduced, the optimizer update, and the format of the model/optimizer shards in a checkpoint.
+Per optimizer step the loop calls, in this order:
+
+    set_lr(lr)
+    forward_backward(inputs, targets, last=False, scale=1/A)   # micro-batches 1 … A-1
+    forward_backward(inputs, targets, last=True,  scale=1/A)   # micro-batch A: reduce here
+    step(loss_finite) -> StepResult                            # the update (or its skip)
+
+and between steps `eval_loss`, `save` and `load`. Two implementations: `TorchEngine` (single,
+DDP, FSDP2; torch_engine.py) and `DeepSpeedEngine` (ZeRO 1/2/3; deepspeed_engine.py).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What an optimizer step did."""
+
+    grad_norm: float
+    """Global gradient norm before clipping (nan or inf when non-finite)."""
+    applied: bool
+    """Whether the update was applied (False: skipped, the gradients were not finite)."""
+
+
+class Engine(Protocol):
+    name: str
+    """`parallel.backend` of this engine; recorded in checkpoints, which only it can read."""
+    model: nn.Module
+    """The model as built (unwrapped): train/eval mode, parameters, the config."""
+
+    def forward_backward(self, inputs: Tensor, targets: Tensor, *, last: bool,
+                         scale: float) -> Tensor:
+        """Loss of one micro-batch (detached); its gradients, times `scale`, accumulated.
+        `last`: the step's final micro-batch, whose backward reduces gradients across ranks."""
+
+    def step(self, loss_finite: bool) -> StepResult:
+        """Clip and apply the accumulated gradients, or skip the update when the loss or the
+        gradients are not finite; gradients are cleared either way."""
+
+    def set_lr(self, lr: float) -> None:
+        """Learning rate of the next update."""
+
+    def eval_loss(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """Loss of a batch without gradients (the caller sets eval mode)."""
+
+    def save(self, path: Path, *, async_save: bool = False) -> Future | None:
+        """Write model and optimizer shards into directory `path` (collective); a future when
+        the write continues in the background."""
+
+    def load(self, path: Path) -> None:
+        """Read what `save` wrote (collective), resharding where the format allows."""

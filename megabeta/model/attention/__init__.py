@@ -1,0 +1,16 @@
+"""beta_1.2's attention (spec §3): the key-set interface (`backend.py`), its implementations
+(`explicit.py`, `sdpa.py`, `cpu_merged.py`) and the choice among them (`select.py`)."""
+
+from megabeta.model.attention.backend import (
+    NO_BIAS,
+    AttentionBackend,
+    AttentionBias,
+    GroupBatch,
+    KeyLayout,
+    KeySet,
+    StoredHistory,
+)
+from megabeta.model.attention.select import select_attention
+
+__all__ = ["AttentionBackend", "AttentionBias", "NO_BIAS", "GroupBatch", "KeyLayout", "KeySet",
+           "StoredHistory", "select_attention"]

@@ -1,0 +1,165 @@
+"""The attention interface: what one block of queries attends to, and the protocol every
+attention implementation follows.
+
+A block of `n` consecutive queries of layer l attends, in ONE softmax (spec §3), to:
+
+1. finished groups: per source layer m ∈ M(l), finished KVs of tokens before the block, with the
+   score bias `-λ_{l,h}·(m - l)` (depth offset m - l);
+2. construction KVs of earlier tokens of the same block that are not among the queries (the
+   `prefix`: non-empty only when decoding continues a partly filled block);
+3. construction KVs of the queries themselves: token j is an in-block key for later queries and
+   the self slot (bias b_σ) for its own query.
+
+`KeySet` carries those keys: the history either as pieces (`finished`, `prefix`) or as a
+`StoredHistory` (buffers the training forward writes once per block, history.py). An
+`AttentionBackend` computes the softmax; which one runs is decided once per model
+(`select.select_attention`) and held by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """How a backend stores keys and values: `head_dim` features, then (sdpa backend only) a
+    depth column (the source layer's index) and a self column (the sink marker)."""
+
+    head_dim: int
+    depth: bool = False
+    self_slot: bool = False
+
+    @property
+    def extra(self) -> int:
+        return int(self.depth) + int(self.self_slot)
+
+    @property
+    def width(self) -> int:
+        return self.head_dim + self.extra
+
+    def keys(self, k: Tensor, layer: int) -> Tensor:
+        """Keys `[B, H_kv, n, d_h]` of (source) layer `layer` in this layout."""
+        if not self.extra:
+            return k
+        wide = F.pad(k, (0, self.extra))
+        if self.depth:
+            wide[..., self.head_dim] = layer
+        return wide
+
+    def values(self, v: Tensor) -> Tensor:
+        return F.pad(v, (0, self.extra)) if self.extra else v
+
+
+@dataclass(frozen=True)
+class AttentionBias:
+    """The learned biases of one layer's scores (spec §3)."""
+
+    slope: Tensor | None = None
+    """λ_{l,h} per head `[H]`; None: no depth bias."""
+    self_bias: Tensor | None = None
+    """b_σ `[1]`; None: the self slot has no bias (and no column)."""
+
+
+NO_BIAS = AttentionBias()
+"""The control arms' scores: plain causal attention."""
+
+
+@dataclass(eq=False)
+class GroupBatch:
+    """Finished groups (or a decoding prefix) that a block's queries read in one kernel call.
+
+    `k/v [g, B, H_kv, rows, d_h]` stack g groups of the same rows; `offsets` are their depth
+    offsets m - l (0 for a prefix); `grads()` gives the `[g, B, H_kv, rows, d_h]` buffers their
+    gradients are added to (None: no gradient wanted, as in decoding).
+    """
+
+    k: Tensor
+    v: Tensor
+    offsets: list[int]
+    grads: Callable[[], tuple[Tensor, Tensor]] | None = None
+
+
+class StoredHistory(Protocol):
+    """A block's view of the history buffers (history.BufferedView), as backends read it."""
+
+    anchor: Tensor | None
+    """An input every reader takes so that its backward runs before the history hands the
+    finished-KV gradients of earlier blocks out (history.py)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The buffers' dtype, which readers compute in."""
+
+    def batches(self, layer: int) -> list[GroupBatch]:
+        """`layer`'s finished groups, stacked where adjacent source layers read the same rows."""
+
+    def done_reading(self) -> None:
+        """Called by each reader's backward once its gradients are in the buffers."""
+
+
+@dataclass
+class KeySet:
+    """The keys one block of queries reads, `[B, H_kv, len, …]`: the queries' own keys with
+    `head_dim` features, the history pieces in the backend's `KeyLayout`."""
+
+    k: Tensor
+    """Construction keys of the queries themselves (in-block keys and self slots)."""
+    v: Tensor
+    finished: list[tuple[int, Tensor, Tensor]] = field(default_factory=list)
+    """(depth offset m - l, keys, values) per piece of a finished group (a group may come in
+    several pieces, e.g. one per earlier block)."""
+    prefix_k: Tensor | None = None
+    """Construction keys of this block's earlier tokens that are not queries now (decoding)."""
+    prefix_v: Tensor | None = None
+    stored: StoredHistory | None = None
+    """The history as buffers instead of `finished`/`prefix` pieces (training forward)."""
+
+    def history_pieces(self) -> tuple[list[Tensor], list[Tensor], list[int]]:
+        """History pieces (finished groups, then prefix) with each piece's depth offset."""
+        ks = [k for _, k, _ in self.finished]
+        vs = [v for _, _, v in self.finished]
+        offsets = [d for d, _, _ in self.finished]
+        if self.prefix_k is not None and self.prefix_k.shape[2] > 0:
+            ks.append(self.prefix_k)
+            vs.append(self.prefix_v)
+            offsets.append(0)
+        return ks, vs, offsets
+
+
+class AttentionBackend(Protocol):
+    """One implementation of the block's softmax over its `KeySet`."""
+
+    name: str
+    """Its `execution.attention` name."""
+    layout: KeyLayout
+    """How keys and values are stored for it (history buffers, decode caches)."""
+    reads_buffers: bool
+    """Whether the training forward hands it the history as buffers (`KeySet.stored`) rather
+    than as pieces."""
+
+    def attend(self, q: Tensor, keys: KeySet, bias: AttentionBias, *, layer: int,
+               dropout_p: float) -> Tensor:
+        """Output `[B, H, n, d_h]` of queries `q [B, H, n, d_h]` of `layer` over `keys`."""
+
+
+def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float) -> Tensor:
+    """SDPA with query r seeing keys `j <= (S - n) + r` (bottom-right causal)."""
+    n, total = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if total == n:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                              scale=scale, enable_gqa=gqa)
+    mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          scale=scale, enable_gqa=gqa)
+
+
+def per_query_head(x: Tensor, heads: int) -> Tensor:
+    """KV heads `[B, H_kv, …]` repeated for the query heads they serve (GQA); as is without GQA."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
