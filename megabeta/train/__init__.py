@@ -1,1 +1,1 @@
-"""Training: config, loop, optimizer, metrics, preemption."""
+"""Training: the run loop, learning-rate schedules, metrics, preemption."""

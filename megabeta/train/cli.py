@@ -16,6 +16,8 @@ from megabeta.model import ConfigError
 
 EPILOG = """overrides:
   --SECTION.KEY=VALUE   any config field, e.g. --optim.lr=3e-4 --train.steps=1000
+                        (how the model runs: --execution.attention=auto|explicit|sdpa|
+                        cpu_flash|cpu_fused, --execution.activation_checkpoint=none|block)
   --run_dir=DIR         where config, metrics.jsonl, tb/ and checkpoints/ go
   --resume=auto|PATH    continue from the newest checkpoint in run_dir, or from PATH
   --data.path=A,B --data.weights=0.7,0.3   blend several datasets
@@ -31,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megabeta train", description=__doc__,
                                      epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="TOML file with the run configuration (see configs/)")
+    parser.add_argument("--config", help="TOML file with the run configuration, or the name of a "
+                        "shipped one (configs/: tiny_cpu, demo, t19_flash, beta_1.2_test, ...)")
     parser.add_argument("--help-config", action="store_true",
                         help="print every config key with its default and meaning, then exit")
     args, overrides = parser.parse_known_args(argv)
