@@ -231,7 +231,9 @@ def _json_text(line_text: str, file: InputFile, line: int, options: ReadOptions,
     try:
         record = _JSON.decode(line_text)
     except json.JSONDecodeError as err:
-        raise DataError(f"{file.path}:{line}: invalid JSON ({err.msg} at column {err.colno}); "
+        # Some of json's messages end in "at" ("Unterminated string starting at"): no "at at".
+        at = " column" if err.msg.endswith(" at") else " at column"
+        raise DataError(f"{file.path}:{line}: invalid JSON ({err.msg}{at} {err.colno}); "
                         "a .jsonl file holds one JSON object per line, fix or remove the "
                         "line") from None
     text = record.get(options.text_key) if isinstance(record, dict) else None

@@ -158,7 +158,7 @@ def loader_tokens_per_second(prefix: Path, seq_len: int, batch_size: int, worker
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m megabeta.bench data",
+    parser = argparse.ArgumentParser(prog="megabeta bench data",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--mb", type=float, default=48.0,

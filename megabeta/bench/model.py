@@ -121,7 +121,7 @@ def _verdict(ok: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m megabeta.bench model", description=__doc__,
+    parser = argparse.ArgumentParser(prog="megabeta bench model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="beta_1.2_test",
                         help="beta arm whose shape is measured (default: %(default)s)")

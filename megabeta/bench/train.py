@@ -114,7 +114,7 @@ def checkpoint_io(args: list[str], workdir: Path) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m megabeta.bench train", description=__doc__,
+    parser = argparse.ArgumentParser(prog="megabeta bench train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", help="dataset prefix (default: build one from the stdlib "
                                        "sources like make demo)")
