@@ -50,6 +50,10 @@ class TrainState:
     backend: str = ""
     world_size: int = 1
     model_config: dict = field(default_factory=dict)
+    tokenizer: dict = field(default_factory=dict)
+    """The tokenizer the model is trained with: `path` and `sha256` of the run's data.tokenizer,
+    else of the one the dataset sidecars name; empty when neither is known (older checkpoints
+    lack the field). `megabeta generate` and `megabeta eval` use it and refuse another one."""
     format: str = FORMAT
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from megabeta.data.blend import BlendedDataset, SampleDataset
 from megabeta.data.errors import DataError
+from megabeta.data.format import file_sha256
 from megabeta.data.indexed import IndexedDataset
 from megabeta.data.packed import PackedDataset
 from megabeta.data.sampler import GlobalSampler
@@ -45,6 +47,32 @@ class TrainValData:
             raise DataError("no validation data: build with val_fraction > 0")
         return GlobalSampler(len(self.val), world_size, rank, shuffle=False, num_epochs=1,
                              fingerprint=self.val.fingerprint)
+
+    def require_vocab_size(self, setting: str) -> int:
+        """The sidecars' vocabulary size; DataError naming the missing (or silent) sidecar file
+        and how to make it when there is none. ``setting`` says what needs it."""
+        if self.vocab_size is not None:
+            return self.vocab_size
+        sidecar = self.sources[0].paths.sidecar
+        if self.sources[0].sidecar is None:
+            raise DataError(f"{sidecar}: missing; {setting} takes the vocabulary size from this "
+                            "sidecar, which `megabeta-data tokenize` writes next to the .bin and "
+                            ".idx: re-run megabeta-data tokenize on the corpus, or set "
+                            "--model.vocab_size to the tokenizer's vocabulary size")
+        raise DataError(f"{sidecar}: records no tokenizer.vocab_size; {setting} takes the "
+                        "vocabulary size from it: re-run megabeta-data tokenize to rewrite it, or "
+                        "set --model.vocab_size to the tokenizer's vocabulary size")
+
+    def tokenizer_record(self, named: str | os.PathLike = "") -> dict[str, str]:
+        """The tokenizer to record with a model trained on this data: ``path`` and ``sha256`` of
+        ``named`` (the run's data.tokenizer, which ``build_train_val`` checked against the
+        datasets), else of the one the sidecars name; ``{}`` when neither is known."""
+        if named:
+            return {"path": str(Path(named).resolve()),
+                    "sha256": self.tokenizer_sha256 or file_sha256(named)}
+        if self.tokenizer_sha256 is None:
+            return {}
+        return {"path": _tokenizer_path(self.sources[0]), "sha256": self.tokenizer_sha256}
 
 
 def build_train_val(prefixes: Sequence[str | os.PathLike], weights: Sequence[float] | None = None,
@@ -111,6 +139,11 @@ def _common_tokenizer(sources: list[IndexedDataset], expected: str | None) -> st
                             f"{source.tokenizer_sha256} ({_tokenizer_path(source)}), but this run "
                             f"names one of sha256 {expected}; re-tokenize the data with the run's "
                             "tokenizer or point the run at the tokenizer the data was made with")
+        if (source.sidecar is None) != (first.sidecar is None):
+            missing, other = (source, first) if source.sidecar is None else (first, source)
+            raise DataError(f"{missing.paths.sidecar}: missing, while {other.paths.sidecar} "
+                            "names its tokenizer, so the blend's tokenizers cannot be compared; "
+                            "re-run megabeta-data tokenize on that dataset's corpus to write it")
         if (source.tokenizer_sha256, source.vocab_size) != (first.tokenizer_sha256,
                                                             first.vocab_size):
             raise DataError(f"{source.paths.prefix} and {first.paths.prefix}: made by different "

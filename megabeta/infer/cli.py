@@ -1,5 +1,12 @@
 """`megabeta eval` (validation loss and perplexity) and `megabeta generate` (continue a prompt),
-from an exported .safetensors file or a checkpoint directory, on one process."""
+from an exported .safetensors file or a checkpoint directory, on one process.
+
+Both take their defaults from what the checkpoint records: the run's saved config
+(RUN/config.toml next to RUN/checkpoints) or, for an export, its metadata; and the tokenizer the
+model was trained with (path and sha256, in the checkpoint's train state or the export's
+metadata), which they use unless told otherwise and refuse to swap for another one unless
+`--force-tokenizer` is given.
+"""
 
 from __future__ import annotations
 
@@ -10,86 +17,301 @@ from pathlib import Path
 import torch
 
 from megabeta.checkpoint import CheckpointError
-from megabeta.checkpoint.export import load_model
-from megabeta.config import load_config
-from megabeta.data import DataError, GlobalSampler, build_train_val
+from megabeta.checkpoint.export import ModelSource, load_model, read_source
+from megabeta.data import DataError, GlobalSampler, build_train_val, file_sha256
 from megabeta.infer.evaluate import evaluate
 from megabeta.infer.generate import generate
 
+FALLBACK_VAL_FRACTION = 0.01
+"""`eval --val-fraction` when the checkpoint records no run config."""
 
-def _run_config_value(checkpoint: Path, key: str) -> str:
-    """A value from the run's saved config.toml (RUN/config.toml next to RUN/checkpoints)."""
-    for parent in checkpoint.resolve().parents:
-        if (parent / "config.toml").is_file():
-            section, name = key.split(".")
-            return getattr(getattr(load_config(parent / "config.toml"), section), name)
-    return ""
+
+class UsageError(ValueError):
+    """Bad input to `eval` or `generate`; the message names the flag or file and what to do."""
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _short(sha256: str | None) -> str:
+    return f"sha256 {sha256[:16]}…" if sha256 else "sha256 unknown"
+
+
+def resolve_tokenizer(source: ModelSource, given: str, force: bool,
+                      need_file: bool) -> tuple[str, str | None]:
+    """(path, sha256) of the tokenizer to use with `source`'s model: `given` (--tokenizer) when
+    it is the one the model was trained with (or `force`), else the recorded one. `need_file`:
+    the file itself is needed (generate), not only its hash (eval); path "" when not needed and
+    not found. UsageError saying what to pass otherwise."""
+    recorded_path = source.tokenizer.get("path", "")
+    recorded_sha = source.tokenizer.get("sha256")
+    recorded = f"{recorded_path} ({_short(recorded_sha)}, recorded with {source.path})"
+    if given:
+        if not Path(given).is_file():
+            raise UsageError(f"--tokenizer {given}: no such file; pass the sentencepiece .model "
+                             "the training data was tokenized with"
+                             + (f", or leave it out to use {recorded}" if recorded_path else ""))
+        sha = file_sha256(given)
+        if recorded_sha and sha != recorded_sha and not force:
+            raise UsageError(f"--tokenizer {given} ({_short(sha)}) is not the tokenizer the model "
+                             f"was trained with, {recorded}: its token ids would stand for other "
+                             "text. Leave out --tokenizer to use the recorded one, or pass "
+                             "--force-tokenizer to use this one anyway")
+        return given, sha
+    if not recorded_path:
+        if not need_file:
+            return "", None
+        raise UsageError(f"{source.path} records no tokenizer (its run named no data.tokenizer "
+                         "and its data has no sidecar naming one); pass --tokenizer PATH.model, "
+                         "the sentencepiece model its training data was tokenized with")
+    if not Path(recorded_path).is_file():
+        if not need_file:
+            return "", recorded_sha
+        raise UsageError(f"the model's tokenizer {recorded} is not found; pass --tokenizer "
+                         "PATH.model, a copy of that file"
+                         + (f" (its {_short(recorded_sha)})" if recorded_sha else ""))
+    sha = file_sha256(recorded_path)
+    if recorded_sha and sha != recorded_sha and not force:
+        raise UsageError(f"{recorded_path} has changed since the model was trained with it "
+                         f"({_short(sha)} now, {_short(recorded_sha)} recorded with "
+                         f"{source.path}); pass --tokenizer with the original model, or "
+                         "--force-tokenizer to use the file as it is")
+    return recorded_path, recorded_sha or sha
+
+
+def _warn_notes(source: ModelSource) -> None:
+    for note in source.notes:
+        print(f"warning: {note}", file=sys.stderr)
+
+
+# ---- eval ----------------------------------------------------------------------------------------
+EVAL_DESCRIPTION = ("Validation loss and perplexity of a checkpoint directory or an exported "
+                    ".safetensors file, on one process.")
+EVAL_EPILOG = """defaults:
+  The run's data settings (data.path, data.seq_len, data.val_fraction) come from RUN/config.toml
+  for a checkpoint directory RUN/checkpoints/step_N, and from the metadata of an export; so
+  `megabeta eval --checkpoint RUN/checkpoints/step_N` evaluates the run's own validation split.
+  The dataset must have been tokenized with the model's tokenizer (sha256 in its .json sidecar);
+  another one is refused unless --force-tokenizer.
+"""
 
 
 def evaluate_checkpoint(checkpoint: str, data_paths: list[str], *, seq_len: int,
-                        batch_size: int, val_fraction: float,
-                        max_batches: int) -> dict[str, float]:
+                        batch_size: int, val_fraction: float, max_batches: int,
+                        tokenizer_sha256: str | None = None) -> dict[str, float]:
     """`evaluate` of a checkpoint's model on the held-out split of `data_paths` (the whole
-    data when `val_fraction` is 0)."""
+    data when `val_fraction` is 0); `tokenizer_sha256` refuses data of another tokenizer."""
     model = load_model(checkpoint)
-    data = build_train_val(data_paths, None, seq_len=seq_len, val_fraction=val_fraction)
+    data = build_train_val(data_paths, None, seq_len=seq_len, val_fraction=val_fraction,
+                           expected_tokenizer_hash=tokenizer_sha256)
+    return _evaluate_data(model, data, batch_size, max_batches)
+
+
+def _evaluate_data(model, data, batch_size: int, max_batches: int) -> dict[str, float]:
+    vocab = model.config.vocab_size
+    if data.vocab_size is not None and data.vocab_size > vocab:
+        raise UsageError(f"{data.sources[0].paths.prefix}: its tokenizer has {data.vocab_size} "
+                         f"pieces, more than the model's vocabulary ({vocab}); evaluate on data "
+                         "tokenized with the model's tokenizer")
     dataset = data.val if data.val is not None else data.train
     sampler = GlobalSampler(len(dataset), shuffle=False, num_epochs=1)
-    return evaluate(model, dataset, sampler, batch_size=batch_size, max_batches=max_batches)
+    try:
+        return evaluate(model, dataset, sampler, batch_size=batch_size, max_batches=max_batches)
+    except IndexError:
+        raise UsageError(f"{data.sources[0].paths.prefix}: holds token ids outside the model's "
+                         f"vocabulary ({vocab}); it was tokenized with another tokenizer, "
+                         "evaluate on data made with the model's") from None
 
 
 def eval_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megabeta eval", description=__doc__)
-    parser.add_argument("--checkpoint", required=True, help="checkpoint dir or .safetensors")
-    parser.add_argument("--data.path", dest="data", required=True,
-                        help="dataset prefix(es), comma-separated")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
-    parser.add_argument("--val-fraction", type=float, default=0.01,
-                        help="evaluate the last documents of this share (0: the whole dataset)")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--batches", type=int, default=0, help="at most this many (0 = all)")
+    parser = argparse.ArgumentParser(prog="megabeta eval", description=EVAL_DESCRIPTION,
+                                     epilog=EVAL_EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True,
+                        help="checkpoint dir (RUN/checkpoints/step_N) or .safetensors (required)")
+    parser.add_argument("--data.path", dest="data", default=None,
+                        help="dataset prefix(es), comma-separated (default: the run's data.path)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sample, at most the model's max_seq_len (default: the "
+                        "run's data.seq_len, else the model's max_seq_len)")
+    parser.add_argument("--val-fraction", type=float, default=None,
+                        help="evaluate the last documents of this share of each dataset, its "
+                        "validation split; 0: the whole dataset (default: the run's "
+                        f"data.val_fraction, else {FALLBACK_VAL_FRACTION})")
+    parser.add_argument("--batch-size", type=int, default=4,
+                        help="samples per forward pass; more is faster and takes more memory, "
+                        "the result is the same (default: 4)")
+    parser.add_argument("--batches", type=int, default=0,
+                        help="evaluate at most this many batches; 0 = all (default: 0)")
+    parser.add_argument("--tokenizer", default="",
+                        help="sentencepiece .model the data must have been tokenized with "
+                        "(default: the one recorded with the checkpoint)")
+    parser.add_argument("--force-tokenizer", action="store_true",
+                        help="skip the tokenizer checks: use --tokenizer though the model was "
+                        "trained with another, and data of any tokenizer (default: off)")
     args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error(f"argument --batch-size: {args.batch_size}, must be >= 1")
+    if args.batches < 0:
+        parser.error(f"argument --batches: {args.batches}, must be >= 0 (0 = all)")
+    if args.val_fraction is not None and not 0.0 <= args.val_fraction < 1.0:
+        parser.error(f"argument --val-fraction: {args.val_fraction}, must be in [0, 1)")
     try:
-        result = evaluate_checkpoint(args.checkpoint, args.data.split(","), seq_len=args.seq_len,
-                                     batch_size=args.batch_size, val_fraction=args.val_fraction,
-                                     max_batches=args.batches)
-    except (CheckpointError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        source = read_source(args.checkpoint)
+        _warn_notes(source)
+        _, tokenizer_sha = resolve_tokenizer(source, args.tokenizer, args.force_tokenizer,
+                                             need_file=False)
+        paths, seq_len, val_fraction = _eval_settings(args, source)
+        model = load_model(args.checkpoint)
+        data = build_train_val(paths, None, seq_len=seq_len, val_fraction=val_fraction)
+        _check_data_tokenizer(data, tokenizer_sha, source, args.force_tokenizer)
+        result = _evaluate_data(model, data, args.batch_size, args.batches)
+    except (CheckpointError, DataError, UsageError) as err:
+        return _fail(str(err))
     print(f"loss {result['loss']:.4f} | ppl {result['ppl']:.2f} | {result['samples']} samples")
     return 0
 
 
-def generate_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megabeta generate", description=__doc__)
-    parser.add_argument("--checkpoint", required=True, help="checkpoint dir or .safetensors")
-    parser.add_argument("--tokenizer", default="",
-                        help="sentencepiece .model (default: the run's data.tokenizer)")
-    parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    import sentencepiece as spm
+def _eval_settings(args: argparse.Namespace, source: ModelSource) -> tuple[list[str], int, float]:
+    """data paths, seq_len, val_fraction: the flags, else the run's, else the fallbacks."""
+    run = source.data
+    where = source.settings_from or "nowhere (no run config or export metadata found)"
+    max_seq_len = source.model_config.max_seq_len
+    if args.data:
+        paths = [p for p in args.data.split(",") if p.strip()]
+    else:
+        paths = list(run.get("path") or [])
+    if not paths:
+        raise UsageError(f"no dataset to evaluate on: pass --data.path=PREFIX (the run's "
+                         f"data.path is taken from {where})")
+    if args.seq_len is not None:
+        seq_len, flag = args.seq_len, f"--seq-len {args.seq_len}"
+    elif run.get("seq_len"):
+        seq_len, flag = int(run["seq_len"]), f"data.seq_len = {run['seq_len']} (from {where})"
+    else:
+        seq_len, flag = max_seq_len, ""
+    if seq_len < 1:
+        raise UsageError(f"{flag}: must be >= 1")
+    if seq_len > max_seq_len:
+        raise UsageError(f"{flag} exceeds the model's max_seq_len = {max_seq_len} "
+                         f"({source.path}); pass --seq-len {max_seq_len} or less")
+    if args.val_fraction is not None:
+        val_fraction = args.val_fraction
+    else:
+        val_fraction = float(run.get("val_fraction", FALLBACK_VAL_FRACTION))
+    print(f"eval: {','.join(paths)} | seq_len {seq_len} | val_fraction {val_fraction} "
+          f"(defaults from {where})", file=sys.stderr)
+    return paths, seq_len, val_fraction
 
-    tokenizer_path = args.tokenizer or _run_config_value(Path(args.checkpoint), "data.tokenizer")
-    if not tokenizer_path or not Path(tokenizer_path).is_file():
-        print(f"error: tokenizer {tokenizer_path or '(none)'} not found; pass --tokenizer "
-              "PATH.model", file=sys.stderr)
-        return 2
+
+def _check_data_tokenizer(data, expected: str | None, source: ModelSource, force: bool) -> None:
+    if force or expected is None:
+        return
+    prefix = data.sources[0].paths.prefix
+    if data.tokenizer_sha256 is None:
+        print(f"warning: {data.sources[0].paths.sidecar} is missing, so {prefix} cannot be "
+              "checked against the model's tokenizer; `megabeta-data tokenize` writes it",
+              file=sys.stderr)
+        return
+    if data.tokenizer_sha256 != expected:
+        made_with = (data.sources[0].sidecar or {}).get("tokenizer", {}).get("path", "?")
+        raise UsageError(f"{prefix} was tokenized with {made_with} "
+                         f"({_short(data.tokenizer_sha256)}), not with the model's tokenizer "
+                         f"({_short(expected)}, recorded with {source.path}): the loss would "
+                         "mean nothing. Evaluate on data tokenized with the model's tokenizer, "
+                         "or pass --force-tokenizer")
+
+
+# ---- generate ------------------------------------------------------------------------------------
+GENERATE_DESCRIPTION = ("Continue a prompt with the KV cache, from a checkpoint directory or an "
+                        "exported .safetensors file, on one process.")
+GENERATE_EPILOG = """context:
+  The prompt plus --max-new-tokens must fit in the model's context (model.max_seq_len, e.g. 128
+  for tiny_cpu): a longer request is an error that names the limit, nothing is truncated. Shorten
+  the prompt or ask for fewer new tokens.
+tokenizer:
+  The checkpoint (or export) records the tokenizer the model was trained with; it is used by
+  default, and a different --tokenizer (another sha256) is refused unless --force-tokenizer.
+"""
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megabeta generate", description=GENERATE_DESCRIPTION,
+                                     epilog=GENERATE_EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True,
+                        help="checkpoint dir (RUN/checkpoints/step_N) or .safetensors (required)")
+    parser.add_argument("--tokenizer", default="",
+                        help="sentencepiece .model (default: the one recorded with the "
+                        "checkpoint; another one needs --force-tokenizer)")
+    parser.add_argument("--force-tokenizer", action="store_true",
+                        help="use --tokenizer even though the model was trained with another "
+                        "(default: off)")
+    parser.add_argument("--prompt", required=True, help="text to continue (required)")
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="tokens to add; prompt + these must fit in the model's "
+                        "max_seq_len (default: 64)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature, 0 = greedy (default: 0.8)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sample only among the k most likely tokens (default: no limit)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="nucleus sampling: only among the most likely tokens whose "
+                        "probability reaches p, in (0, 1] (default: no limit)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed; the same seed gives the same text (default: 0)")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 0:
+        parser.error(f"argument --max-new-tokens: {args.max_new_tokens}, must be >= 0")
+    if args.temperature < 0:
+        parser.error(f"argument --temperature: {args.temperature}, must be >= 0 (0 = greedy)")
+    if args.top_k is not None and args.top_k < 1:
+        parser.error(f"argument --top-k: {args.top_k}, must be >= 1 (leave it out for no limit)")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        parser.error(f"argument --top-p: {args.top_p}, must be in (0, 1]")
     try:
+        source = read_source(args.checkpoint)
+        _warn_notes(source)
+        tokenizer_path, _ = resolve_tokenizer(source, args.tokenizer, args.force_tokenizer,
+                                              need_file=True)
+        sp = _load_sentencepiece(tokenizer_path)
+        prompt = torch.tensor(sp.encode(args.prompt), dtype=torch.long)
+        _check_context(prompt.numel(), args.max_new_tokens, source)
         model = load_model(args.checkpoint)
-    except CheckpointError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    sp = spm.SentencePieceProcessor(model_file=tokenizer_path)
-    prompt = torch.tensor(sp.encode(args.prompt), dtype=torch.long)
-    if prompt.numel() == 0:
-        print("error: --prompt encodes to no tokens", file=sys.stderr)
-        return 2
+        if sp.vocab_size() > model.config.vocab_size:
+            raise UsageError(f"tokenizer {tokenizer_path} has {sp.vocab_size()} pieces, more "
+                             f"than the model's vocabulary ({model.config.vocab_size}); pass the "
+                             "tokenizer the model was trained with")
+    except (CheckpointError, DataError, UsageError) as err:
+        return _fail(str(err))
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     print(args.prompt + sp.decode(out[prompt.numel():].tolist()))
     return 0
+
+
+def _load_sentencepiece(path: str):
+    import sentencepiece as spm
+
+    try:
+        return spm.SentencePieceProcessor(model_file=path)
+    except (RuntimeError, OSError) as err:
+        raise UsageError(f"{path}: not a sentencepiece model ({err}); pass --tokenizer with the "
+                         ".model file written by megabeta-data train-tokenizer") from None
+
+
+def _check_context(prompt_tokens: int, new_tokens: int, source: ModelSource) -> None:
+    limit = source.model_config.max_seq_len
+    if prompt_tokens == 0:
+        raise UsageError("--prompt encodes to no tokens; pass some text")
+    if prompt_tokens > limit:
+        raise UsageError(f"--prompt encodes to {prompt_tokens} tokens, more than the model's "
+                         f"context (model.max_seq_len = {limit}); shorten it to at most "
+                         f"{limit - 1} tokens, leaving room for new ones")
+    if prompt_tokens + new_tokens > limit:
+        raise UsageError(f"--prompt ({prompt_tokens} tokens) + --max-new-tokens {new_tokens} = "
+                         f"{prompt_tokens + new_tokens} tokens exceeds the model's context "
+                         f"(model.max_seq_len = {limit}); pass --max-new-tokens "
+                         f"{limit - prompt_tokens} or less, or a shorter prompt")

@@ -68,9 +68,9 @@ class Trainer:
                                     group_for_one=config.parallel.backend != "single")
         setup_logging(self.env)
         self.device = choose_device(self.env)
+        # Nothing is written until set-up has succeeded, so a run that fails at start-up (a data,
+        # config or checkpoint error) leaves no empty run directory behind.
         self.run_dir = Path(config.run_dir)
-        if self.env.is_rank0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
         seed_everything(config.train.seed, config.train.deterministic)
         self.grad_accumulation = config.grad_accumulation(self.env.world_size)
         self._setup_data()
@@ -85,10 +85,12 @@ class Trainer:
             model, config, self.device, grad_accumulation=self.grad_accumulation,
             resharding=resume is not None and resume[1].world_size != self.env.world_size)
         self.state = TrainState(backend=config.parallel.backend, world_size=self.env.world_size,
-                                model_config=asdict(config.model))
+                                model_config=asdict(config.model),
+                                tokenizer=self.data.tokenizer_record(config.data.tokenizer))
         if resume is not None:
             self._resume(*resume)
         if self.env.is_rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(config, self.run_dir / "config.toml")
         dtype = torch.bfloat16 if config.train.precision == "bf16" else torch.float32
         self.peak_flops, peak_source = device_peak_flops(self.device, dtype)
@@ -114,9 +116,7 @@ class Trainer:
                                     verify_token_ids=config.data.verify_token_ids)
         vocab = self.data.vocab_size
         if config.model.vocab_size == -1:
-            if vocab is None:
-                raise ConfigError("model.vocab_size = -1 but the dataset has no sidecar with a "
-                                  "vocabulary size; set --model.vocab_size")
+            vocab = self.data.require_vocab_size("model.vocab_size = -1")
             config.model = config.model.replace(vocab_size=vocab)
         elif vocab is not None and config.model.vocab_size < vocab:
             raise ConfigError(f"model.vocab_size = {config.model.vocab_size} is smaller than the "
