@@ -93,6 +93,8 @@ def build_train_val(prefixes: Sequence[str | os.PathLike], weights: Sequence[flo
         raise DataError(f"{len(weights)} weights for {len(prefixes)} datasets; give one weight "
                         "per dataset prefix")
     sources = [IndexedDataset(prefix) for prefix in prefixes]
+    for source in sources:
+        source.validate()  # the index's consistency: O(sequences), the tokens are not read
     tokenizer_hash = _common_tokenizer(sources, expected_tokenizer_hash)
     vocab_size = sources[0].vocab_size
     if verify_token_ids:

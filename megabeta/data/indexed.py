@@ -3,8 +3,10 @@
 ``IndexedDataset(prefix)[i]`` is sequence ``i`` as a read-only NumPy view into the memory-mapped
 ``.bin``; ``.tokens`` is the whole flat token array. Opening checks what is cheap to check (header,
 exact file sizes, the ends of the pointer and document arrays, the sidecar's counts) so a truncated
-or mismatched pair fails at once with the file name; :meth:`IndexedDataset.validate` and
-:meth:`IndexedDataset.check_token_ids` do the full O(tokens) checks that ``inspect`` runs.
+or mismatched pair fails at once with the file name. :meth:`IndexedDataset.validate` checks the
+whole index for internal consistency (O(sequences), the index only: sizes, pointers and document
+indices; ``inspect`` runs it, and so does :func:`megabeta.data.build_train_val` for every dataset
+a run trains or evaluates on); :meth:`IndexedDataset.check_token_ids` scans every token (O(tokens)).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from megabeta.data.format import (
 # Elements per block when a full check walks a large array; bounds the temporary memory.
 _CHECK_BLOCK = 1 << 22
 _REBUILD_HINT = "re-run megabeta-data tokenize (or merge) to rebuild it"
+_INDEX_HINT = ("the index is damaged or was edited: re-run megabeta-data tokenize (or merge) to "
+               "rebuild it; `megabeta-data inspect {prefix}` reports every check")
 
 
 class IndexedDataset:
@@ -80,6 +84,7 @@ class IndexedDataset:
         if self.header.sequence_count:
             last_end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize
             if last_end != expected:
+                self._check_sizes_and_pointers()  # names the first entry out of step, if one is
                 raise DataError(f"{self.paths.idx}: last sequence ends at byte {last_end} but the "
                                 f"lengths add up to {expected} bytes; the index is damaged, "
                                 + _REBUILD_HINT)
@@ -174,27 +179,67 @@ class IndexedDataset:
         return digest.hexdigest()
 
     def validate(self) -> None:
-        """Full check of the index (every pointer and document index); DataError if damaged."""
+        """Check the index's internal consistency; DataError naming the ``.idx`` file and the
+        first offending entry. O(sequences), reads the index only (not the tokens): sizes are not
+        negative; the pointers start at 0 and run back to back by size × dtype size; the last
+        sequence ends at the ``.bin``'s size; the document indices start at 0, never decrease and
+        end at the number of sequences."""
+        self._check_sizes_and_pointers()
+        idx, count = self.paths.idx, len(self)
+        itemsize = self.header.dtype.itemsize
+        if count:
+            end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize
+            size = self.paths.bin.stat().st_size
+            if end != size:
+                raise DataError(f"{idx}: the last sequence ({count - 1}) ends at byte {end}, but "
+                                f"{self.paths.bin} has {size} bytes; " + self._index_hint())
+        docs = self.document_indices
+        if docs[0] != 0 or docs[-1] != count:
+            raise DataError(f"{idx}: document indices run from {int(docs[0])} to {int(docs[-1])}, "
+                            f"expected 0 to {count} (the number of sequences); " + self._index_hint())
+        for start in range(0, len(docs), _CHECK_BLOCK):
+            block = docs[start:start + _CHECK_BLOCK + 1]
+            out = np.flatnonzero((block < 0) | (block > count))
+            if out.size:
+                at = start + int(out[0])
+                raise DataError(f"{idx}: document index {at} is {int(docs[at])}, outside "
+                                f"[0, {count}] (the number of sequences); " + self._index_hint())
+            down = np.flatnonzero(np.diff(block) < 0)
+            if down.size:
+                at = start + int(down[0]) + 1
+                raise DataError(f"{idx}: document index {at} is {int(docs[at])}, less than "
+                                f"document index {at - 1} ({int(docs[at - 1])}): document indices "
+                                "must not decrease; " + self._index_hint())
+
+    def _index_hint(self) -> str:
+        return _INDEX_HINT.format(prefix=self.paths.prefix)
+
+    def _check_sizes_and_pointers(self) -> None:
+        """DataError at the first negative size or the first pointer not where the sequences
+        before it end (they must be back to back, from byte 0)."""
         idx = self.paths.idx
         lengths, pointers = self.sequence_lengths, self.sequence_pointers
-        if len(self) and int(lengths.min()) < 0:
-            raise DataError(f"{idx}: negative sequence length; the index is damaged, "
-                            + _REBUILD_HINT)
         itemsize = self.header.dtype.itemsize
         running = 0
         for start in range(0, len(self), _CHECK_BLOCK):
-            block = lengths[start:start + _CHECK_BLOCK].astype(np.int64) * itemsize
+            sizes = lengths[start:start + _CHECK_BLOCK]
+            negative = np.flatnonzero(sizes < 0)
+            if negative.size:
+                at = start + int(negative[0])
+                raise DataError(f"{idx}: sequence {at} has size {int(lengths[at])}, a negative "
+                                "number of tokens; " + self._index_hint())
+            block = sizes.astype(np.int64) * itemsize
             expected = running + np.concatenate(([0], np.cumsum(block[:-1])))
             bad = np.flatnonzero(pointers[start:start + _CHECK_BLOCK] != expected)
             if bad.size:
                 at = start + int(bad[0])
-                raise DataError(f"{idx}: sequence {at} starts at byte {int(pointers[at])}, "
-                                f"expected {int(expected[bad[0]])} (sequences must be back to "
-                                "back); the index is damaged, " + _REBUILD_HINT)
+                where = (f"sequence {at - 1} ({int(lengths[at - 1])} tokens from byte "
+                         f"{int(pointers[at - 1])}) ends at byte {int(expected[bad[0]])}"
+                         if at else "the first sequence must start at byte 0")
+                raise DataError(f"{idx}: sequence {at} starts at byte {int(pointers[at])}, but "
+                                f"{where}: its sizes and pointers disagree (sequences must be back "
+                                "to back); " + self._index_hint())
             running += int(block.sum())
-        if np.any(np.diff(self.document_indices) < 0):
-            raise DataError(f"{idx}: document indices decrease; the index is damaged, "
-                            + _REBUILD_HINT)
 
     def check_token_ids(self, vocab_size: int | None = None) -> int:
         """Scan every token: DataError at the first id outside ``[0, vocab_size)``; returns the max.
