@@ -5,10 +5,15 @@ after every micro-batch's backward and applies the update at the accumulation bo
 `forward_backward` makes those calls for the first A-1 micro-batches and `step` the last, so
 the update happens in `step`, as with the torch engine. DeepSpeed skips an update whose
 gradient norm is not finite by itself (its overflow check); `step` reports that as not applied.
+
+On CPU, DeepSpeed's communication set-up (inside `deepspeed.initialize`) JIT-compiles its C++
+shared-memory op `deepspeed_shm_comm` the first time, which takes about half a minute to a minute
+and a half and prints nothing meanwhile; rank 0 says so beforehand unless the build is cached.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -24,6 +29,77 @@ from megabeta.config import TrainConfig
 from megabeta.engine.base import StepResult
 from megabeta.engine.optim import build_optimizer, param_groups, set_lr
 from megabeta.extras import require
+
+log = logging.getLogger("megabeta")
+
+SHM_OP = "deepspeed_shm_comm"
+"""DeepSpeed's CPU shared-memory collective op, JIT-built by its torch backend on first use."""
+
+
+def extensions_root() -> Path:
+    """Where torch.utils.cpp_extension builds JIT extensions: $TORCH_EXTENSIONS_DIR, else
+    <cache>/torch_extensions/py<version>_<accelerator> (torch's own rule)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
+def shm_build_notice(root: Path | None = None) -> str | None:
+    """What to say before DeepSpeed JIT-compiles `deepspeed_shm_comm`, or None when a build of
+    it is already cached under `root` (default: `extensions_root()`)."""
+    root = extensions_root() if root is None else root
+    build = root / SHM_OP
+    if (build / f"{SHM_OP}.so").is_file():
+        return None
+    return (f"DeepSpeed on CPU: building its C++ communication op {SHM_OP} (a one-time JIT "
+            f"compile into {build}; it may take a minute or two and prints nothing until done, "
+            "later runs reuse it; set TORCH_EXTENSIONS_DIR to keep the build elsewhere)")
+
+
+def _shm_build_pending() -> bool:
+    """Whether `deepspeed.initialize` in this process is about to build the op: CPU accelerator,
+    the op compatible but not installed prebuilt, DeepSpeed's communication backend not set up
+    yet. True when DeepSpeed's internals cannot be read (then the notice may be superfluous)."""
+    try:
+        import deepspeed
+        import deepspeed.comm.comm as ds_comm
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+
+        if get_accelerator().device_name() != "cpu" or installed_ops.get(SHM_OP, False):
+            return False
+        if getattr(ds_comm, "cdb", None) is not None:
+            return False  # set up already: the op was built (or skipped) then
+        # False: DeepSpeed falls back to plain torch.distributed and builds nothing
+        return bool(deepspeed.ops.__compatible_ops__.get(SHM_OP, False))
+    except Exception:  # noqa: BLE001 - DeepSpeed's internals moved
+        return True
+
+
+_announced = False
+
+
+def announce_shm_build() -> None:
+    """Log `shm_build_notice` once per process, on rank 0, when the build is pending."""
+    global _announced
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if _announced or rank != 0 or not _shm_build_pending():
+        return
+    _announced = True
+    notice = shm_build_notice()
+    if notice:
+        log.info("%s", notice)
+
 
 class DeepSpeedEngine:
     """`parallel.backend = "deepspeed"`; `load_universal`: resuming at another world size."""
@@ -66,6 +142,8 @@ class DeepSpeedEngine:
         else:
             optimizer = build_optimizer(self.model, config.optim)
             groups = None
+        if device.type == "cpu":
+            announce_shm_build()  # deepspeed.initialize may JIT-compile for a minute, silently
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=self.model, optimizer=optimizer, model_parameters=groups, config=ds_config)
 
