@@ -85,7 +85,7 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
-    """Learning-rate schedule over train.steps."""
+    """Learning-rate schedule over train.steps (or schedule.total_steps)."""
 
     kind: str = "cosine"
     """`cosine` (warmup + cosine), `linear` (warmup + linear decay), `wsd` (warmup-stable-decay) or `constant`."""
@@ -94,7 +94,9 @@ class ScheduleConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of optim.lr."""
     decay_fraction: float = 0.2
-    """`wsd` only: share of train.steps spent in the final decay."""
+    """`wsd` only: share of the schedule's steps spent in the final decay."""
+    total_steps: int = 0
+    """Steps the schedule decays over (0 = train.steps); extending a run, keep its original horizon here."""
 
 
 @dataclass
@@ -201,6 +203,8 @@ class TrainConfig:
              self.schedule.min_lr_ratio, "must be in [0, 1]")
         need(0.0 < self.schedule.decay_fraction <= 1.0, "schedule.decay_fraction",
              self.schedule.decay_fraction, "must be in (0, 1]")
+        need(self.schedule.total_steps >= 0, "schedule.total_steps", self.schedule.total_steps,
+             "must be >= 0 (0 = train.steps)")
         need(p.backend in ("single", "ddp", "fsdp", "deepspeed"), "parallel.backend", p.backend,
              "must be one of single, ddp, fsdp, deepspeed")
         need(p.dist_backend in ("auto", "gloo", "nccl"), "parallel.dist_backend", p.dist_backend,

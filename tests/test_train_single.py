@@ -138,7 +138,8 @@ def test_bad_checkpoints_and_configs_are_clear_errors(full_run: Path, tiny_data,
     for shard in (truncated / "model").glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:100])
     done = launch([*args, f"--resume={truncated}"], check=False)
-    assert done.returncode == 2 and "could not load model/optimizer shards" in done.stderr
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"checkpoint {truncated} is damaged: " in done.stderr and "is truncated" in done.stderr
 
     foreign = tmp_path / "foreign"
     foreign.mkdir()

@@ -11,14 +11,26 @@ Layout under `<run_dir>/checkpoints/`:
 A checkpoint is written under `step_XXXXXXXX.tmp` and renamed once every rank has finished, so a
 directory without the suffix is always complete and `latest` never names a partial one. The
 newest `keep` are kept.
+
+Files can still be lost or cut short afterwards (a full disk, a partial copy, a purge).
+`check_checkpoint` finds that cheaply, from sizes and headers only: every shard file that the DCP
+`model/.metadata` names present and at least as long as the data it places in it (a DeepSpeed
+engine checkpoint: its model and optimizer files present, non-empty, with an intact zip
+directory), `train_state.json` readable, one readable RNG file per rank. `--resume=auto` skips a
+damaged checkpoint with a warning saying what is wrong with it and takes the newest usable one;
+an explicit `--resume=PATH` to a damaged one is an error naming the file and the alternatives.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pickle
 import random
+import re
 import shutil
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -29,6 +41,11 @@ import torch.distributed as dist
 
 FORMAT = "megabeta-checkpoint/1"
 STATE_FILE = "train_state.json"
+DCP_METADATA = ".metadata"
+DEEPSPEED_TAG = "engine"
+"""The tag the DeepSpeed engine saves under: model/engine/*."""
+
+log = logging.getLogger("megabeta")
 
 
 class CheckpointError(RuntimeError):
@@ -55,6 +72,9 @@ class TrainState:
     else of the one the dataset sidecars name; empty when neither is known (older checkpoints
     lack the field). `megabeta generate` and `megabeta eval` use it and refuse another one."""
     format: str = FORMAT
+    schedule_horizon: int = 0
+    """Steps the learning-rate schedule decayed over (schedule.total_steps, else train.steps);
+    0 in older checkpoints. A resumed run warns when its own horizon differs."""
 
 
 def _barrier() -> None:
@@ -89,6 +109,9 @@ def read_train_state(path: Path) -> TrainState:
                               "--resume=auto or the path of a step_* checkpoint directory")
     state_file = path / STATE_FILE
     if not state_file.is_file():
+        if path.name.startswith("step_") and (path / "model").is_dir():
+            raise CheckpointError(f"{state_file} is missing: the checkpoint is incomplete or "
+                                  "damaged")
         raise CheckpointError(f"{path} is not a megabeta checkpoint (no {STATE_FILE}); pass the "
                               "path of a step_* directory under <run_dir>/checkpoints")
     try:
@@ -103,6 +126,129 @@ def read_train_state(path: Path) -> TrainState:
         raise CheckpointError(f"{path} is incomplete: its model/ shards are missing; delete it "
                               "and resume from an older checkpoint with --resume=PATH")
     return state
+
+
+def check_checkpoint(path: Path) -> TrainState:
+    """The TrainState of checkpoint `path` after a cheap check of its files (sizes and headers,
+    no tensor data read); CheckpointError naming the first missing or damaged file."""
+    state = read_train_state(path)
+    problem = _model_damage(path / "model", state) or _rng_damage(path / "rng", state.world_size)
+    if problem:
+        # files inside the checkpoint are named relative to it: model/__0_0.distcp
+        problem = problem.replace(f"{path}{os.sep}", "")
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
+    return state
+
+
+def _model_damage(model: Path, state: TrainState) -> str | None:
+    if state.backend == "deepspeed":
+        return _deepspeed_damage(model / DEEPSPEED_TAG, state.world_size)
+    return _dcp_damage(model)
+
+
+def _dcp_damage(model: Path) -> str | None:
+    """What is wrong with the DCP checkpoint in `model` (None: every shard its metadata names
+    is there, as long as the data placed in it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata_file = model / DCP_METADATA
+    if not metadata_file.is_file():
+        return f"{metadata_file} is missing (it lists the shards and what is in them)"
+    try:
+        metadata = FileSystemReader(str(model)).read_metadata()
+        storage = dict(metadata.storage_data or {})
+    except Exception as err:  # noqa: BLE001 - an unreadable pickle raises anything
+        return f"{metadata_file} cannot be read ({type(err).__name__}: {_first_line(err)})"
+    if not storage:
+        return f"{metadata_file} names no shard data"
+    needed: dict[str, int] = {}
+    for item in storage.values():
+        end = int(item.offset) + int(item.length)
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), end)
+    for name in sorted(needed):
+        shard = model / name
+        if not shard.is_file():
+            return f"{shard} is missing ({metadata_file} places data in it)"
+        size = shard.stat().st_size
+        if size < needed[name]:
+            return (f"{shard} is truncated: {size} bytes, but {metadata_file} places data up to "
+                    f"byte {needed[name]} in it")
+    return None
+
+
+def _deepspeed_damage(engine: Path, world_size: int) -> str | None:
+    """What is wrong with the DeepSpeed engine checkpoint in `engine` (None: model states there,
+    one optimizer-state file per rank, every file non-empty with an intact zip directory)."""
+    if not engine.is_dir():
+        return f"{engine} is missing (the DeepSpeed engine checkpoint)"
+    files = sorted(engine.glob("*.pt"))
+    if not any(f.name.endswith("model_states.pt") for f in files):
+        return f"{engine} holds no *model_states.pt file"
+    optim_ranks = {int(m.group(1)) for f in files
+                   if f.name.endswith("optim_states.pt")
+                   and (m := re.search(r"zero_pp_rank_(\d+)_", f.name))}
+    missing = sorted(set(range(world_size)) - optim_ranks)
+    if optim_ranks and missing:
+        return (f"{engine} has no optimizer states of rank {missing[0]} "
+                f"(*zero_pp_rank_{missing[0]}_*optim_states.pt; the run had {world_size} ranks)")
+    for file in files:
+        problem = _torch_file_damage(file, full=False)
+        if problem:
+            return problem
+    return None
+
+
+def _rng_damage(rng: Path, world_size: int) -> str | None:
+    for rank in range(world_size):
+        file = rng / f"rank_{rank:05d}.pt"
+        if not file.is_file():
+            return f"{file} is missing (the RNG states of rank {rank})"
+        problem = _torch_file_damage(file, full=True)
+        if problem:
+            return problem
+    return None
+
+
+def _torch_file_damage(file: Path, full: bool) -> str | None:
+    """A torch.save file is a zip archive: empty, truncated (no central directory at the end) or,
+    with `full`, a member failing its CRC is damage. Nothing is unpickled."""
+    if file.stat().st_size == 0:
+        return f"{file} is empty"
+    try:
+        with zipfile.ZipFile(file) as archive:
+            bad = archive.testzip() if full else None
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        return f"{file} is truncated or damaged ({_first_line(err)})"
+    if bad is not None:
+        return f"{file} is damaged (member {bad} fails its checksum)"
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0][:300] if lines else type(err).__name__
+
+
+def describe_load_error(err: BaseException) -> str:
+    """One line for a failed engine load: the underlying exception, not DCP's multi-rank
+    traceback text (its CheckpointException's message embeds every rank's traceback)."""
+    failures = getattr(err, "failures", None)
+    where = ""
+    if isinstance(failures, dict) and failures:
+        rank, (err, _) = min(failures.items(), key=lambda kv: kv[0])
+        where = f" on rank {rank}"
+    text = _first_line(err)
+    if isinstance(err, pickle.UnpicklingError):
+        # torch's weights-only message goes on to advise weights_only=False: not the point here
+        text = "stored bytes that do not unpickle (" + text.split(". ")[0].rstrip(".") + ")"
+    return f"{type(err).__name__}{where}: {text}"
+
+
+def _step_dirs(directory: Path) -> list[Path]:
+    """The `step_*` checkpoint directories in `directory` (not the `.tmp` ones), oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.glob("step_*") if p.is_dir() and "." not in p.name)
 
 
 class CheckpointManager:
@@ -121,20 +267,66 @@ class CheckpointManager:
                       and (p / STATE_FILE).is_file())
 
     def resolve(self, resume: str) -> tuple[Path, TrainState] | None:
-        """The checkpoint to resume from and its train state (read once, here): `auto` = the
-        newest complete one (None if there is none), else the path `resume` names."""
+        """The checkpoint to resume from and its train state (read once, here), each checked with
+        `check_checkpoint`. `auto` = the newest usable one in this run directory (None if there is
+        none; damaged newer ones are skipped with a warning; CheckpointError if every one is
+        damaged), else the path `resume` names (CheckpointError naming the damaged file and the
+        usable checkpoints there are)."""
         if not resume:
             return None
         if resume != "auto":
             path = Path(resume)
-            return path, read_train_state(path)
-        latest = self.root / "latest"
-        if latest.is_file():
-            path = self.root / latest.read_text().strip()
-            if (path / STATE_FILE).is_file():
-                return path, read_train_state(path)
-        found = self.complete()
-        return (found[-1], read_train_state(found[-1])) if found else None
+            try:
+                return path, check_checkpoint(path)
+            except CheckpointError as err:
+                raise CheckpointError(f"{err}{self.alternatives_hint(path)}") from None
+        skipped: list[str] = []
+        for path in reversed(_step_dirs(self.root)):
+            try:
+                state = check_checkpoint(path)
+            except CheckpointError as err:
+                skipped.append(path.name)
+                if _rank() == 0:
+                    log.warning("--resume=auto: skipping %s: %s", path.name, err)
+                continue
+            if skipped and _rank() == 0:
+                log.warning("--resume=auto: resuming from %s, the newest usable checkpoint "
+                            "(skipped: %s)", path, ", ".join(skipped))
+            return path, state
+        if skipped:
+            raise CheckpointError(f"--resume=auto: no usable checkpoint in {self.root} (damaged: "
+                                  f"{', '.join(skipped)}; the warnings above say why); move them "
+                                  "away to start afresh, or pass --resume=PATH")
+        return None
+
+    def usable_alternatives(self, path: Path) -> list[Path]:
+        """Checkpoints other than `path`, next to it or in this run directory, that pass
+        `check_checkpoint`; newest first."""
+        seen: dict[Path, Path] = {}
+        for directory in (Path(path).parent, self.root):
+            for candidate in _step_dirs(directory):
+                seen.setdefault(candidate.resolve(), candidate)
+        here = Path(path).resolve()
+        usable = []
+        for key, candidate in seen.items():
+            if key == here:
+                continue
+            try:
+                check_checkpoint(candidate)
+            except CheckpointError:
+                continue
+            usable.append(candidate)
+        return sorted(usable, key=lambda p: p.name, reverse=True)
+
+    def alternatives_hint(self, path: Path) -> str:
+        """`; usable checkpoints: ...` for an error message about `path`."""
+        usable = self.usable_alternatives(path)
+        if not usable:
+            return (f"; no other usable checkpoint next to it or in {self.root}: start afresh "
+                    "without --resume")
+        listed = ", ".join(str(p) for p in usable[:3])
+        more = f" (and {len(usable) - 3} older)" if len(usable) > 3 else ""
+        return f"; usable checkpoints: {listed}{more}: pass one with --resume=PATH"
 
     def save(self, step: int, state: TrainState, write_model: Callable[[Path], Any],
              async_save: bool = False) -> Path:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
 from megabeta.checkpoint import CheckpointError, CheckpointManager, TrainState
+from megabeta.checkpoint.manager import describe_load_error
 from megabeta.config import TrainConfig, save_config
 from megabeta.data import StatefulLoader, build_train_val, file_sha256
 from megabeta.engine import build_engine
@@ -32,7 +33,7 @@ from megabeta.model import ConfigError, ModelConfig, build_model, count_paramete
 from megabeta.model.flops import training_flops
 from megabeta.parallel.env import choose_device, init_distributed, setup_logging
 from megabeta.train.metrics import MetricsLogger, device_peak_flops, memory_gib
-from megabeta.train.schedule import lr_at
+from megabeta.train.schedule import horizon_change_warning, lr_at, schedule_horizon
 from megabeta.train.signals import PreemptionHandler, maybe_requeue
 
 log = logging.getLogger("megabeta")
@@ -87,6 +88,7 @@ class Trainer:
         self.state = TrainState(backend=config.parallel.backend, world_size=self.env.world_size,
                                 model_config=asdict(config.model),
                                 tokenizer=self.data.tokenizer_record(config.data.tokenizer))
+        self.state.schedule_horizon = schedule_horizon(config.train.steps, config.schedule)
         if resume is not None:
             self._resume(*resume)
         if self.env.is_rank0:
@@ -142,14 +144,23 @@ class Trainer:
             raise CheckpointError(f"cannot resume: {diffs}; these define the parameters or the "
                                   "function, resume with the values the checkpoint was trained "
                                   "with")
+        warning = horizon_change_warning(saved.step, saved.schedule_horizon,
+                                         self.config.train.steps, self.config.optim,
+                                         self.config.schedule)
+        if warning and self.env.is_rank0:
+            log.warning("%s", warning)
 
     def _resume(self, path: Path, saved: TrainState) -> None:
         try:
             self.engine.load(path / "model")
         except (Exception, DCPCheckpointException) as err:  # noqa: BLE001 - any failure here
-            # means an unusable checkpoint (DCP's exception derives from BaseException)
-            raise CheckpointError(f"could not load model/optimizer shards from {path}: {err}; "
-                                  "it may be truncated or written by another run") from err
+            # means an unusable checkpoint (DCP's exception derives from BaseException). One line
+            # of it, not its text: DCP's message embeds every rank's traceback.
+            log.debug("loading %s failed", path / "model", exc_info=True)
+            raise CheckpointError(f"could not load model/optimizer shards from {path / 'model'}: "
+                                  f"{describe_load_error(err)}; its shards may be damaged or "
+                                  "written by another run"
+                                  f"{self.checkpoints.alternatives_hint(path)}") from None
         self.loader.load_state_dict(saved.data)
         exact_rng = self.checkpoints.load_rng(path, self.env.world_size)
         if not exact_rng:
