@@ -343,15 +343,19 @@ def train_in_process(capsys, *argv: str) -> str:
 
 
 @pytest.mark.parametrize("case", ["missing dataset", "missing checkpoint", "small vocabulary",
-                                  "other tokenizer"])
+                                  "other tokenizer", "missing tokenizer"])
 def test_a_failed_start_leaves_no_run_directory(case, tiny_data, other, tmp_path, capsys):
     prefix, _ = tiny_data
     run_dir = tmp_path / "runs" / "failed"
     extra = {"missing dataset": [f"--data.path={tmp_path / 'nothing'}"],
              "missing checkpoint": [f"--data.path={prefix}", f"--resume={tmp_path / 'no_ckpt'}"],
              "small vocabulary": [f"--data.path={prefix}", "--model.vocab_size=10"],
-             "other tokenizer": [f"--data.path={prefix}", f"--data.tokenizer={other[0]}"]}[case]
-    train_in_process(capsys, *extra, f"--run_dir={run_dir}")
+             "other tokenizer": [f"--data.path={prefix}", f"--data.tokenizer={other[0]}"],
+             "missing tokenizer": [f"--data.path={prefix}",
+                                   f"--data.tokenizer={tmp_path / 'gone.model'}"]}[case]
+    err = train_in_process(capsys, *extra, f"--run_dir={run_dir}")
+    if case == "missing tokenizer":
+        assert "data.tokenizer" in err and "gone.model" in err and "no such file" in err
     assert not run_dir.exists() and not run_dir.parent.exists()
 
 

@@ -110,6 +110,10 @@ class Trainer:
         if not config.data.path:
             raise ConfigError("data.path is empty: pass --data.path=PREFIX (a dataset made by "
                               "`megabeta-data tokenize`)")
+        if config.data.tokenizer and not Path(config.data.tokenizer).is_file():
+            raise ConfigError(f"data.tokenizer = {config.data.tokenizer!r}: no such file; pass the "
+                              "sentencepiece .model the dataset was tokenized with, or leave it "
+                              "empty")
         tokenizer_hash = file_sha256(config.data.tokenizer) if config.data.tokenizer else None
         self.data = build_train_val(config.data.path, config.data.weights or None,
                                     seq_len=config.data.seq_len,
