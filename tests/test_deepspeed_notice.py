@@ -29,14 +29,23 @@ def test_extensions_root_follows_torch_extensions_dir(tmp_path: Path, monkeypatc
 
 
 @pytest.mark.parametrize("pending", [True, False])
-def test_announced_once_when_a_build_is_pending(pending: bool, tmp_path: Path, monkeypatch,
-                                                caplog) -> None:
+def test_announced_once_when_a_build_is_pending(pending: bool, tmp_path: Path,
+                                                monkeypatch) -> None:
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(deepspeed_engine, "_announced", False)
     monkeypatch.setattr(deepspeed_engine, "_shm_build_pending", lambda: pending)
-    monkeypatch.setattr(logging.getLogger("megabeta"), "propagate", True)
-    with caplog.at_level(logging.INFO, logger="megabeta"):
+    # A handler of our own on the "megabeta" logger: other tests' logging set-up (handlers,
+    # propagation) must not change what is counted.
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("megabeta")
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    logger.addHandler(handler)
+    try:
         deepspeed_engine.announce_shm_build()
         deepspeed_engine.announce_shm_build()
-    notices = [r for r in caplog.records if SHM_OP in r.getMessage()]
+    finally:
+        logger.removeHandler(handler)
+    notices = [r for r in records if SHM_OP in r.getMessage()]
     assert len(notices) == (1 if pending else 0)
