@@ -87,8 +87,9 @@ class Trainer:
             resharding=resume is not None and resume[1].world_size != self.env.world_size)
         self.state = TrainState(backend=config.parallel.backend, world_size=self.env.world_size,
                                 model_config=asdict(config.model),
-                                tokenizer=self.data.tokenizer_record(config.data.tokenizer))
-        self.state.schedule_horizon = schedule_horizon(config.train.steps, config.schedule)
+                                tokenizer=self.data.tokenizer_record(config.data.tokenizer),
+                                schedule_horizon=schedule_horizon(config.train.steps,
+                                                                  config.schedule))
         if resume is not None:
             self._resume(*resume)
         if self.env.is_rank0:
