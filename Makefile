@@ -1,6 +1,6 @@
 # Entry points; see README.md. `make demo` and `make test` create the virtual environment when it
 # is missing and install the project with every extra: `pip install -e ".[dev,all]"` (all =
-# deepspeed + mpi; see pyproject.toml).
+# deepspeed + mpi + triton; see pyproject.toml).
 # TORCH is the torch requirement installed first, when the venv has no torch yet: by default the
 # CPU wheel torch==2.13.0+cpu, from the configured indexes (a local wheel folder) or, when they
 # cannot provide it, from PyTorch's CPU index (TORCH_INDEX). Override it, e.g. `make demo

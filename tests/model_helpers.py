@@ -35,11 +35,13 @@ def randomise(model: DecoderLM, seed: int = 0) -> DecoderLM:
 
 
 def tiny_model(dtype: torch.dtype = torch.float64, seed: int = 0, attention: str = "auto",
-               activation_checkpoint: str = "none", **overrides: Any) -> DecoderLM:
-    """`tiny_config(**overrides)` with randomised weights, run with the attention backend and
-    activation checkpointing given."""
+               activation_checkpoint: str = "none", cell_kernels: str = "auto",
+               **overrides: Any) -> DecoderLM:
+    """`tiny_config(**overrides)` with randomised weights, run with the attention backend, cell
+    kernels and activation checkpointing given."""
     torch.manual_seed(seed)
-    execution = ExecutionConfig(attention=attention, activation_checkpoint=activation_checkpoint)
+    execution = ExecutionConfig(attention=attention, activation_checkpoint=activation_checkpoint,
+                                cell_kernels=cell_kernels)
     return randomise(build_model(tiny_config(**overrides), execution).to(dtype), seed)
 
 

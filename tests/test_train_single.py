@@ -184,7 +184,7 @@ def test_compile_wraps_each_layers_residual_branches() -> None:
     names = list(model.state_dict())
     apply_compile(model)
     for layer in model.layers:
-        assert hasattr(layer.attention_residual, "_torchdynamo_orig_callable")
-        assert hasattr(layer.mlp_residual, "_torchdynamo_orig_callable")
+        assert hasattr(layer.attention_delta, "_torchdynamo_orig_callable")
+        assert hasattr(layer.mlp_delta, "_torchdynamo_orig_callable")
     assert model(x[:, :-1], x[:, 1:]).item() == pytest.approx(eager, rel=1e-5)
     assert list(model.state_dict()) == names

@@ -6,7 +6,8 @@ import importlib
 import sys
 
 BENCHMARKS = {"model": "megabeta.bench.model", "data": "megabeta.bench.data",
-              "train": "megabeta.bench.train"}
+              "train": "megabeta.bench.train", "dispatch": "megabeta.bench.dispatch",
+              "gpu": "megabeta.bench.gpu"}
 PROG = "megabeta bench"
 
 
@@ -17,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
               "  model  beta_1.2 vs the standard arm: time, FLOP/s, prefill/decode, memory\n"
               "  data   tokenization and loader throughput, tokenizer memory\n"
               "  train  tokens/s and MFU per parallel backend, framework overhead, checkpoints\n"
+              "  dispatch  kernel launches per (block, layer) cell of a training step\n"
+              "  gpu    the device check for one CUDA GPU: kernels, exactness, speed, MFU\n"
               f"Each takes --help ({PROG} model --help).", file=sys.stderr)
         if argv and argv[0] not in ("-h", "--help"):
             print(f"{PROG}: error: unknown benchmark {argv[0]!r}; choose one of "

@@ -23,7 +23,7 @@ from torch import Tensor
 from megabeta.model.attention import AttentionBias
 from megabeta.model.cache import DecodeCache
 from megabeta.model.history import BufferedHistory, BufferedView, PieceHistory, PieceView
-from megabeta.model.layers import Projection, rms_normalize
+from megabeta.model.layers import Attention, Projection
 from megabeta.model.transformer import DecoderLM
 
 
@@ -36,28 +36,40 @@ class CellWeights:
     - `last_finished`: the last layer's finished K/V from the block's final hidden states.
     - `gate_up[l]`: SwiGLU's gate and up projections with ffn_norm folded in.
     - `biases[l]`: the layer's score biases: λ per head (None without a depth bias, or with
-      depth_window 0, where every group is the layer's own, offset 0) and b_σ.
+      depth_window 0, where every group is the layer's own, offset 0), b_σ, and the groups'
+      score shifts λ_h·(m - l) that the fused kernels take.
     """
 
     def __init__(self, model: "Beta12Transformer", finished: bool) -> None:
-        c = model.config
+        c, kernels = model.config, model.cell_kernels
         inputs = [layer.attention.input_rows(layer.attention_norm) for layer in model.layers]
-        self._plain = [Projection(rows, c.head_dim) for rows in inputs]
+        self._plain = [Projection(rows, c.head_dim, kernels) for rows in inputs]
         self._finished: list[Projection | None] = []
         self.last_finished: Projection | None = None
         if finished:
             outputs = [layer.attention.finished_rows(layer.attention_norm)
                        for layer in model.layers]
-            self._finished = [None] + [Projection([fk] + rows + [fv], c.head_dim)
+            self._finished = [None] + [Projection([fk] + rows + [fv], c.head_dim, kernels)
                                        for (fk, fv), rows in zip(outputs, inputs[1:])]
-            self.last_finished = Projection(outputs[-1], c.head_dim)
+            self.last_finished = Projection(outputs[-1], c.head_dim, kernels)
         self.gate_up = [layer.feed_forward.fused_weight(layer.ffn_norm) for layer in model.layers]
-        self.biases = [AttentionBias(layer.attention.depth_slope() if c.depth_window > 0 else None,
-                                     layer.attention.self_bias)
-                       for layer in model.layers]
+        self.biases = [_biases(layer.attention, model.config.source_layers(l), l, c.depth_window)
+                       for l, layer in enumerate(model.layers)]
 
     def input(self, layer: int, finished: bool) -> Projection:
         return self._finished[layer] if finished and layer > 0 else self._plain[layer]
+
+
+def _biases(attention: Attention, sources: list[int], layer: int, depth_window: int
+            ) -> AttentionBias:
+    """Layer `layer`'s score biases; without a depth window every group is the layer's own."""
+    slope = attention.depth_slope() if depth_window > 0 else None
+    weight = attention.wq.weight
+    offsets = torch.tensor([m - layer for m in sources], dtype=torch.float32,
+                           device=weight.device)
+    shift = (offsets[:, None] * slope.float() if slope is not None
+             else offsets.new_zeros(len(sources), attention.num_heads))
+    return AttentionBias(slope, attention.self_bias, shift)
 
 
 @dataclass
@@ -82,10 +94,11 @@ class Beta12Transformer(DecoderLM):
     def _sources(self) -> list[list[int]]:
         return [self.config.source_layers(l) for l in range(len(self.layers))]
 
-    def _block(self, x: Tensor, start: int, history: BufferedView | PieceView,
+    def _block(self, x: Tensor, rope: tuple[Tensor, Tensor], history: BufferedView | PieceView,
                weights: CellWeights, *, dropout: float, finished: bool,
                construction: bool) -> BlockOutput:
-        """All layers on the tokens `x [B, n, d]` at positions `start …` of one block.
+        """All layers on the tokens `x [B, n, d]` of one block, whose positions' RoPE tables
+        are `rope` (cos, sin `[n, d_h]`).
 
         `history` gives each layer its key set: the finished KVs of earlier blocks and, when
         decoding a partly filled block, the construction KVs of its tokens before `start`.
@@ -95,15 +108,22 @@ class Beta12Transformer(DecoderLM):
         Layer l-1's finished K/V are projections of its output, which is layer l's input: they
         come out of layer l's input matmul (CellWeights), and the last layer's after the loop.
         """
-        cos, sin = self.rope(start, x.shape[1], x)
+        cos, sin = rope
         eps = self.config.norm_eps
-        attention = self.attention_backend
+        attention, kernels = self.attention_backend, self.cell_kernels
         layout = attention.layout
         out = BlockOutput(x)
         fin_k, fin_v = out.finished_k, out.finished_v
         con_k, con_v = out.construction_k, out.construction_v
+        # Each residual add is fused into the norm that reads the sum (`add_rms_normalize`):
+        # the MLP branch of layer l is added where layer l+1 (or the last finished K/V) reads it.
+        mlp = None
         for l, layer in enumerate(self.layers):
-            parts = weights.input(l, finished)(rms_normalize(x, eps), cos, sin)
+            if mlp is None:
+                normalized = kernels.rms_normalize(x, eps)
+            else:
+                x, normalized = kernels.add_rms_normalize(x, mlp, eps)
+            parts = weights.input(l, finished)(normalized, cos, sin)
             if finished and l > 0:
                 fk, q, k, v, fv = parts
                 fin_k.append(layout.keys(fk, l - 1))
@@ -112,14 +132,18 @@ class Beta12Transformer(DecoderLM):
                 q, k, v = parts
             o = attention.attend(q, history.key_set(l, k, v), weights.biases[l], layer=l,
                                  dropout_p=dropout)
-            x = layer.mlp_residual(layer.attention_residual(x, o), weights.gate_up[l])
+            x, normalized = kernels.add_rms_normalize(x, layer.attention_delta(o), eps)
+            mlp = layer.mlp_delta(normalized, weights.gate_up[l], kernels)
             if construction:
                 con_k.append(layout.keys(k, l))
                 con_v.append(layout.values(v))
         if finished:
-            fk, fv = weights.last_finished(rms_normalize(x, eps), cos, sin)
+            x, normalized = kernels.add_rms_normalize(x, mlp, eps)
+            fk, fv = weights.last_finished(normalized, cos, sin)
             fin_k.append(layout.keys(fk, len(self.layers) - 1))
             fin_v.append(layout.values(fv))
+        else:
+            x = x + mlp
         out.hidden = x
         return out
 
@@ -133,14 +157,17 @@ class Beta12Transformer(DecoderLM):
         weights = CellWeights(self, finished=length > c)
         dropout = self.config.dropout if self.training else 0.0
         history = self._history(length)
+        # The tables of the whole sequence, once per pass; each block reads a slice (no copy).
+        cos, sin = self.rope(0, length, x)
         hidden = []
         try:
             # Split, not sliced per block: one concatenation in backward instead of a zero-filled
             # [B, T, d] gradient per block.
             for s, block in zip(range(0, length, c), x.split(c, dim=1)):
                 e = min(s + c, length)
-                out = self._run(self._block, block, s, history.view(s), weights,
-                                dropout=dropout, finished=e < length, construction=False)
+                out = self._run(self._block, block, (cos[s:e], sin[s:e]), history.view(s),
+                                weights, dropout=dropout, finished=e < length,
+                                construction=False)
                 if e < length:
                     history.publish(s, out.finished_k, out.finished_v)
                 hidden.append(out.hidden)
@@ -180,8 +207,8 @@ class Beta12Transformer(DecoderLM):
             history = PieceView(self._sources(), self.config.deep_token_window, block_start,
                                    [(k,) for k, _ in visible], [(v,) for _, v in visible],
                                    [buf.view() for buf in cache.construction])
-            out = self._block(x[:, done:done + n], pos, history, weights, dropout=0.0,
-                              finished=True, construction=True)
+            out = self._block(x[:, done:done + n], self.rope(pos, n, x), history, weights,
+                              dropout=0.0, finished=True, construction=True)
             for l in range(len(self.layers)):
                 cache.construction[l].append(out.construction_k[l], out.construction_v[l])
                 cache.pending[l].append(out.finished_k[l], out.finished_v[l])

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from megabeta.model.config import ConfigError
 
 CHECKPOINT_MODES = ("none", "block")
-ATTENTION_BACKENDS = ("auto", "explicit", "sdpa", "cpu_flash", "cpu_fused")
+ATTENTION_BACKENDS = ("auto", "explicit", "sdpa", "cpu_flash", "cpu_fused", "cuda_flash", "triton")
+CELL_KERNELS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -22,9 +23,13 @@ class ExecutionConfig:
     activation_checkpoint: str = "none"
     """`none` or `block`: recompute one block through all layers in backward (beta12; per layer for the other arms)."""
     attention: str = "auto"
-    """Attention backend: `auto`, `explicit`, `sdpa`, `cpu_flash` or `cpu_fused` (docs/architecture.md)."""
+    """Attention backend: `auto`, `explicit`, `sdpa`, `cpu_flash`, `cpu_fused`, `cuda_flash` or `triton` (docs/architecture.md)."""
+    cell_kernels: str = "auto"
+    """RMSNorm, RoPE and SwiGLU: `torch`, `triton` (fused kernels, megabeta[gpu]) or `auto` (triton on CUDA where installed)."""
     compile: bool = False
     """torch.compile each layer's residual branches (applied by the engine)."""
+    cuda_graphs: bool = False
+    """Capture the beta12 block step in CUDA graphs and replay it per block (CUDA only)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -32,12 +37,15 @@ class ExecutionConfig:
     def validate(self) -> None:
         """Raise `ConfigError` naming the first invalid field and its allowed values."""
         for name, allowed in (("activation_checkpoint", CHECKPOINT_MODES),
-                              ("attention", ATTENTION_BACKENDS)):
+                              ("attention", ATTENTION_BACKENDS),
+                              ("cell_kernels", CELL_KERNELS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"execution.{name} = {getattr(self, name)!r}: must be one of "
                                   f"{', '.join(allowed)}")
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f"execution.compile = {self.compile!r}: must be true or false")
+        for name in ("compile", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"execution.{name} = {getattr(self, name)!r}: must be true or "
+                                  "false")
 
 
-__all__ = ["ExecutionConfig", "CHECKPOINT_MODES", "ATTENTION_BACKENDS"]
+__all__ = ["ExecutionConfig", "CHECKPOINT_MODES", "ATTENTION_BACKENDS", "CELL_KERNELS"]

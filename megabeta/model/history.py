@@ -134,6 +134,8 @@ class BufferedHistory:
         """Start of every published block."""
         self.read_back: dict[int, int] = {}
         """Per block start, how many layers' readers have run backward."""
+        self.positions: Tensor | None = None
+        """`arange(T)` on the buffers' device: a block's start as a 0-d tensor is a view of it."""
         self._anchor: Tensor | None = None
 
     def view(self, block_start: int) -> "BufferedView":
@@ -165,6 +167,7 @@ class BufferedHistory:
             # One dtype for both (the kernels take one): under autocast, RoPE's float32 tables
             # promote keys to float32 while values stay bf16.
             self.keys, self.values = fin_k[0].new_empty(shape), fin_k[0].new_empty(shape)
+            self.positions = torch.arange(self.length, device=self.keys.device)
         n = fin_k[0].shape[2]
         self.starts.append(start)
         for m in range(self.layers):
@@ -172,15 +175,20 @@ class BufferedHistory:
             self.values[m, :, :, start:start + n] = fin_v[m]
         self.published = start + n
 
-    def grads(self, sources: slice, rows: slice) -> tuple[Tensor, Tensor]:
-        """The gradient buffers (K, V) of `sources`' history `rows` (`[g, B, H_kv, rows, d]`),
-        for readers to add to."""
+    def gradient_buffers(self) -> tuple[Tensor, Tensor]:
+        """The gradient buffers (K, V), shaped like the storage, that readers add to."""
         if self.grad_keys is None:
             # Summed over every later block: in float32 even when the history is bf16.
             dtype = torch.promote_types(self.keys.dtype, torch.float32)
             self.grad_keys = torch.zeros_like(self.keys, dtype=dtype)
             self.grad_values = torch.zeros_like(self.values, dtype=dtype)
-        return self.grad_keys[sources, :, :, rows], self.grad_values[sources, :, :, rows]
+        return self.grad_keys, self.grad_values
+
+    def grads(self, sources: slice, rows: slice) -> tuple[Tensor, Tensor]:
+        """The gradient buffers (K, V) of `sources`' history `rows` (`[g, B, H_kv, rows, d]`),
+        for readers to add to."""
+        grad_keys, grad_values = self.gradient_buffers()
+        return grad_keys[sources, :, :, rows], grad_values[sources, :, :, rows]
 
     def read(self, start: int) -> None:
         """One layer's readers of the block at `start` have run backward."""
@@ -203,7 +211,7 @@ class BufferedHistory:
             # Dropped here because torch's non-reentrant checkpoint keeps its inputs (our views)
             # in a reference cycle until the garbage collector runs: with block checkpointing,
             # this history would otherwise outlive the step.
-            self.keys = self.values = self.grad_keys = self.grad_values = None
+            self.keys = self.values = self.grad_keys = self.grad_values = self.positions = None
         return grads
 
 
@@ -242,6 +250,22 @@ class BufferedView:
     @property
     def dtype(self) -> torch.dtype:
         return self.history.keys.dtype
+
+    @property
+    def window(self) -> int:
+        return self.history.window
+
+    def sources(self, layer: int) -> list[int]:
+        return self.history.sources[layer]
+
+    def buffers(self) -> tuple[Tensor, Tensor]:
+        return self.history.keys, self.history.values
+
+    def gradient_buffers(self) -> tuple[Tensor, Tensor]:
+        return self.history.gradient_buffers()
+
+    def start_index(self) -> Tensor:
+        return self.history.positions[self.block_start]
 
     def done_reading(self) -> None:
         self.history.read(self.block_start)

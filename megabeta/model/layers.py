@@ -7,7 +7,7 @@ exporters and sharding plans rely on them. Nothing here knows about blocks or pa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,12 @@ class _RMSNormalize(torch.autograd.Function):
         y, r = ctx.saved_tensors
         mean = torch.linalg.vecdot(dy, y).unsqueeze(-1).div_(y.shape[-1])
         return torch.addcmul(dy, y, mean, value=-1).mul_(r), None
+
+
+def add_rms_normalize(x: Tensor, delta: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """`(a, rms_normalize(a))` for the residual sum `a = x + delta`."""
+    a = x + delta
+    return a, rms_normalize(a, eps)
 
 
 class RMSNorm(nn.Module):
@@ -105,6 +111,40 @@ class _Rope(torch.autograd.Function):
         return _rotate(grad, cos, sin, -1.0).to(ctx.dtype), None, None
 
 
+def split_heads_rope(y: Tensor, cos: Tensor, sin: Tensor, *, rotary_heads: int,
+                     head_dim: int) -> tuple[Tensor, Tensor]:
+    """A projection's output `y [B, n, W]` as heads `(rotary, plain)`, `[B, heads, n, d_h]`:
+    the first `rotary_heads` heads rotated by RoPE at the positions of `cos/sin`, the rest as
+    they are. (Split, not sliced: a slice's backward fills a zero tensor of the whole input per
+    slice, split's is one concatenation.)"""
+    width = rotary_heads * head_dim
+    rot, plain = y.split([width, y.shape[-1] - width], dim=-1)
+    rot = apply_rope(rot.unflatten(-1, (rotary_heads, head_dim)).transpose(1, 2), cos, sin)
+    return rot, plain.unflatten(-1, (-1, head_dim)).transpose(1, 2)
+
+
+def swiglu(gate_up: Tensor) -> Tensor:
+    """`silu(gate) · up` for `gate, up = gate_up.chunk(2, dim=-1)`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class CellKernels:
+    """Implementations of a cell's elementwise work (`model.cell_kernels`, chosen once per
+    model by `cell_kernels.select_cell_kernels`): these torch functions, or the fused Triton
+    kernels of `megabeta.kernels.triton_cell`, which have the same signatures."""
+
+    name: str
+    rms_normalize: Callable[[Tensor, float], Tensor]
+    add_rms_normalize: Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    split_heads_rope: Callable[..., tuple[Tensor, Tensor]]
+    swiglu: Callable[[Tensor], Tensor]
+
+
+TORCH_KERNELS = CellKernels("torch", rms_normalize, add_rms_normalize, split_heads_rope, swiglu)
+
+
 @dataclass(eq=False)
 class Rows:
     """Some heads of a projection: weight rows (norm weight folded in), optional bias, per-head
@@ -127,7 +167,9 @@ class Projection:
     parameters, so autograd takes the weights' gradients through it.
     """
 
-    def __init__(self, parts: list[Rows], head_dim: int) -> None:
+    def __init__(self, parts: list[Rows], head_dim: int,
+                 kernels: CellKernels = TORCH_KERNELS) -> None:
+        self.kernels = kernels
         rotary = [p for p in parts if p.rotary]
         plain = [p for p in parts if not p.rotary]
         order = rotary + plain
@@ -151,17 +193,20 @@ class Projection:
 
     def __call__(self, normalized: Tensor, cos: Tensor, sin: Tensor) -> list[Tensor]:
         """The parts of `normalized [B, n, d]` (already `rms_normalize`d), with RoPE at the
-        positions of `cos/sin`. (Split, not sliced: a slice's backward fills a zero tensor of
-        the whole input per slice, split's is one concatenation.)"""
+        positions of `cos/sin`."""
         y = F.linear(normalized, self.weight, self.bias)
         d = self.head_dim
-        width = self.rotary_heads * d
-        rot, plain = y.split([width, y.shape[-1] - width], dim=-1)
-        rot = rot.unflatten(-1, (self.rotary_heads, d)).transpose(1, 2)
-        if self.head_norm is not None:
+        if self.head_norm is None:
+            rot, plain = self.kernels.split_heads_rope(y, cos, sin,
+                                                       rotary_heads=self.rotary_heads, head_dim=d)
+        else:
+            # qk_norm: the per-head norm sits between the split and RoPE (torch only).
+            width = self.rotary_heads * d
+            rot, plain = y.split([width, y.shape[-1] - width], dim=-1)
+            rot = rot.unflatten(-1, (self.rotary_heads, d)).transpose(1, 2)
             rot = rms_normalize(rot, self.head_norm_eps) * self.head_norm[:, None]
-        rot = apply_rope(rot, cos, sin)
-        plain = plain.unflatten(-1, (-1, d)).transpose(1, 2)
+            rot = apply_rope(rot, cos, sin)
+            plain = plain.unflatten(-1, (-1, d)).transpose(1, 2)
         heads = [*rot.split(self._rotary_heads, dim=1), *plain.split(self._plain_heads, dim=1)]
         return [heads[i] for i in self._order]
 
@@ -180,10 +225,9 @@ class FeedForward(nn.Module):
         of the normalized `x` (the norm's weight folded into the columns)."""
         return torch.cat([self.w1.weight, self.w3.weight]) * norm.weight
 
-    def from_fused(self, gate_up: Tensor) -> Tensor:
+    def from_fused(self, gate_up: Tensor, kernels: CellKernels = TORCH_KERNELS) -> Tensor:
         """`w2(silu(gate) * up)` from the output of the fused matmul."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(kernels.swiglu(gate_up))
 
 
 class Attention(nn.Module):
@@ -251,11 +295,17 @@ class TransformerLayer(nn.Module):
         self.feed_forward = FeedForward(config.d_model, config.hidden_dim)
         self.dropout = nn.Dropout(config.dropout)
 
-    def attention_residual(self, x: Tensor, o: Tensor) -> Tensor:
-        """`x + W_O·o` for per-head attention output `o [B, H, n, d_h]`."""
-        return x + self.dropout(self.attention.merge_heads(o))
+    def attention_delta(self, o: Tensor) -> Tensor:
+        """The attention branch `W_O·o` (dropout applied) for per-head output `o [B, H, n, d_h]`:
+        what the residual stream adds."""
+        return self._dropped(self.attention.merge_heads(o))
 
-    def mlp_residual(self, a: Tensor, gate_up_weight: Tensor) -> Tensor:
-        """`a + SwiGLU(RMSNorm(a))`, given `feed_forward.fused_weight(ffn_norm)`."""
-        gate_up = F.linear(rms_normalize(a, self.ffn_norm.eps), gate_up_weight)
-        return a + self.dropout(self.feed_forward.from_fused(gate_up))
+    def mlp_delta(self, normalized: Tensor, gate_up_weight: Tensor,
+                  kernels: CellKernels = TORCH_KERNELS) -> Tensor:
+        """The SwiGLU branch of `rms_normalize(a)`, given `feed_forward.fused_weight(ffn_norm)`."""
+        gate_up = F.linear(normalized, gate_up_weight)
+        return self._dropped(self.feed_forward.from_fused(gate_up, kernels))
+
+    def _dropped(self, x: Tensor) -> Tensor:
+        # No dropout call at p = 0: in training it would still launch a kernel per branch.
+        return self.dropout(x) if self.dropout.p else x

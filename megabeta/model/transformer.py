@@ -21,7 +21,14 @@ from megabeta.model.attention import NO_BIAS, AttentionBackend, KeySet, select_a
 from megabeta.model.cache import DecodeCache, KVBuffer
 from megabeta.model.config import ConfigError, ModelConfig
 from megabeta.model.execution import ExecutionConfig
-from megabeta.model.layers import Projection, RMSNorm, TransformerLayer, rms_normalize, rope_tables
+from megabeta.model.cell_kernels import select_cell_kernels
+from megabeta.model.layers import (
+    CellKernels,
+    Projection,
+    RMSNorm,
+    TransformerLayer,
+    rope_tables,
+)
 from megabeta.model.loss import IGNORE_INDEX, linear_cross_entropy
 
 LOSS_CHUNK = 512
@@ -47,7 +54,7 @@ class DecoderLM(nn.Module):
         self.output = (None if config.tie_embedding
                        else nn.Linear(config.d_model, config.vocab_size, bias=False))
         self.init_weights()
-        self._select_attention()
+        self._select_kernels()
 
     # ---- parameters -----------------------------------------------------------------------------
     def init_weights(self) -> None:
@@ -65,12 +72,16 @@ class DecoderLM(nn.Module):
                 nn.init.zeros_(p)
 
     # ---- execution ------------------------------------------------------------------------------
-    def _select_attention(self) -> None:
-        """Choose the attention backend for the parameters' device (select.py), once: here and
-        whenever the model is moved (`_apply`), never per call."""
+    def _select_kernels(self) -> None:
+        """Choose the attention backend (attention/select.py) and the cell kernels
+        (cell_kernels.py) for the parameters' device, once: here and whenever the model is
+        moved (`_apply`), never per call."""
         c = self.config
+        device = self.tok_embeddings.weight.device
+        self.cell_kernels: CellKernels = select_cell_kernels(self.execution.cell_kernels,
+                                                             device=device)
         self.attention_backend: AttentionBackend = select_attention(
-            self.execution.attention, device=self.tok_embeddings.weight.device,
+            self.execution.attention, device=device, dtype=self.tok_embeddings.weight.dtype,
             dropout=c.dropout, head_dim=c.head_dim,
             depth_bias=self.beta_extras and c.depth_bias and c.depth_window > 0,
             self_slot=self.beta_extras and c.self_slot)
@@ -78,7 +89,7 @@ class DecoderLM(nn.Module):
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "DecoderLM":
         # `to`, `cuda`, `cpu`, `to_empty`, dtype casts all end here: the device may have changed.
         out = super()._apply(fn, recurse)
-        self._select_attention()
+        self._select_kernels()
         return out
 
     def head_weight(self) -> Tensor:
@@ -173,7 +184,8 @@ class StandardTransformer(DecoderLM):
         """Per layer of the stack, its fused input projection and SwiGLU gate/up weight
         (layers.Projection), built once per pass."""
         c = self.config
-        return [(Projection(layer.attention.input_rows(layer.attention_norm), c.head_dim),
+        return [(Projection(layer.attention.input_rows(layer.attention_norm), c.head_dim,
+                            self.cell_kernels),
                  layer.feed_forward.fused_weight(layer.ffn_norm))
                 for layer in self.layers]
 
@@ -181,13 +193,15 @@ class StandardTransformer(DecoderLM):
                cos: Tensor, sin: Tensor, cache: KVBuffer | None) -> tuple[Tensor, Tensor, Tensor]:
         """One layer on tokens with RoPE tables `cos/sin`; earlier tokens' KVs come from `cache`."""
         projection, gate_up = weights
-        q, k, v = projection(rms_normalize(x, self.config.norm_eps), cos, sin)
+        kernels, eps = self.cell_kernels, self.config.norm_eps
+        q, k, v = projection(kernels.rms_normalize(x, eps), cos, sin)
         keys = KeySet(k=k, v=v)
         if cache is not None:
             keys.prefix_k, keys.prefix_v = cache.view()
         dropout = self.config.dropout if self.training else 0.0
         o = self.attention_backend.attend(q, keys, NO_BIAS, layer=0, dropout_p=dropout)
-        return layer.mlp_residual(layer.attention_residual(x, o), gate_up), k, v
+        a, normalized = kernels.add_rms_normalize(x, layer.attention_delta(o), eps)
+        return a + layer.mlp_delta(normalized, gate_up, kernels), k, v
 
     def _applications(self) -> list[tuple[TransformerLayer, tuple[Projection, Tensor]]]:
         """(layer, its fused weights) in the order the layers are applied."""

@@ -19,16 +19,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def apply_compile(model: nn.Module) -> None:
-    """torch.compile every layer's residual branches in place: `attention_residual` (output
-    projection, dropout, residual add) and `mlp_residual` (RMSNorm, SwiGLU, dropout, residual
-    add). The fused input projections and attention stay eager (they are built per pass and
-    call custom autograd functions); state-dict names are kept.
+    """torch.compile every layer's residual branches in place: `attention_delta` (output
+    projection, dropout) and `mlp_delta` (SwiGLU, dropout), which every arm calls. The fused
+    input projections, norms and attention stay eager (they are built per pass and call custom
+    autograd functions or kernels); state-dict names are kept.
 
     Block shapes vary (the last block may be ragged, decoding feeds one token), hence dynamic.
     """
     for layer in model.layers:
-        layer.attention_residual = torch.compile(layer.attention_residual, dynamic=True)
-        layer.mlp_residual = torch.compile(layer.mlp_residual, dynamic=True)
+        layer.attention_delta = torch.compile(layer.attention_delta, dynamic=True)
+        layer.mlp_delta = torch.compile(layer.mlp_delta, dynamic=True)
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:

@@ -80,7 +80,7 @@ class Trainer:
         if resume is not None:
             self._check_compatible(resume[1])
         # Same seed on every rank: identical initial weights. The engine moves the model to the
-        # device, where its attention backend is chosen (DecoderLM._select_attention).
+        # device, where its attention backend is chosen (DecoderLM._select_kernels).
         model = build_model(config.model, config.execution)
         self.engine = build_engine(
             model, config, self.device, grad_accumulation=self.grad_accumulation,

@@ -64,6 +64,9 @@ class AttentionBias:
     """λ_{l,h} per head `[H]`; None: no depth bias."""
     self_bias: Tensor | None = None
     """b_σ `[1]`; None: the self slot has no bias (and no column)."""
+    group_shift: Tensor | None = None
+    """`[G, H]` float32: λ_h·(m - l) per source m ∈ M(l), what the fused kernels subtract from
+    each finished group's scores (built once per pass with the other weights); None: no groups."""
 
 
 NO_BIAS = AttentionBias()
@@ -96,8 +99,26 @@ class StoredHistory(Protocol):
     def dtype(self) -> torch.dtype:
         """The buffers' dtype, which readers compute in."""
 
+    window: int
+    """deep_token_window (0 = off): how many rows a deeper source's group keeps (spec §3)."""
+
     def batches(self, layer: int) -> list[GroupBatch]:
         """`layer`'s finished groups, stacked where adjacent source layers read the same rows."""
+
+    def sources(self, layer: int) -> list[int]:
+        """M(layer): the source layers of `layer`'s finished groups."""
+
+    def buffers(self) -> tuple[Tensor, Tensor]:
+        """The whole key and value buffers `[L, B, H_kv, T, d_h]` (rows from the block's start
+        on are not written yet), for readers that take fixed shapes (the `triton` backend)."""
+
+    def gradient_buffers(self) -> tuple[Tensor, Tensor]:
+        """The float32 buffers, shaped like `buffers()`, that readers add the groups' key and
+        value gradients to."""
+
+    def start_index(self) -> Tensor:
+        """The block's first position as a 0-d int64 tensor on the buffers' device: readers
+        that take it from device memory launch the same shapes for every block."""
 
     def done_reading(self) -> None:
         """Called by each reader's backward once its gradients are in the buffers."""

@@ -1,0 +1,145 @@
+"""Kernel launches per (block, layer) cell of a beta_1.2 training step, per attention backend.
+
+    python -m megabeta.bench dispatch            # or: megabeta bench dispatch
+
+A beta_1.2 step runs every layer once per block: at t19_flash's 16K tokens and c = 32 that is
+512 x 4 cells per sequence, and on a GPU each kernel launch costs a few microseconds however
+little it computes. So the figure that decides GPU speed at small c is the number of
+kernel-launching operations per cell, which is deterministic and countable on a CPU:
+
+- `DispatchCount` is a `TorchDispatchMode` that counts every ATen operator except views and
+  metadata (`NO_KERNEL`); a megabeta custom op is not counted as one call but run through its
+  Python implementation under the same mode, so the ATen operators inside it count, and each
+  Triton launch inside counts once (`megabeta.kernels.ops.launch`).
+- Per cell: a training step (forward, backward and, with block checkpointing, the recompute) at
+  two lengths, and the difference divided by the extra cells. What every step does once (the
+  embedding, the fused weights, the head and loss) cancels out: the figure is what each further
+  block of a long sequence costs.
+
+The model is t19_flash's structure (4 layers, depth window 2, c = 32, depth bias, layer
+encodings, self slot, tied embedding) at a small width: the count does not depend on the width.
+The standard arm's launches per layer over the whole sequence are printed next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megabeta.kernels import ops
+from megabeta.model import ExecutionConfig, ModelConfig, build_model, get_preset
+
+NO_KERNEL = {
+    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
+    "aten::new_empty_strided", "aten::detach", "aten::lift_fresh", "aten::_to_copy_noop",
+    "aten::sym_size", "aten::sym_stride", "aten::sym_numel", "aten::is_same_size",
+    "aten::set_", "aten::resize_", "aten::_unsafe_view", "aten::promote_types",
+    "aten::result_type",
+}
+"""Operators that allocate or relabel memory without launching a kernel (views are recognised
+from their schema)."""
+
+
+class DispatchCount(TorchDispatchMode):
+    """Kernel-launching operators run while active (`total`, and per operator in `by_op`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: Counter[str] = Counter()
+        self._launches = ops.LaunchCount()
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values()) + self._launches.total
+
+    def __enter__(self) -> "DispatchCount":
+        self._launches.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._launches.__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = func._schema.name
+        impl = ops.implementation(name)
+        if impl is not None:
+            # Counted as what it runs: its ATen operators (through this mode) and its launches.
+            with self:
+                return impl(*args, **kwargs)
+        if not func.is_view and name not in NO_KERNEL:
+            self.by_op[name.removeprefix("aten::")] += 1
+        return func(*args, **kwargs)
+
+    def launches(self) -> dict[str, int]:
+        """Triton launches per kernel."""
+        return dict(self._launches.by_kernel)
+
+
+def count_step(model: torch.nn.Module, tokens: torch.Tensor) -> DispatchCount:
+    """The kernel launches of one training step (forward + backward) of `model` on `tokens`."""
+    with DispatchCount() as count:
+        model(tokens, tokens).backward()
+    return count
+
+
+def counting_config(block_size: int = 32, **overrides: Any) -> ModelConfig:
+    """t19_flash's structure at a width where counting is quick (see the module doc)."""
+    small = dict(vocab_size=64, d_model=64, hidden_dim=96, num_heads=4, num_kv_heads=4,
+                 max_seq_len=16 * block_size, block_size=block_size)
+    return get_preset("t19_flash", **{**small, **overrides})
+
+
+def per_cell(attention: str, *, cell_kernels: str = "torch", blocks: tuple[int, int] = (3, 5),
+             activation_checkpoint: str = "block", **overrides: Any) -> dict[str, Any]:
+    """Launches per (block, layer) cell of a training step: the difference between steps of
+    `blocks[1]` and `blocks[0]` blocks, per extra cell; plus the operators of the longer step."""
+    config = counting_config(**overrides)
+    execution = ExecutionConfig(attention=attention, cell_kernels=cell_kernels,
+                                activation_checkpoint=activation_checkpoint)
+    torch.manual_seed(0)
+    model = build_model(config, execution)
+    counts = []
+    for n in blocks:
+        tokens = torch.randint(0, config.vocab_size, (1, n * config.block_size))
+        counts.append(count_step(model, tokens))
+    cells = (blocks[1] - blocks[0]) * config.num_layers
+    return {"attention": attention, "cell_kernels": cell_kernels,
+            "per_cell": (counts[1].total - counts[0].total) / cells,
+            "step": counts[1].total, "ops": dict(counts[1].by_op.most_common()),
+            "launches": counts[1].launches()}
+
+
+def standard_per_layer(tokens: int = 160) -> float:
+    """The standard arm's launches per layer of a training step over `tokens` tokens."""
+    config = counting_config(arch="standard", max_seq_len=tokens)
+    model = build_model(config, ExecutionConfig(activation_checkpoint="block"))
+    batch = torch.randint(0, config.vocab_size, (1, tokens))
+    return count_step(model, batch).total / config.num_layers
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="megabeta bench dispatch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--attention", nargs="+",
+                        default=["explicit", "sdpa", "cpu_flash", "cpu_fused", "triton"],
+                        help="backends to count (execution.attention names)")
+    parser.add_argument("--top", type=int, default=8, help="operators listed per backend")
+    args = parser.parse_args(argv)
+    print(f"standard arm: {standard_per_layer():.0f} launches per layer (whole sequence)")
+    for attention in args.attention:
+        kernels = "triton" if attention == "triton" else "torch"
+        result = per_cell(attention, cell_kernels=kernels)
+        top = ", ".join(f"{op} {n}" for op, n in list(result["ops"].items())[:args.top])
+        print(f"{attention:>10} (cell kernels {kernels}): {result['per_cell']:.1f} per cell; "
+              f"step {result['step']}; Triton launches {result['launches'] or 0}; top: {top}")
+
+
+if __name__ == "__main__":
+    main()

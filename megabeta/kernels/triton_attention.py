@@ -1,0 +1,646 @@
+"""A block's whole attention at one layer as Triton kernels: one forward, one backward launch.
+
+Spec §3: the queries of a block of n tokens at layer l attend in ONE softmax to the finished
+groups of their source layers m ∈ M(l) (history rows [lo_g, start), score shifted by the depth
+bias λ_h·(m - l)), to the block's earlier construction keys (causal) and to their own key (the
+self slot, score plus b_σ). The CPU path (`model/attention/merged.py`) attends to those parts
+separately and merges them by log-sum-exp; here the parts are simply consecutive key tiles of one
+flash-attention style online softmax, so nothing per part is ever materialised:
+
+- Forward (`_forward_kernel`, grid (query tiles, B·H)): each program walks the own keys' tiles
+  (causal, b_σ on the diagonal) and then each group's tiles of the history buffer
+  `[L, B, H_kv, T, d]` (source layer `sources[g]`, score minus `shift[g, h]`), keeping a running
+  max and sum. It writes the output and the natural-log lse of the full biased, scaled scores.
+- Backward (`_backward_kernel`, one launch): two kinds of program in one grid, independent of
+  each other. Key programs own one (b, kv head, part, key tile), part = own keys or group g; they
+  loop over the query heads that read that kv head and over the n query rows, recompute P from
+  the saved lse, and write dK/dV (own keys) or ADD them into the history's float32 gradient
+  buffers at exactly their rows (groups). Each row of a buffer has one owner, so no atomics and
+  a fixed summation order: gradients are bitwise reproducible. Query programs own one
+  (b, head, query tile): they form dQ over all keys and write per-row sums of the score gradient
+  per group (the depth bias's gradient) and of its diagonal (b_σ's), which one torch `.sum`
+  reduces after the launch. delta = rowsum(dO∘O) is recomputed in every program from the saved
+  output.
+
+Static shapes: the valid history length `start` is a device tensor read inside the kernels;
+the grids cover all T history rows (key programs past `start` find no rows and store nothing),
+so one compiled graph / CUDA graph serves every block. History rows >= start are never loaded
+unmasked (they may hold anything, NaN included). Rows [lo_g, start) of source `sources[g]`, with
+lo_g = max(0, start - window) for a deeper source under a deep-token window (history.group_rows).
+
+The source layers must be an arithmetic progression (as M(l) of spec §3 always is): the kernels
+get the first one and the step, so that the group list needs no device table.
+
+Head widths need not be powers of two (t19_flash: 200): tiles are padded to the next power of two
+with masks. Inputs float32, bfloat16 or float16, accumulation in float32; float32 products are
+exact IEEE ones (no TF32).
+
+Operators (`ops.custom_op`, fake implementations for tracing): `megabeta::block_attention_forward`,
+`megabeta::block_attention_backward` (adds into the gradient buffers in place) and
+`megabeta::block_attention`, the forward with autograd registered, taking the gradient buffers as
+inputs; `forward`, `backward`, `block_attention` are their typed wrappers. (No
+`from __future__ import annotations` here: `custom_op` infers the schemas from the annotations.)
+"""
+
+import functools
+
+import torch
+from torch import Tensor
+
+from megabeta.kernels.ops import custom_op, launch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no triton: `available()` is False and nothing below is defined
+    triton = None
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def available() -> bool:
+    """Whether triton is importable (the kernels and ops below exist)."""
+    return triton is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _tiles(device_type: str, block_d: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): the one place tile sizes are chosen. The interpreter runs
+    every program in numpy: small tiles keep test grids cheap. On a GPU (sizes from sm_90
+    builds' register counts, not timed): 16-bit inputs 64x64 tiles, 32x32 on 8 warps for heads
+    over 128 wide, so the key programs' float32 [BLOCK_N, BLOCK_D] accumulators stay near 255
+    registers; float32 inputs (exact products without tensor cores) 16x16."""
+    if device_type != "cuda":
+        return 16, 16, 1
+    if dtype == torch.float32:
+        return 16, 16, 4 if block_d <= 128 else 8
+    if block_d <= 128:
+        return 64, 64, 4
+    return 32, 32, 8
+
+
+def _groups(sources: list[int]) -> tuple[int, int, int]:
+    """(G, first source, step) of an arithmetic progression of source layers."""
+    if not sources:
+        return 0, 0, 0
+    step = sources[1] - sources[0] if len(sources) > 1 else 1
+    if step <= 0 or any(b - a != step for a, b in zip(sources, sources[1:])):
+        raise ValueError(f"block attention: sources must be increasing with one step (M(l) of "
+                         f"spec §3), got {sources}")
+    return len(sources), sources[0], step
+
+
+def _rows(t: Tensor) -> Tensor:
+    """`t` with a contiguous last dimension (the kernels read rows of d numbers)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _like(t: Tensor) -> Tensor:
+    """A new tensor laid out like `_rows(t)` (the gradients of q, k, v; shared with the fakes)."""
+    return torch.empty_like(_rows(t))
+
+
+def _hist_strides(t: Tensor, groups: int) -> tuple[int, ...]:
+    """Strides (l, b, h, t) of a history buffer; zeros when no group reads it (any shape)."""
+    return tuple(t.stride()[:4]) if groups else (0, 0, 0, 0)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, shift: Tensor,
+           sources: list[int]) -> None:
+    """Shapes and dtypes the kernels assume (they would read out of bounds otherwise)."""
+    batch, heads, n, width = q.shape
+    groups = len(sources)
+    dtypes = {t.dtype for t in ((q, k, v, hist_k, hist_v) if groups else (q, k, v))}
+    if len(dtypes) > 1:
+        raise ValueError(f"block attention: q, k, v and the history need one dtype, got {dtypes}")
+    if k.shape != (batch, k.shape[1], n, width) or v.shape != k.shape or heads % k.shape[1]:
+        raise ValueError(f"block attention: k, v must be [B, H_kv, n, d] with H a multiple of "
+                         f"H_kv (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
+    if groups:
+        if hist_k.dim() != 5 or hist_k.shape[1:3] != k.shape[:2] or hist_k.shape[4] != width \
+                or hist_v.shape != hist_k.shape:
+            raise ValueError(f"block attention: history buffers must be [L, B, H_kv, T, d] "
+                             f"(got {tuple(hist_k.shape)}, {tuple(hist_v.shape)})")
+        if sources[0] < 0 or sources[-1] >= hist_k.shape[0]:
+            raise ValueError(f"block attention: sources {sources} outside the history's "
+                             f"{hist_k.shape[0]} layers")
+        if shift.shape != (groups, heads):
+            raise ValueError(f"block attention: shift must be [G, H] = [{groups}, {heads}], got "
+                             f"{tuple(shift.shape)}")
+
+
+if triton is not None:
+    # Globals that kernels read must be constexprs (the interpreter alone would accept floats).
+    _LOG2E = tl.constexpr(LOG2E)
+    _LN2 = tl.constexpr(LN2)
+
+    @triton.jit
+    def _online_step(acc, m_i, l_i, s, v, DOT_PREC: tl.constexpr):
+        """One key tile of the online softmax (scores `s` in log2 units, -inf where masked)."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _group_lo(start, window, source, layer):
+        """First history row a group reads (history.group_rows)."""
+        return tl.where((window > 0) & (source > layer), tl.maximum(start - window, 0), 0)
+
+    @triton.jit(do_not_specialize=["n", "G", "src0", "src_step", "layer", "window"])
+    def _forward_kernel(q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, start_ptr, shift_ptr, sb_ptr,
+                        out_ptr, lse_ptr,
+                        sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                        shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
+                        so_b, so_h, so_n,
+                        H, HKV, n, G, src0, src_step, layer, window, qk_scale,
+                        HAS_SELF: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        # int64 bases: a [L, B, H_kv, T, d] buffer can pass 2^31 elements.
+        b = (bh // H).to(tl.int64)
+        h = bh % H
+        hkv = (h // (H // HKV)).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < D
+        m_mask = offs_m < n
+        q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        # A finite start: a row whose first tiles are all masked gets exp2(-inf - (-1e30)) = 0
+        # instead of NaN from (-inf) - (-inf).
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if HAS_SELF:
+            self_bias = tl.load(sb_ptr).to(tl.float32) * _LOG2E
+        # Own keys: j <= i, only tiles up to this query tile's last row.
+        for j0 in range(0, tl.minimum(n, (pid_m + 1) * BLOCK_M), BLOCK_N):
+            offs_n = j0 + tl.arange(0, BLOCK_N)
+            kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + b * sk_b + hkv * sk_h + offs_n[:, None] * sk_n + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + b * sv_b + hkv * sv_h + offs_n[:, None] * sv_n + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            if HAS_SELF:
+                s += tl.where(offs_m[:, None] == offs_n[None, :], self_bias, 0.0)
+            s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v, DOT_PREC)
+        start = tl.load(start_ptr).to(tl.int32)
+        for g in range(G):
+            source = src0 + g * src_step
+            bias = tl.load(shift_ptr + g * H + h) * _LOG2E
+            k_base = hk_ptr + source.to(tl.int64) * shk_l + b * shk_b + hkv * shk_h
+            v_base = hv_ptr + source.to(tl.int64) * shv_l + b * shv_b + hkv * shv_h
+            for j0 in range(_group_lo(start, window, source, layer), start, BLOCK_N):
+                offs_n = j0 + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < start
+                kv_mask = n_mask[:, None] & d_mask[None, :]
+                k = tl.load(k_base + offs_n[:, None] * shk_t + offs_d[None, :], mask=kv_mask,
+                            other=0.0)
+                v = tl.load(v_base + offs_n[:, None] * shv_t + offs_d[None, :], mask=kv_mask,
+                            other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale - bias
+                s = tl.where(n_mask[None, :], s, float("-inf"))
+                acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v, DOT_PREC)
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * so_b + h * so_h + offs_m[:, None] * so_n + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+        tl.store(lse_ptr + bh.to(tl.int64) * n + offs_m, (m_i + tl.math.log2(l_i)) * _LN2,
+                 mask=m_mask)
+
+    @triton.jit
+    def _query_tile(q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H,
+                    sq_b, sq_h, sq_n, sdo_b, sdo_h, sdo_n, so_b, so_h, so_n,
+                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Queries, output gradient, lse (log2 units) and delta = rowsum(dO∘O) of one tile."""
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_mask = offs_m < n
+        mask = m_mask[:, None] & (offs_d < D)[None, :]
+        rows = offs_m[:, None]
+        q = tl.load(q_ptr + b * sq_b + h * sq_h + rows * sq_n + offs_d[None, :], mask=mask,
+                    other=0.0)
+        do = tl.load(do_ptr + b * sdo_b + h * sdo_h + rows * sdo_n + offs_d[None, :], mask=mask,
+                     other=0.0)
+        o = tl.load(o_ptr + b * so_b + h * so_h + rows * so_n + offs_d[None, :], mask=mask,
+                    other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        lse = tl.load(lse_ptr + (b * H + h) * n + offs_m, mask=m_mask, other=0.0) * _LOG2E
+        return q, do, lse, delta, offs_m, m_mask
+
+    @triton.jit
+    def _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale, DOT_PREC: tl.constexpr):
+        """P and the score gradient dS = P∘(dP - delta) of one (query, key) tile; `bias` in
+        log2 units, `valid` the mask of real (query, key) pairs."""
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale + bias
+        p = tl.where(valid, tl.math.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        return p, p * (dp - delta[:, None])
+
+    @triton.jit
+    def _key_program(task, bkv, q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr, lse_ptr,
+                     start, shift_ptr, sb_ptr, dk_ptr, dv_ptr, ghk_ptr, ghv_ptr,
+                     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                     shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
+                     sdo_b, sdo_h, sdo_n, so_b, so_h, so_n,
+                     sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
+                     sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t,
+                     H, HKV, n, T_TILES, src0, src_step, layer, window, scale, qk_scale,
+                     HAS_SELF: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+        """dK, dV of one key tile: `task` < own tiles: the own keys' tile `task`; beyond: tile
+        (task - own tiles) % T_TILES of group (task - own tiles) // T_TILES."""
+        b = (bkv // HKV).to(tl.int64)
+        hkv = (bkv % HKV).to(tl.int64)
+        per_kv = H // HKV
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < D
+        own_tiles = tl.cdiv(n, BLOCK_N)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        if task < own_tiles:
+            offs_n = task * BLOCK_N + tl.arange(0, BLOCK_N)
+            kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + b * sk_b + hkv * sk_h + offs_n[:, None] * sk_n + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + b * sv_b + hkv * sv_h + offs_n[:, None] * sv_n + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            if HAS_SELF:
+                self_bias = tl.load(sb_ptr).to(tl.float32) * _LOG2E
+            for hh in range(per_kv):
+                h = hkv * per_kv + hh
+                # Causal: only query tiles holding rows >= this tile's first key.
+                for m0 in range((task * BLOCK_N) // BLOCK_M * BLOCK_M, n, BLOCK_M):
+                    q, do, lse, delta, offs_m, m_mask = _query_tile(
+                        q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H, sq_b, sq_h, sq_n,
+                        sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, D, BLOCK_M, BLOCK_D)
+                    valid = (m_mask[:, None] & (offs_n < n)[None, :]
+                             & (offs_n[None, :] <= offs_m[:, None]))
+                    bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                    if HAS_SELF:
+                        bias = tl.where(offs_m[:, None] == offs_n[None, :], self_bias, 0.0)
+                    p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale,
+                                        DOT_PREC)
+                    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
+                    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC)
+            tl.store(dk_ptr + b * sdk_b + hkv * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :],
+                     (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(dv_ptr + b * sdv_b + hkv * sdv_h + offs_n[:, None] * sdv_n + offs_d[None, :],
+                     dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+        else:
+            g = (task - own_tiles) // T_TILES
+            source = src0 + g * src_step
+            row0 = (_group_lo(start, window, source, layer)
+                    + (task - own_tiles) % T_TILES * BLOCK_N)
+            offs_n = row0 + tl.arange(0, BLOCK_N)
+            kv_mask = (offs_n < start)[:, None] & d_mask[None, :]
+            k = tl.load(hk_ptr + source.to(tl.int64) * shk_l + b * shk_b + hkv * shk_h
+                        + offs_n[:, None] * shk_t + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(hv_ptr + source.to(tl.int64) * shv_l + b * shv_b + hkv * shv_h
+                        + offs_n[:, None] * shv_t + offs_d[None, :], mask=kv_mask, other=0.0)
+            # A tile past the valid rows has nothing to do: no query loop, masked stores.
+            m_end = tl.where(row0 < start, n, 0)
+            for hh in range(per_kv):
+                h = hkv * per_kv + hh
+                bias = -tl.load(shift_ptr + g * H + h) * _LOG2E
+                for m0 in range(0, m_end, BLOCK_M):
+                    q, do, lse, delta, offs_m, m_mask = _query_tile(
+                        q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H, sq_b, sq_h, sq_n,
+                        sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, D, BLOCK_M, BLOCK_D)
+                    valid = m_mask[:, None] & (offs_n < start)[None, :]
+                    p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale,
+                                        DOT_PREC)
+                    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
+                    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC)
+            # This program is the only writer of these rows: a plain read-add-write.
+            gk = (ghk_ptr + source.to(tl.int64) * sgk_l + b * sgk_b + hkv * sgk_h
+                  + offs_n[:, None] * sgk_t + offs_d[None, :])
+            gv = (ghv_ptr + source.to(tl.int64) * sgv_l + b * sgv_b + hkv * sgv_h
+                  + offs_n[:, None] * sgv_t + offs_d[None, :])
+            tl.store(gk, tl.load(gk, mask=kv_mask, other=0.0) + dk * scale, mask=kv_mask)
+            tl.store(gv, tl.load(gv, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
+
+    @triton.jit
+    def _query_program(m_tile, bh, q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr, lse_ptr,
+                       start, shift_ptr, sb_ptr, dq_ptr, rows_ptr, diag_ptr,
+                       sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                       shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
+                       sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, sdq_b, sdq_h, sdq_n,
+                       B, H, HKV, n, G, src0, src_step, layer, window, scale, qk_scale,
+                       HAS_SELF: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+        """dQ of one query tile over every key, and its rows' score-gradient sums: per group
+        (`rows [G, B, H, n]`) and on the diagonal (`diag [B, H, n]`)."""
+        b = (bh // H).to(tl.int64)
+        h = bh % H
+        hkv = (h // (H // HKV)).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < D
+        m0 = m_tile * BLOCK_M
+        q, do, lse, delta, offs_m, m_mask = _query_tile(
+            q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H, sq_b, sq_h, sq_n,
+            sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, D, BLOCK_M, BLOCK_D)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if HAS_SELF:
+            self_bias = tl.load(sb_ptr).to(tl.float32) * _LOG2E
+            diag = tl.zeros([BLOCK_M], tl.float32)
+        for j0 in range(0, tl.minimum(n, m0 + BLOCK_M), BLOCK_N):
+            offs_n = j0 + tl.arange(0, BLOCK_N)
+            kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + b * sk_b + hkv * sk_h + offs_n[:, None] * sk_n + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + b * sv_b + hkv * sv_h + offs_n[:, None] * sv_n + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            valid = m_mask[:, None] & (offs_n < n)[None, :] & (offs_n[None, :] <= offs_m[:, None])
+            on_diag = offs_m[:, None] == offs_n[None, :]
+            bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            if HAS_SELF:
+                bias = tl.where(on_diag, self_bias, 0.0)
+            p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale, DOT_PREC)
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+            if HAS_SELF:
+                diag += tl.sum(tl.where(on_diag, ds, 0.0), 1)
+        for g in range(G):
+            source = src0 + g * src_step
+            bias = -tl.load(shift_ptr + g * H + h) * _LOG2E
+            k_base = hk_ptr + source.to(tl.int64) * shk_l + b * shk_b + hkv * shk_h
+            v_base = hv_ptr + source.to(tl.int64) * shv_l + b * shv_b + hkv * shv_h
+            row_sum = tl.zeros([BLOCK_M], tl.float32)
+            for j0 in range(_group_lo(start, window, source, layer), start, BLOCK_N):
+                offs_n = j0 + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < start
+                kv_mask = n_mask[:, None] & d_mask[None, :]
+                k = tl.load(k_base + offs_n[:, None] * shk_t + offs_d[None, :], mask=kv_mask,
+                            other=0.0)
+                v = tl.load(v_base + offs_n[:, None] * shv_t + offs_d[None, :], mask=kv_mask,
+                            other=0.0)
+                p, ds = _score_grad(q, k, v, do, lse, delta, bias,
+                                    m_mask[:, None] & n_mask[None, :], qk_scale, DOT_PREC)
+                dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+                row_sum += tl.sum(ds, 1)
+            tl.store(rows_ptr + ((g * B + b) * H + h) * n + offs_m, row_sum, mask=m_mask)
+        tl.store(dq_ptr + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_n + offs_d[None, :],
+                 (dq * scale).to(dq_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+        if HAS_SELF:
+            tl.store(diag_ptr + (b * H + h) * n + offs_m, diag, mask=m_mask)
+
+    @triton.jit(do_not_specialize=["n", "G", "T_TILES", "src0", "src_step", "layer", "window"])
+    def _backward_kernel(q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr, lse_ptr, start_ptr,
+                         shift_ptr, sb_ptr, dq_ptr, dk_ptr, dv_ptr, ghk_ptr, ghv_ptr, rows_ptr,
+                         diag_ptr,
+                         sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                         shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
+                         sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, sdq_b, sdq_h, sdq_n,
+                         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
+                         sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t,
+                         B, H, HKV, n, G, T_TILES, src0, src_step, layer, window, scale, qk_scale,
+                         HAS_SELF: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+        # Programs [0, key_programs): (key task, b·kv head); the rest: (query tile, b·head).
+        pid = tl.program_id(0)
+        start = tl.load(start_ptr).to(tl.int32)
+        key_programs = (tl.cdiv(n, BLOCK_N) + G * T_TILES) * (B * HKV)
+        if pid < key_programs:
+            _key_program(pid // (B * HKV), pid % (B * HKV), q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr,
+                         do_ptr, o_ptr, lse_ptr, start, shift_ptr, sb_ptr, dk_ptr, dv_ptr,
+                         ghk_ptr, ghv_ptr,
+                         sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                         shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
+                         sdo_b, sdo_h, sdo_n, so_b, so_h, so_n,
+                         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
+                         sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t,
+                         H, HKV, n, T_TILES, src0, src_step, layer, window, scale, qk_scale,
+                         HAS_SELF, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+        else:
+            rest = pid - key_programs
+            _query_program(rest // (B * H), rest % (B * H), q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr,
+                           do_ptr, o_ptr, lse_ptr, start, shift_ptr, sb_ptr, dq_ptr, rows_ptr,
+                           diag_ptr,
+                           sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                           shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
+                           sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, sdq_b, sdq_h, sdq_n,
+                           B, H, HKV, n, G, src0, src_step, layer, window, scale, qk_scale,
+                           HAS_SELF, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+
+
+def _meta(q: Tensor) -> dict:
+    """The constexpr parameters and launch options shared by both kernels."""
+    block_d = max(16, triton.next_power_of_2(q.shape[-1]))
+    block_m, block_n, warps = _tiles(q.device.type, block_d, q.dtype)
+    meta = dict(D=q.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+    if q.device.type == "cuda":
+        meta["num_warps"] = warps
+    return meta
+
+
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, start: Tensor,
+                  shift: Tensor, self_bias: Tensor | None, sources: list[int], layer: int,
+                  window: int, scale: float) -> tuple[Tensor, Tensor]:
+    groups, src0, step = _groups(sources)
+    _check(q, k, v, hist_k, hist_v, shift, sources)
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    if groups:
+        hist_k, hist_v = _rows(hist_k), _rows(hist_v)
+    batch, heads, n, width = q.shape
+    # [B, n, H, d] storage: the caller merges the heads with a view.
+    out = q.new_empty(batch, n, heads, width).transpose(1, 2)
+    lse = q.new_empty(batch, heads, n, dtype=torch.float32)
+    shift = shift.to(torch.float32).contiguous()
+    meta = _meta(q)
+    grid = (triton.cdiv(n, meta["BLOCK_M"]), batch * heads)
+    launch(_forward_kernel, grid, q, k, v, hist_k, hist_v, start, shift,
+           shift if self_bias is None else self_bias, out, lse,
+           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+           *_hist_strides(hist_k, groups), *_hist_strides(hist_v, groups), *out.stride()[:3],
+           heads, k.shape[1], n, groups, src0, step, layer, window, scale * LOG2E,
+           HAS_SELF=self_bias is not None, **meta)
+    return out, lse
+
+
+def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor,
+                   hist_v: Tensor, out: Tensor, lse: Tensor, start: Tensor, shift: Tensor,
+                   self_bias: Tensor | None, grad_hist_k: Tensor, grad_hist_v: Tensor,
+                   sources: list[int], layer: int, window: int,
+                   scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    groups, src0, step = _groups(sources)
+    _check(q, k, v, hist_k, hist_v, shift, sources)
+    if groups and (grad_hist_k.shape != hist_k.shape or grad_hist_v.shape != hist_k.shape
+                   or grad_hist_k.stride(-1) != 1 or grad_hist_v.stride(-1) != 1):
+        raise ValueError(f"block attention: gradient buffers must be shaped like the history "
+                         f"{tuple(hist_k.shape)} with contiguous rows (got "
+                         f"{tuple(grad_hist_k.shape)}, {tuple(grad_hist_v.shape)})")
+    # The kernels' products take one dtype (autograd hands the gradient in out's, q's, anyway).
+    grad = _rows(grad.to(q.dtype))
+    q, k, v, out = _rows(q), _rows(k), _rows(v), _rows(out)
+    if groups:
+        hist_k, hist_v = _rows(hist_k), _rows(hist_v)
+    lse = lse.contiguous()
+    batch, heads, n, _ = q.shape
+    dq, dk, dv = _like(q), _like(k), _like(v)
+    # Per-row partial sums of the score gradient, reduced below in a fixed order.
+    rows = lse.new_empty(groups, batch, heads, n)
+    diag = lse.new_empty(batch, heads, n) if self_bias is not None else lse.new_empty(0)
+    shift = shift.to(torch.float32).contiguous()
+    meta = _meta(q)
+    t_tiles = triton.cdiv(hist_k.shape[3], meta["BLOCK_N"]) if groups else 0
+    key_programs = (triton.cdiv(n, meta["BLOCK_N"]) + groups * t_tiles) * batch * k.shape[1]
+    grid = (key_programs + triton.cdiv(n, meta["BLOCK_M"]) * batch * heads,)
+    launch(_backward_kernel, grid, q, k, v, hist_k, hist_v, grad, out, lse, start, shift,
+           shift if self_bias is None else self_bias, dq, dk, dv, grad_hist_k, grad_hist_v,
+           rows, diag,
+           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+           *_hist_strides(hist_k, groups), *_hist_strides(hist_v, groups),
+           *grad.stride()[:3], *out.stride()[:3], *dq.stride()[:3], *dk.stride()[:3],
+           *dv.stride()[:3], *_hist_strides(grad_hist_k, groups),
+           *_hist_strides(grad_hist_v, groups),
+           batch, heads, k.shape[1], n, groups, t_tiles, src0, step, layer, window, scale,
+           scale * LOG2E, HAS_SELF=self_bias is not None, **meta)
+    # The shift is subtracted from the scores.
+    d_shift = -rows.sum((1, 3))
+    d_self_bias = diag.sum().reshape(1) if self_bias is not None else diag
+    return dq, dk, dv, d_shift, d_self_bias
+
+
+# ---- operators ---------------------------------------------------------------------------------
+# Registered only with triton: without it `available()` is False and nothing calls them.
+if triton is not None:
+
+    @custom_op("block_attention_forward")
+    def _forward_op(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
+                    start: Tensor, shift: Tensor, self_bias: Tensor | None, sources: list[int],
+                    layer: int, window: int, scale: float) -> tuple[Tensor, Tensor]:
+        return _forward_impl(q, k, v, hist_k, hist_v, start, shift, self_bias, sources, layer,
+                             window, scale)
+
+    @_forward_op.register_fake
+    def _(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, start: Tensor,
+          shift: Tensor, self_bias: Tensor | None, sources: list[int], layer: int, window: int,
+          scale: float) -> tuple[Tensor, Tensor]:
+        return _forward_fake(q)
+
+    @custom_op("block_attention_backward", mutates_args=("grad_hist_k", "grad_hist_v"))
+    def _backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor,
+                     hist_v: Tensor, out: Tensor, lse: Tensor, start: Tensor, shift: Tensor,
+                     self_bias: Tensor | None, grad_hist_k: Tensor, grad_hist_v: Tensor,
+                     sources: list[int], layer: int, window: int,
+                     scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return _backward_impl(grad, q, k, v, hist_k, hist_v, out, lse, start, shift, self_bias,
+                              grad_hist_k, grad_hist_v, sources, layer, window, scale)
+
+    @_backward_op.register_fake
+    def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
+          out: Tensor, lse: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
+          grad_hist_k: Tensor, grad_hist_v: Tensor, sources: list[int], layer: int, window: int,
+          scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return (_like(q), _like(k), _like(v),
+                lse.new_empty(len(sources), q.shape[1]),
+                lse.new_empty(1 if self_bias is not None else 0))
+
+    @custom_op("block_attention")
+    def _attention_op(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
+                      grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor, shift: Tensor,
+                      self_bias: Tensor | None, anchor: Tensor | None, sources: list[int],
+                      layer: int, window: int, scale: float) -> tuple[Tensor, Tensor]:
+        return _forward_impl(q, k, v, hist_k, hist_v, start, shift, self_bias, sources, layer,
+                             window, scale)
+
+    @_attention_op.register_fake
+    def _(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, grad_hist_k: Tensor,
+          grad_hist_v: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
+          anchor: Tensor | None, sources: list[int], layer: int, window: int,
+          scale: float) -> tuple[Tensor, Tensor]:
+        return _forward_fake(q)
+
+    def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+        (q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, shift, self_bias, anchor,
+         sources, layer, window, scale) = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, start, shift, self_bias, out, lse)
+        # Not saved tensors on purpose: later blocks write their rows of the history (rows
+        # >= start, which this call never reads), which would trip the saved-tensor version
+        # check; and the gradient buffers are written by this very backward.
+        ctx.history = (hist_k, hist_v, grad_hist_k, grad_hist_v)
+        ctx.args = (list(sources), layer, window, scale)
+        ctx.anchor = None if anchor is None else (anchor.dtype, anchor.device)
+        ctx.mark_non_differentiable(lse)
+
+    def _attention_backward(ctx, grad: Tensor, _grad_lse: Tensor | None) -> tuple:
+        q, k, v, start, shift, self_bias, out, lse = ctx.saved_tensors
+        hist_k, hist_v, grad_hist_k, grad_hist_v = ctx.history
+        dq, dk, dv, d_shift, d_self_bias = torch.ops.megabeta.block_attention_backward(
+            grad, q, k, v, hist_k, hist_v, out, lse, start, shift, self_bias, grad_hist_k,
+            grad_hist_v, *ctx.args)
+        d_anchor = (None if ctx.anchor is None
+                    else torch.zeros((), dtype=ctx.anchor[0], device=ctx.anchor[1]))
+        return (dq, dk, dv, None, None, None, None, None, d_shift.to(shift.dtype),
+                None if self_bias is None else d_self_bias.to(self_bias.dtype), d_anchor,
+                None, None, None, None)
+
+    _attention_op.register_autograd(_attention_backward, setup_context=_setup_context)
+
+
+def _forward_fake(q: Tensor) -> tuple[Tensor, Tensor]:
+    batch, heads, n, width = q.shape
+    return (q.new_empty(batch, n, heads, width).transpose(1, 2),
+            q.new_empty(batch, heads, n, dtype=torch.float32))
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, start: Tensor,
+            shift: Tensor, self_bias: Tensor | None = None, *, sources: list[int], layer: int,
+            window: int, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of one block's queries at `layer` over its own keys and its finished groups
+    (one launch; not differentiable: see `block_attention`).
+
+    `q [B, H, n, d]` (any strides, contiguous last dimension); `k, v [B, H_kv, n, d]` the
+    block's construction keys/values (query i sees own keys j <= i; head h reads kv head
+    h // (H / H_kv)); `hist_k, hist_v [L, B, H_kv, T, d]` the history buffers, of which group g
+    reads rows [lo_g, start) of layer `sources[g]` (lo_g = max(0, start - window) for a source
+    deeper than `layer` when window > 0, else 0; not read at all when `sources` is empty);
+    `start` a one-element (or 0-d) int tensor on q's device (the block's first position, read
+    by the kernels: no shape depends on it); `shift [G, H]` subtracted from group g's scores of
+    head h; `self_bias [1]` or None added to the diagonal score; scores are q·k·scale. `sources`
+    must be an arithmetic progression (spec §3's M(l) always is). Returns `out [B, H, n, d]`
+    in q's dtype (a transposed view of a contiguous `[B, n, H, d]`) and `lse [B, H, n]`
+    float32, natural log.
+    """
+    return torch.ops.megabeta.block_attention_forward(q, k, v, hist_k, hist_v, start, shift,
+                                                      self_bias, sources, layer, window, scale)
+
+
+def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
+             out: Tensor, lse: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
+             grad_hist_k: Tensor, grad_hist_v: Tensor, *, sources: list[int], layer: int,
+             window: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of `forward` (one launch, then the bias gradients' row sums reduced).
+
+    `grad [B, H, n, d]` of `out`; `out, lse` as `forward` returned them; the rest as in
+    `forward`. Returns `dq` (like q), `dk, dv` (like k, v: the own keys), `d_shift [G, H]`
+    float32 and `d_self_bias` float32 (`[1]`, or empty when `self_bias` is None), and ADDS the
+    groups' key/value gradients into `grad_hist_k, grad_hist_v` (float32, shaped like hist_k) at
+    rows [lo_g, start) of layer `sources[g]`; nothing else of them is touched.
+    """
+    return torch.ops.megabeta.block_attention_backward(grad, q, k, v, hist_k, hist_v, out, lse,
+                                                       start, shift, self_bias, grad_hist_k,
+                                                       grad_hist_v, sources, layer, window, scale)
+
+
+def block_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
+                    grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor, shift: Tensor,
+                    self_bias: Tensor | None = None, *, sources: list[int], layer: int,
+                    window: int, scale: float, anchor: Tensor | None = None) -> Tensor:
+    """`forward`'s output `[B, H, n, d]`, differentiable w.r.t. q, k, v, shift and self_bias;
+    its backward adds the history's gradients into `grad_hist_k, grad_hist_v` (as `backward`).
+    `anchor`: an optional 0-d tensor taken as an input only so that autograd runs this
+    backward before the anchor's producer's (its gradient is zero). The history buffers are
+    held, not saved: rows >= start may be written between forward and backward; `start` and
+    the other inputs must not change."""
+    return torch.ops.megabeta.block_attention(q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v,
+                                              start, shift, self_bias, anchor, sources, layer,
+                                              window, scale)[0]

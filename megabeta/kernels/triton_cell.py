@@ -1,0 +1,492 @@
+"""The non-attention elementwise work of one Transformer cell as fused Triton kernels.
+
+A beta_1.2 training step runs every layer once per block of c = 32 tokens: thousands of cells
+per sequence, each a few small tensors, so on a GPU the number of kernel launches, not the
+arithmetic, decides the time. The torch versions in `megabeta.model.layers` take several ATen
+operators per step (RMSNorm five forward and four back, RoPE four each way, SwiGLU two forward
+and two back, plus the copies that transposed head views cost wherever a contiguous layout is
+needed).
+Here each is one `torch.library` custom op (`megabeta::…`, registered through
+`megabeta.kernels.ops.custom_op`, launched through `ops.launch` so launches are counted) whose
+forward is ONE Triton launch and whose backward is ONE Triton launch:
+
+- `rms_normalize`: `x·rsqrt(mean(x²) + eps)` over the last dimension (RMSNorm without its
+  weight, which the model folds into the next matmul), one program per row. Backward
+  `dx = r·(dy - y·mean(dy·y))` from the saved INPUT: the kernel re-derives `r` and `y` from `x`
+  in the same pass that reads `dy`, so no statistics tensor has to be an extra output, and the
+  backward works from the unrounded `y` for bfloat16.
+- `add_rms_normalize`: the same with the residual add fused in, `(a, rms_normalize(a))` for
+  `a = x + delta`. Forward the residual's add (or addmm) becomes part of the norm's launch and
+  `W_O·o` a plain matmul; backward
+  the kernel adds the residual stream's own gradient to the norm's, so autograd's sum of the
+  stream's two gradients (one ATen add per residual, two per cell) disappears.
+- `split_heads_rope`: the projection output `[B, n, W]` split into rotary heads, rotated
+  (rotate-half RoPE), and plain heads, both written as contiguous `[B, heads, n, d_h]` by one
+  launch (the torch path's transposed views would cost a copy wherever a contiguous layout is
+  needed). Backward: one launch writing `dy [B, n, W]` (the rotation's transpose for the rotary
+  heads, a copy for the plain ones), reading the head gradients through their strides.
+- `swiglu`: `silu(gate)·up` from the fused gate/up matmul output (gate the first half of the
+  last dimension, up the second), and one launch back to `d gate_up`.
+
+Arithmetic is in float32 (float64 for float64 tensors, so a float64 model stays exact); results
+are rounded once to the output dtype. Widths need not be powers of two (d = 1600, d_h = 200 in
+t19_flash): each kernel masks a power-of-two tile. Inputs may be strided (strides are kernel
+arguments; Triton specialises unit strides), outputs are contiguous.
+
+Importing this module needs `triton`. Without a GPU the kernels run under Triton's CPU
+interpreter (`TRITON_INTERPRET=1`, set before import), which is how the tests run them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from megabeta.kernels.ops import custom_op, launch
+
+
+def _compute_type(dtype: torch.dtype) -> Any:
+    """The kernels' arithmetic type for tensors of `dtype`."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _num_warps(tile: int) -> int:
+    """Warps for a tile of `tile` elements: about 256 elements a warp, 1 to 8 warps."""
+    return min(max(tile // 256, 1), 8)
+
+
+# ---- RMSNorm without weight --------------------------------------------------------------------
+
+@triton.jit
+def _rms_forward_kernel(X, DELTA, A, Y, stride_xm, stride_xd, stride_dm, stride_dd, d, eps,
+                        BLOCK_D: tl.constexpr, COMPUTE: tl.constexpr, ADD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < d
+    x = tl.load(X + row * stride_xm + cols * stride_xd, mask=mask, other=0.0).to(COMPUTE)
+    if ADD:
+        # The residual sum, rounded to its dtype first: the norm sees what the stream stores.
+        delta = tl.load(DELTA + row * stride_dm + cols * stride_dd, mask=mask, other=0.0)
+        a = (x + delta.to(COMPUTE)).to(A.dtype.element_ty)
+        tl.store(A + row * d + cols, a, mask=mask)
+        x = a.to(COMPUTE)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
+    tl.store(Y + row * d + cols, (x * r).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_backward_kernel(DY, GA, X, DX, stride_gm, stride_gd, stride_am, stride_ad,
+                         stride_xm, stride_xd, d, eps,
+                         BLOCK_D: tl.constexpr, COMPUTE: tl.constexpr, ADD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < d
+    x = tl.load(X + row * stride_xm + cols * stride_xd, mask=mask, other=0.0).to(COMPUTE)
+    dy = tl.load(DY + row * stride_gm + cols * stride_gd, mask=mask, other=0.0).to(COMPUTE)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
+    y = x * r
+    dx = r * (dy - y * (tl.sum(dy * y, axis=0) / d))
+    if ADD:
+        # The residual stream's own gradient, summed here instead of by autograd (one add less).
+        dx += tl.load(GA + row * stride_am + cols * stride_ad, mask=mask, other=0.0).to(COMPUTE)
+    tl.store(DX + row * d + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+def _rows(t: Tensor) -> Tensor:
+    """`t` as rows `[M, d]` over its last dimension (a view where its layout allows)."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _rms_meta(x: Tensor, add: bool) -> dict[str, Any]:
+    block = triton.next_power_of_2(x.shape[-1])
+    return dict(BLOCK_D=block, COMPUTE=_compute_type(x.dtype), ADD=add,
+                num_warps=_num_warps(block))
+
+
+def _rms_forward(x: Tensor, delta: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """`(x + delta, rms_normalize(x + delta))`, or `(x, rms_normalize(x))` without delta."""
+    rows = _rows(x)
+    y = x.new_empty(x.shape)
+    # Without delta the kernel's ADD branch is compiled out; x stands in for its pointers.
+    a, deltas = (x, rows) if delta is None else (x.new_empty(x.shape), _rows(delta))
+    launch(_rms_forward_kernel, (rows.shape[0],), rows, deltas, a, y, *rows.stride(),
+           *deltas.stride(), rows.shape[1], eps, **_rms_meta(x, delta is not None))
+    return a, y
+
+
+def _rms_backward_launch(dy: Tensor, da: Tensor | None, x: Tensor, eps: float) -> Tensor:
+    """`d/dx` of `rms_normalize(x)` for the output gradient `dy`, plus `da` where given."""
+    rows, grads = _rows(x), _rows(dy)
+    stream = grads if da is None else _rows(da)
+    dx = x.new_empty(x.shape)
+    launch(_rms_backward_kernel, (rows.shape[0],), grads, stream, rows, dx, *grads.stride(),
+           *stream.stride(), *rows.stride(), rows.shape[1], eps, **_rms_meta(x, da is not None))
+    return dx
+
+
+@custom_op("rms_normalize")
+def _rms_normalize_op(x: Tensor, eps: float) -> Tensor:
+    return _rms_forward(x, None, eps)[1]
+
+
+@_rms_normalize_op.register_fake
+def _(x: Tensor, eps: float) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+@custom_op("rms_normalize_backward")
+def _rms_normalize_backward_op(dy: Tensor, x: Tensor, eps: float) -> Tensor:
+    return _rms_backward_launch(dy, None, x, eps)
+
+
+@_rms_normalize_backward_op.register_fake
+def _(dy: Tensor, x: Tensor, eps: float) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+def _rms_setup_context(ctx: Any, inputs: tuple[Tensor, float], output: Tensor) -> None:
+    x, eps = inputs
+    ctx.save_for_backward(x)
+    ctx.eps = eps
+
+
+def _rms_backward(ctx: Any, dy: Tensor) -> tuple[Tensor, None]:
+    (x,) = ctx.saved_tensors
+    return _rms_normalize_backward_op(dy, x, ctx.eps), None
+
+
+_rms_normalize_op.register_autograd(_rms_backward, setup_context=_rms_setup_context)
+
+
+def _check_add(x: Tensor, delta: Tensor) -> None:
+    if x.shape != delta.shape or x.dtype != delta.dtype:
+        raise ValueError(f"add_rms_normalize: x {tuple(x.shape)} {x.dtype} and delta "
+                         f"{tuple(delta.shape)} {delta.dtype} must have one shape and dtype")
+
+
+@custom_op("add_rms_normalize")
+def _add_rms_normalize_op(x: Tensor, delta: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    _check_add(x, delta)
+    return _rms_forward(x, delta, eps)
+
+
+@_add_rms_normalize_op.register_fake
+def _(x: Tensor, delta: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    _check_add(x, delta)
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@custom_op("add_rms_normalize_backward")
+def _add_rms_normalize_backward_op(da: Tensor, dy: Tensor, a: Tensor, eps: float) -> Tensor:
+    return _rms_backward_launch(dy, da, a, eps)
+
+
+@_add_rms_normalize_backward_op.register_fake
+def _(da: Tensor, dy: Tensor, a: Tensor, eps: float) -> Tensor:
+    return a.new_empty(a.shape)
+
+
+def _add_rms_setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, float],
+                           output: tuple[Tensor, Tensor]) -> None:
+    ctx.save_for_backward(output[0])
+    ctx.eps = inputs[2]
+
+
+def _add_rms_backward(ctx: Any, da: Tensor, dy: Tensor) -> tuple[Tensor, Tensor, None]:
+    (a,) = ctx.saved_tensors
+    grad = _add_rms_normalize_backward_op(da, dy, a, ctx.eps)
+    # x and delta enter only through their sum: one gradient serves both.
+    return grad, grad, None
+
+
+_add_rms_normalize_op.register_autograd(_add_rms_backward, setup_context=_add_rms_setup_context)
+
+
+def rms_normalize(x: Tensor, eps: float) -> Tensor:
+    """`x · rsqrt(mean(x²) + eps)` over the last dimension: RMSNorm without its weight, like
+    `layers.rms_normalize`. The result has `x`'s dtype and shape (contiguous); statistics are
+    float32 (float64 for float64 `x`). One launch forward, one backward."""
+    return _rms_normalize_op(x, eps)
+
+
+def add_rms_normalize(x: Tensor, delta: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """`(a, rms_normalize(a, eps))` for the residual sum `a = x + delta` (one shape and dtype):
+    a residual add fused into the norm that reads it. One launch forward, one backward, which
+    also adds `a`'s own gradient to the norm's, the sum autograd would otherwise launch."""
+    return _add_rms_normalize_op(x, delta, eps)
+
+
+# ---- split into heads + RoPE -------------------------------------------------------------------
+
+@triton.jit
+def _split_rope_forward_kernel(Y, COS, SIN, ROT, PLAIN, n, rotary_heads, half,
+                               stride_yb, stride_yn, stride_yw, stride_cn, stride_cd,
+                               stride_sn, stride_sd,
+                               BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                               COMPUTE: tl.constexpr):
+    # One program: BLOCK_N tokens of one head of one batch row, as two half-width tiles.
+    block = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = (rows < n)[:, None] & (cols < half)[None, :]
+    src = (Y + b * stride_yb + rows[:, None] * stride_yn
+           + (head * 2 * half + cols[None, :]) * stride_yw)
+    x1 = tl.load(src, mask=mask, other=0.0).to(COMPUTE)
+    x2 = tl.load(src + half * stride_yw, mask=mask, other=0.0).to(COMPUTE)
+    # Outputs are contiguous [B, heads, n, d_h]: (b·heads + head)·n + row, times d_h.
+    if head < rotary_heads:
+        # The tables' two halves are equal (layers.rope_tables): only the first is read.
+        c = tl.load(COS + rows[:, None] * stride_cn + cols[None, :] * stride_cd, mask=mask,
+                    other=0.0).to(COMPUTE)
+        s = tl.load(SIN + rows[:, None] * stride_sn + cols[None, :] * stride_sd, mask=mask,
+                    other=0.0).to(COMPUTE)
+        dst = ROT + ((b * rotary_heads + head) * n + rows[:, None]) * (2 * half) + cols[None, :]
+        tl.store(dst, (x1 * c - x2 * s).to(ROT.dtype.element_ty), mask=mask)
+        tl.store(dst + half, (x2 * c + x1 * s).to(ROT.dtype.element_ty), mask=mask)
+    else:
+        plain_heads = tl.num_programs(1) - rotary_heads
+        dst = (PLAIN + ((b * plain_heads + head - rotary_heads) * n + rows[:, None]) * (2 * half)
+               + cols[None, :])
+        tl.store(dst, x1.to(PLAIN.dtype.element_ty), mask=mask)
+        tl.store(dst + half, x2.to(PLAIN.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_rope_backward_kernel(DROT, DPLAIN, COS, SIN, DY, n, rotary_heads, half,
+                                stride_rb, stride_rh, stride_rn, stride_rd,
+                                stride_pb, stride_ph, stride_pn, stride_pd,
+                                stride_cn, stride_cd, stride_sn, stride_sd,
+                                BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                                COMPUTE: tl.constexpr):
+    block = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    heads = tl.num_programs(1)
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = (rows < n)[:, None] & (cols < half)[None, :]
+    # dy is contiguous [B, n, heads·d_h].
+    dst = DY + (b * n + rows[:, None]) * (heads * 2 * half) + head * 2 * half + cols[None, :]
+    if head < rotary_heads:
+        src = (DROT + b * stride_rb + head * stride_rh + rows[:, None] * stride_rn
+               + cols[None, :] * stride_rd)
+        g1 = tl.load(src, mask=mask, other=0.0).to(COMPUTE)
+        g2 = tl.load(src + half * stride_rd, mask=mask, other=0.0).to(COMPUTE)
+        c = tl.load(COS + rows[:, None] * stride_cn + cols[None, :] * stride_cd, mask=mask,
+                    other=0.0).to(COMPUTE)
+        s = tl.load(SIN + rows[:, None] * stride_sn + cols[None, :] * stride_sd, mask=mask,
+                    other=0.0).to(COMPUTE)
+        # The rotation's transpose: rotate by the opposite angle.
+        tl.store(dst, (g1 * c + g2 * s).to(DY.dtype.element_ty), mask=mask)
+        tl.store(dst + half, (g2 * c - g1 * s).to(DY.dtype.element_ty), mask=mask)
+    else:
+        src = (DPLAIN + b * stride_pb + (head - rotary_heads) * stride_ph
+               + rows[:, None] * stride_pn + cols[None, :] * stride_pd)
+        g1 = tl.load(src, mask=mask, other=0.0)
+        g2 = tl.load(src + half * stride_pd, mask=mask, other=0.0)
+        tl.store(dst, g1.to(DY.dtype.element_ty), mask=mask)
+        tl.store(dst + half, g2.to(DY.dtype.element_ty), mask=mask)
+
+
+def _split_shapes(y: Tensor, cos: Tensor, sin: Tensor, rotary_heads: int,
+                  head_dim: int) -> tuple[int, int, int]:
+    """`(B, n, plain_heads)` of a valid `split_heads_rope` call; ValueError otherwise."""
+    if y.dim() != 3:
+        raise ValueError(f"split_heads_rope: y must be [B, n, W], got shape {tuple(y.shape)}")
+    batch, n, width = y.shape
+    if (head_dim <= 0 or head_dim % 2 or width % head_dim
+            or not 0 <= rotary_heads * head_dim <= width):
+        raise ValueError(f"split_heads_rope: width {width} is not {rotary_heads} rotary heads "
+                         f"plus whole plain heads of even width {head_dim}")
+    if cos.shape != (n, head_dim) or sin.shape != (n, head_dim):
+        raise ValueError(f"split_heads_rope: cos/sin must be [{n}, {head_dim}], got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.dtype != sin.dtype:
+        raise ValueError(f"split_heads_rope: cos is {cos.dtype} but sin is {sin.dtype}")
+    return batch, n, width // head_dim - rotary_heads
+
+
+def _split_launch_args(batch: int, n: int, heads: int, head_dim: int,
+                       dtype: torch.dtype) -> tuple[tuple[int, int, int], dict[str, Any]]:
+    """Grid (token tiles, heads, batch) and tile settings for `dtype` arithmetic: up to 32
+    tokens a tile (a c = 32 block is one program per head and batch row)."""
+    block_n = min(triton.next_power_of_2(n), 32)
+    block_half = triton.next_power_of_2(head_dim // 2)
+    meta = dict(BLOCK_N=block_n, BLOCK_HALF=block_half, COMPUTE=_compute_type(dtype),
+                num_warps=_num_warps(block_n * block_half))
+    return (triton.cdiv(n, block_n), heads, batch), meta
+
+
+def _split_outputs(y: Tensor, cos: Tensor, sin: Tensor, rotary_heads: int,
+                   head_dim: int) -> tuple[Tensor, Tensor]:
+    """Empty contiguous `(rotary [B, Hr, n, d_h], plain [B, Hp, n, d_h])`: the rotary heads in
+    the dtype torch's RoPE gives (promoted with the tables'), the plain ones in `y`'s."""
+    batch, n, plain_heads = _split_shapes(y, cos, sin, rotary_heads, head_dim)
+    rot = y.new_empty((batch, rotary_heads, n, head_dim),
+                      dtype=torch.promote_types(y.dtype, cos.dtype))
+    return rot, y.new_empty((batch, plain_heads, n, head_dim))
+
+
+@custom_op("split_heads_rope")
+def _split_heads_rope_op(y: Tensor, cos: Tensor, sin: Tensor, rotary_heads: int,
+                         head_dim: int) -> tuple[Tensor, Tensor]:
+    rot, plain = _split_outputs(y, cos, sin, rotary_heads, head_dim)
+    batch, n, _ = y.shape
+    grid, meta = _split_launch_args(batch, n, rotary_heads + plain.shape[1], head_dim, rot.dtype)
+    launch(_split_rope_forward_kernel, grid, y, cos, sin, rot, plain, n, rotary_heads,
+           head_dim // 2, *y.stride(), *cos.stride(), *sin.stride(), **meta)
+    return rot, plain
+
+
+@_split_heads_rope_op.register_fake
+def _(y: Tensor, cos: Tensor, sin: Tensor, rotary_heads: int,
+      head_dim: int) -> tuple[Tensor, Tensor]:
+    return _split_outputs(y, cos, sin, rotary_heads, head_dim)
+
+
+@custom_op("split_heads_rope_backward")
+def _split_heads_rope_backward_op(drot: Tensor, dplain: Tensor, cos: Tensor, sin: Tensor,
+                                  dtype: torch.dtype) -> Tensor:
+    batch, rotary_heads, n, head_dim = drot.shape
+    heads = rotary_heads + dplain.shape[1]
+    dy = drot.new_empty((batch, n, heads * head_dim), dtype=dtype)
+    grid, meta = _split_launch_args(batch, n, heads, head_dim, drot.dtype)
+    launch(_split_rope_backward_kernel, grid, drot, dplain, cos, sin, dy, n, rotary_heads,
+           head_dim // 2, *drot.stride(), *dplain.stride(), *cos.stride(), *sin.stride(),
+           **meta)
+    return dy
+
+
+@_split_heads_rope_backward_op.register_fake
+def _(drot: Tensor, dplain: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype) -> Tensor:
+    batch, rotary_heads, n, head_dim = drot.shape
+    return drot.new_empty((batch, n, (rotary_heads + dplain.shape[1]) * head_dim), dtype=dtype)
+
+
+def _split_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    y, cos, sin, _, _ = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.dtype = y.dtype
+
+
+def _split_backward(ctx: Any, drot: Tensor, dplain: Tensor) -> tuple[Tensor | None, ...]:
+    cos, sin = ctx.saved_tensors
+    return _split_heads_rope_backward_op(drot, dplain, cos, sin, ctx.dtype), None, None, None, None
+
+
+_split_heads_rope_op.register_autograd(_split_backward, setup_context=_split_setup_context)
+
+
+def split_heads_rope(y: Tensor, cos: Tensor, sin: Tensor, *, rotary_heads: int,
+                     head_dim: int) -> tuple[Tensor, Tensor]:
+    """The projection output `y [B, n, W]` split into heads: `(rotary, plain)`, the first
+    `rotary_heads·head_dim` columns as `[B, rotary_heads, n, head_dim]` rotated by RoPE at the
+    positions of `cos/sin`, the rest as `[B, plain_heads, n, head_dim]` unrotated; both
+    contiguous, written by one launch (one back).
+
+    What `layers.Projection` does after its matmul (without the per-head norm of qk_norm) with
+    `layers.apply_rope`: rotate-half, the tables `[n, head_dim]` with equal halves
+    (`layers.rope_tables` sliced to the block). The tables may have any floating dtype the
+    device supports; pass them in `y`'s dtype (as `DecoderLM.rope` does) or float32, not
+    float64 on a GPU: float64 tables make float64 rotary heads, as in torch's type promotion.
+    The rotary heads have dtype `result_type(y, cos)`, the plain heads `y`'s. The tables get no
+    gradient."""
+    return _split_heads_rope_op(y, cos, sin, rotary_heads, head_dim)
+
+
+# ---- SwiGLU ------------------------------------------------------------------------------------
+
+@triton.jit
+def _swiglu_forward_kernel(GU, OUT, stride_m, stride_w, h,
+                           BLOCK_H: tl.constexpr, COMPUTE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < h
+    src = GU + row * stride_m + cols * stride_w
+    gate = tl.load(src, mask=mask, other=0.0).to(COMPUTE)
+    up = tl.load(src + h * stride_w, mask=mask, other=0.0).to(COMPUTE)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(OUT + row * h + cols, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_backward_kernel(DOUT, GU, DGU, stride_gm, stride_gw, stride_m, stride_w, h,
+                            BLOCK_H: tl.constexpr, COMPUTE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < h
+    src = GU + row * stride_m + cols * stride_w
+    gate = tl.load(src, mask=mask, other=0.0).to(COMPUTE)
+    up = tl.load(src + h * stride_w, mask=mask, other=0.0).to(COMPUTE)
+    dout = tl.load(DOUT + row * stride_gm + cols * stride_gw, mask=mask, other=0.0).to(COMPUTE)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    # silu'(g) = σ(g)·(1 + g·(1 - σ(g)))
+    dgate = dout * up * sig * (1.0 + gate * (1.0 - sig))
+    dup = dout * gate * sig
+    dst = DGU + row * 2 * h + cols
+    tl.store(dst, dgate.to(DGU.dtype.element_ty), mask=mask)
+    tl.store(dst + h, dup.to(DGU.dtype.element_ty), mask=mask)
+
+
+def _swiglu_launch_args(gate_up: Tensor) -> tuple[Tensor, tuple[int, int], dict[str, Any]]:
+    """`gate_up` as rows `[M, 2h]`, the grid, and the tile settings (up to 1024 columns)."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu: the last dimension ({gate_up.shape[-1]}) must be even")
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    h = rows.shape[1] // 2
+    block = min(triton.next_power_of_2(h), 1024)
+    meta = dict(BLOCK_H=block, COMPUTE=_compute_type(gate_up.dtype), num_warps=_num_warps(block))
+    return rows, (rows.shape[0], triton.cdiv(h, block)), meta
+
+
+@custom_op("swiglu")
+def _swiglu_op(gate_up: Tensor) -> Tensor:
+    rows, grid, meta = _swiglu_launch_args(gate_up)
+    out = gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+    launch(_swiglu_forward_kernel, grid, rows, out, *rows.stride(), rows.shape[1] // 2, **meta)
+    return out
+
+
+@_swiglu_op.register_fake
+def _(gate_up: Tensor) -> Tensor:
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@custom_op("swiglu_backward")
+def _swiglu_backward_op(dout: Tensor, gate_up: Tensor) -> Tensor:
+    rows, grid, meta = _swiglu_launch_args(gate_up)
+    grad_rows = dout.reshape(rows.shape[0], -1)
+    dgu = gate_up.new_empty(gate_up.shape)
+    launch(_swiglu_backward_kernel, grid, grad_rows, rows, dgu, *grad_rows.stride(),
+           *rows.stride(), rows.shape[1] // 2, **meta)
+    return dgu
+
+
+@_swiglu_backward_op.register_fake
+def _(dout: Tensor, gate_up: Tensor) -> Tensor:
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _swiglu_setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_backward(ctx: Any, dout: Tensor) -> Tensor:
+    (gate_up,) = ctx.saved_tensors
+    return _swiglu_backward_op(dout, gate_up)
+
+
+_swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
+
+
+def swiglu(gate_up: Tensor) -> Tensor:
+    """`silu(gate) · up` for `gate, up = gate_up.chunk(2, dim=-1)`: `[..., 2h] → [..., h]`
+    (contiguous, `gate_up`'s dtype), the elementwise part of `FeedForward.from_fused`. One
+    launch forward, one backward (`d gate_up`, from the saved `gate_up`)."""
+    return _swiglu_op(gate_up)

@@ -1,0 +1,531 @@
+"""`cpu_flash`, `cpu_fused` and `cuda_flash`: the key set in parts, merged by log-sum-exp.
+
+A block's queries of layer l attend over (spec §3) the finished groups of its source layers, the
+construction KVs of earlier tokens of the block (strictly causal) and the self slot. Each part is
+attended separately and the parts are merged exactly by their log-sum-exps (the flash-decoding
+merge): `lse = logsumexp_p lse_p`, `o = Σ_p exp(lse_p - lse)·o_p`. That is what lets the learned
+biases stay out of every kernel:
+
+- depth bias: the bias `-λ_h·(m - l)` is the same for every key of source m's group, so it is a
+  shift of that group's lse. Its gradient is the row sum of the group's score gradient (from
+  the fused kernel; on ATen's kernels `w_g·(dO·o_g - D)`, with `w_g` the group's merge weight
+  and `o_g` its own output kept from the forward).
+- the block's own keys (in-block and self slot): one causal kernel call with a float mask
+  that carries b_σ on its diagonal. The kernel takes the mask as a constant; b_σ's gradient,
+  the diagonal's score gradient `p_ii·(dO_i·v_i - D_i)`, is written out.
+
+So keys and values stay `head_dim` wide everywhere (no extra head columns, no sink key). Groups
+that read the same rows of adjacent source layers come stacked (`GroupBatch`, views of the
+history's buffers).
+
+The merge (`_Merged`) is written once; the kernels it calls come from a `PartKernels` chosen once
+per backend. Every kernel is ATen's attention with its lse (which is not differentiable, hence
+the custom autograd function); in backward each part's kernel gets the MERGED output and lse
+(shifted by the part's depth bias), which makes it produce that part's exact share of the
+gradient (as torch's context-parallel ring attention does).
+
+- `CPU_FLASH` (`cpu_flash`): ATen's CPU flash kernels
+  (`_scaled_dot_product_flash_attention_for_cpu[_backward]`), which take the float mask. The
+  groups: one forward call per stacked batch; in backward one call per group, whose zero-filled
+  key/value gradients are added into the history's buffers.
+- `CPU_FUSED` (`cpu_fused`): the same, with the groups on the fused kernels of
+  `megabeta/kernels/finished_groups.py` (float32/float64; bf16 stays on ATen's): forward merges
+  every group into the own keys' output and lse in place; backward adds the keys' and values'
+  gradients straight into the history's gradient buffers. Measured at c = 32 (one layer's 15
+  blocks with history, batch 8, 3 heads, forward and backward of this whole function): 50 ms
+  with the fused kernels against 86-90 ms on ATen's.
+- `CUDA_KERNELS` (`cuda_flash`): ATen's CUDA kernels. Flash
+  (`_scaled_dot_product_flash_attention[_backward]`, bf16/fp16 only, takes GQA's fewer key heads
+  as they are) has no mask, only `is_causal`: it serves the groups and the own keys when there is
+  no self bias. The memory-efficient kernel (`_scaled_dot_product_efficient_attention
+  [_backward]`) serves float32 and the own keys with b_σ (the mask as its `attn_bias`). Its
+  conventions are handled in `CudaKernels`: the bias in the queries' dtype (in bf16, b_σ enters
+  rounded, and its gradient is formed at that rounded value), 4-D with rows aligned to 16; the
+  lse padded to a multiple of 32 (sliced for the merge, padded again for backward); query and
+  key heads equal, so the groups fold GQA's query heads into the query rows (no copy of the
+  history) and the own keys repeat theirs.
+
+ATen's kernels that expose the lse have no dropout here: attention dropout needs the `sdpa`
+backend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megabeta.kernels import finished_groups
+from megabeta.model.attention.backend import (
+    AttentionBias,
+    GroupBatch,
+    KeyLayout,
+    KeySet,
+    causal_sdpa,
+    per_query_head,
+)
+
+
+class PartKernels(Protocol):
+    """The kernels `_Merged` attends to the parts with. Tensors are `[B, H, n, d_h]` queries and
+    `[B, H_kv, S, d_h]` keys/values; every lse is `[B, H, n]` in the merge's precision (float32,
+    or float64 for float64 inputs), unpadded."""
+
+    def mask_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the own keys' mask is built in, for inputs of `dtype`."""
+
+    def fuses_groups(self, dtype: torch.dtype) -> bool:
+        """Whether the groups run on the fused kernels of `megabeta/kernels/finished_groups.py`
+        (merged in place; `group_forward`/`group_backward` are then not called)."""
+
+    def own_forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None,
+                    scale: float) -> tuple[Tensor, Tensor]:
+        """Output and lse over the block's own keys, causal, `mask` (`_self_mask`, or None
+        without a self bias) added to the scores."""
+
+    def own_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
+                     lse: Tensor, mask: Tensor | None,
+                     scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        """The own keys' share of dq, and their dk, dv, for the merged `out` and `lse`."""
+
+    def group_forward(self, q: Tensor, k: Tensor, v: Tensor, *,
+                      scale: float) -> tuple[Tensor, Tensor]:
+        """Output and lse over all of `k/v` (no mask)."""
+
+    def group_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
+                       lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        """A group's share of dq, and its dk, dv, for the merged `out` and the merged `lse`
+        shifted by the group's depth bias."""
+
+
+flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """ATen's CPU flash kernels; `fused_groups`: the groups on megabeta's fused kernels where the
+    dtype allows."""
+
+    fused_groups: bool = False
+
+    def mask_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        # The kernel adds a float mask of the lse's precision (float32 for bf16 inputs).
+        return torch.promote_types(dtype, torch.float32)
+
+    def fuses_groups(self, dtype: torch.dtype) -> bool:
+        return self.fused_groups and finished_groups.supports(dtype)
+
+    def own_forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None,
+                    scale: float) -> tuple[Tensor, Tensor]:
+        out, lse = flash_cpu(q, k, v, dropout_p=0.0, is_causal=True, attn_mask=mask,
+                             scale=scale)[:2]
+        return out, lse
+
+    def own_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
+                     lse: Tensor, mask: Tensor | None,
+                     scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        dq, dk, dv = flash_cpu_backward(grad, q, k, v, out, lse, dropout_p=0.0, is_causal=True,
+                                        attn_mask=mask, scale=scale)[:3]
+        return dq, dk, dv
+
+    def group_forward(self, q: Tensor, k: Tensor, v: Tensor, *,
+                      scale: float) -> tuple[Tensor, Tensor]:
+        out, lse = flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, scale=scale)[:2]
+        return out, lse
+
+    def group_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
+                       lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        dq, dk, dv = flash_cpu_backward(grad, q, k, v, out, lse, dropout_p=0.0,
+                                        is_causal=False, scale=scale)[:3]
+        return dq, dk, dv
+
+
+CPU_FLASH = CpuKernels()
+CPU_FUSED = CpuKernels(fused_groups=True)
+
+LSE_ALIGNMENT = 32
+"""The efficient kernel's lse rows come padded to a multiple of this (on CUDA, not on ROCm)."""
+BIAS_ALIGNMENT = 16
+"""Row stride (elements) the efficient kernel needs of its bias, as SDPA pads masks to."""
+
+
+@dataclass(frozen=True)
+class CudaKernels:
+    """ATen's CUDA flash and memory-efficient kernels (module doc). The ops are fields so that
+    tests on a machine without CUDA can put stand-ins with the same signatures in their place;
+    `flash_dtypes`: the input dtypes the flash kernel takes."""
+
+    flash: Callable[..., Any] = torch.ops.aten._scaled_dot_product_flash_attention
+    flash_backward: Callable[..., Any] = torch.ops.aten._scaled_dot_product_flash_attention_backward
+    efficient: Callable[..., Any] = torch.ops.aten._scaled_dot_product_efficient_attention
+    efficient_backward: Callable[..., Any] = (
+        torch.ops.aten._scaled_dot_product_efficient_attention_backward)
+    flash_dtypes: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16})
+
+    def mask_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        # The efficient kernel takes its bias in the inputs' dtype.
+        return dtype
+
+    def fuses_groups(self, dtype: torch.dtype) -> bool:
+        return False  # the fused kernels are CPU code
+
+    def _flash_fits(self, q: Tensor) -> bool:
+        # Flash's own limits on the head size (multiple of 8, at most 256).
+        return q.dtype in self.flash_dtypes and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+
+    def own_forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None,
+                    scale: float) -> tuple[Tensor, Tensor]:
+        if mask is None and self._flash_fits(q):
+            out, lse = self.flash(q, k, v, dropout_p=0.0, is_causal=True, scale=scale)[:2]
+            return out, lse
+        heads = q.shape[1]
+        out, lse = self.efficient(q, per_query_head(k, heads), per_query_head(v, heads),
+                                  _kernel_bias(mask, q), compute_log_sumexp=True, dropout_p=0.0,
+                                  is_causal=mask is None, scale=scale)[:2]
+        return out, _unpad(lse, q.shape[2])
+
+    def own_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
+                     lse: Tensor, mask: Tensor | None,
+                     scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        n = q.shape[2]
+        if mask is None and self._flash_fits(q):
+            return self._flash_backward(grad, q, k, v, out=out, lse=lse, causal=True,
+                                        scale=scale)
+        heads, kv_heads = q.shape[1], k.shape[1]
+        no_rng = q.new_empty(0, dtype=torch.int64)  # dropout 0: the kernel reads no seed
+        dq, dk, dv = self.efficient_backward(
+            grad, q, per_query_head(k, heads), per_query_head(v, heads), _kernel_bias(mask, q),
+            out, _pad(lse), no_rng, no_rng, dropout_p=0.0,
+            grad_input_mask=[True, True, True, False], is_causal=mask is None, scale=scale)[:3]
+        # The query heads that share a key head sum its gradient (per_query_head's order).
+        return dq, _sum_heads(dk, kv_heads, n), _sum_heads(dv, kv_heads, n)
+
+    def group_forward(self, q: Tensor, k: Tensor, v: Tensor, *,
+                      scale: float) -> tuple[Tensor, Tensor]:
+        if self._flash_fits(q):
+            out, lse = self.flash(q, k, v, dropout_p=0.0, is_causal=False, scale=scale)[:2]
+            return out, lse
+        # Without a mask every query row is independent: the query heads of one key head are
+        # that head's query rows, which spares copying the history per query head.
+        heads, kv_heads = q.shape[1], k.shape[1]
+        out, lse = self.efficient(_fold(q, kv_heads), k, v, None, compute_log_sumexp=True,
+                                  dropout_p=0.0, is_causal=False, scale=scale)[:2]
+        lse = _unpad(lse, out.shape[2])
+        return _fold(out, heads), lse.reshape(q.shape[:3])
+
+    def group_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
+                       lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        if self._flash_fits(q):
+            return self._flash_backward(grad, q, k, v, out=out, lse=lse, causal=False,
+                                        scale=scale)
+        heads, kv_heads = q.shape[1], k.shape[1]
+        no_rng = q.new_empty(0, dtype=torch.int64)
+        folded_lse = lse.reshape(lse.shape[0], kv_heads, -1)
+        dq, dk, dv = self.efficient_backward(
+            _fold(grad, kv_heads), _fold(q, kv_heads), k, v, None, _fold(out, kv_heads),
+            _pad(folded_lse), no_rng, no_rng, dropout_p=0.0,
+            grad_input_mask=[True, True, True, False], is_causal=False, scale=scale)[:3]
+        return _fold(dq, heads), dk, dv
+
+    def _flash_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
+                        lse: Tensor, causal: bool,
+                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        no_rng = q.new_empty(0, dtype=torch.int64)
+        # No cumulative lengths (None): the dense, not the varlen, kernel. The lse must be
+        # contiguous (torch's ring attention notes it).
+        dq, dk, dv = self.flash_backward(grad, q, k, v, out, lse.contiguous(), None, None,
+                                         max_q=q.shape[2], max_k=k.shape[2], dropout_p=0.0,
+                                         is_causal=causal, philox_seed=no_rng,
+                                         philox_offset=no_rng, scale=scale)
+        return dq, dk, dv
+
+
+CUDA_KERNELS = CudaKernels()
+
+
+def _kernel_bias(mask: Tensor | None, q: Tensor) -> Tensor | None:
+    """The own keys' mask `[n, n]` (in the queries' dtype: `mask_dtype`) as the efficient kernel
+    takes a bias: `[B, H, n, n]` (an expanded view) with rows `BIAS_ALIGNMENT`-aligned."""
+    if mask is None:
+        return None
+    n = mask.shape[-1]
+    aligned = F.pad(mask, (0, -n % BIAS_ALIGNMENT))[:, :n]
+    return aligned.expand(q.shape[0], q.shape[1], n, n)
+
+
+def _unpad(lse: Tensor, rows: int) -> Tensor:
+    """The efficient kernel's lse `[B, H, padded]` without its padding rows."""
+    return lse[..., :rows]
+
+
+def _pad(lse: Tensor) -> Tensor:
+    """An lse `[B, H, rows]` padded as the efficient kernel's backward reads it."""
+    return F.pad(lse, (0, -lse.shape[-1] % LSE_ALIGNMENT))
+
+
+def _fold(x: Tensor, heads: int) -> Tensor:
+    """`[B, H, n, d]` as `[B, heads, H·n/heads, d]` or back: the query heads that share a key
+    head (consecutive, as in `per_query_head`) one after another in its rows."""
+    return x.reshape(x.shape[0], heads, -1, x.shape[-1])
+
+
+def _sum_heads(grad: Tensor, kv_heads: int, rows: int) -> Tensor:
+    """A gradient `[B, H, rows, d]` of `per_query_head`'s repeated heads summed per key head."""
+    if grad.shape[1] == kv_heads:
+        return grad
+    return grad.reshape(grad.shape[0], kv_heads, -1, rows, grad.shape[-1]).sum(2)
+
+
+class _MergedAttention:
+    """A backend of the merged parts on `kernels`."""
+
+    reads_buffers = True
+
+    name: str
+
+    def __init__(self, head_dim: int, *, kernels: PartKernels) -> None:
+        self.layout = KeyLayout(head_dim)
+        self.kernels = kernels
+
+    def attend(self, q: Tensor, keys: KeySet, bias: AttentionBias, *, layer: int,
+               dropout_p: float) -> Tensor:
+        if dropout_p:
+            raise ValueError(f"{self.name} attention has no dropout (select the sdpa backend)")
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        if keys.stored is not None:
+            # In the buffers' dtype: the kernels take one, and autocast does not reach them.
+            stored, dtype = keys.stored, keys.stored.dtype
+            return merged_attention(q.to(dtype), keys.k.to(dtype), keys.v.to(dtype),
+                                    stored.batches(layer), bias, scale, kernels=self.kernels,
+                                    anchor=stored.anchor, on_backward=stored.done_reading)
+        if bias.self_bias is None and not keys.finished:
+            # No groups and no self slot: the depth bias would shift every key alike, which
+            # softmax ignores, so plain causal SDPA over (prefix, own keys) is exact.
+            hist_k, hist_v, _ = keys.history_pieces()
+            return causal_sdpa(q, torch.cat([*hist_k, keys.k], dim=2),
+                               torch.cat([*hist_v, keys.v], dim=2), 0.0, scale)
+        # One dtype for the kernels (under autocast RoPE leaves q and k float32, v bf16).
+        return merged_attention(q, keys.k.to(q.dtype), keys.v.to(q.dtype), _piece_batches(keys),
+                                bias, scale, kernels=self.kernels)
+
+
+class CpuMergedAttention(_MergedAttention):
+    """`cpu_fused` (`fused_kernels=True`) or `cpu_flash`."""
+
+    def __init__(self, head_dim: int, *, fused_kernels: bool) -> None:
+        super().__init__(head_dim, kernels=CPU_FUSED if fused_kernels else CPU_FLASH)
+        self.name = "cpu_fused" if fused_kernels else "cpu_flash"
+
+
+CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""What ATen's CUDA attention kernels compute in (the efficient kernel's dtypes)."""
+
+
+class CudaMergedAttention(_MergedAttention):
+    """`cuda_flash`: the merged parts on ATen's CUDA kernels."""
+
+    name = "cuda_flash"
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__(head_dim, kernels=CUDA_KERNELS)
+
+    def attend(self, q: Tensor, keys: KeySet, bias: AttentionBias, *, layer: int,
+               dropout_p: float) -> Tensor:
+        dtype = keys.stored.dtype if keys.stored is not None else q.dtype
+        if dtype not in CUDA_DTYPES:
+            # Said here rather than by the kernel ("no kernel found to launch").
+            raise TypeError(f"{self.name} attention computes in float32, bfloat16 or float16, "
+                            f"not {dtype} (select the sdpa backend)")
+        return super().attend(q, keys, bias, layer=layer, dropout_p=dropout_p)
+
+
+def _piece_batches(keys: KeySet) -> list[GroupBatch]:
+    """The history pieces as merged_attention's groups: the pieces of one finished group (one
+    depth offset) concatenated, and the prefix as a group of offset 0. Read-only (decoding)."""
+    groups: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+    for offset, k, v in keys.finished:
+        ks, vs = groups.setdefault(offset, ([], []))
+        ks.append(k)
+        vs.append(v)
+    if keys.prefix_k is not None and keys.prefix_k.shape[2] > 0:
+        groups.setdefault(0, ([], []))
+        groups[0][0].append(keys.prefix_k)
+        groups[0][1].append(keys.prefix_v)
+    return [GroupBatch(_joined(ks)[None], _joined(vs)[None], [offset])
+            for offset, (ks, vs) in groups.items()]
+
+
+def _joined(pieces: list[Tensor]) -> Tensor:
+    """Pieces `[B, H_kv, len, d_h]` as one tensor (no copy for a single piece)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+
+
+def merged_attention(q: Tensor, k: Tensor, v: Tensor, batches: list[GroupBatch],
+                     bias: AttentionBias, scale: float, *, kernels: PartKernels,
+                     anchor: Tensor | None = None,
+                     on_backward: Callable[[], None] | None = None) -> Tensor:
+    """Attention `[B, H, n, d_h]` of queries `q` over the groups in `batches`, their own keys
+    `k/v [B, H_kv, n, d_h]` (in-block and self slot) and the biases, on `kernels`. `anchor` (an
+    input whose backward must wait for this one's) and `on_backward` (called when this backward
+    is done) let history.py order the finished-KV gradients."""
+    if torch.is_grad_enabled() and any(b.grads is None and (b.k.requires_grad or b.v.requires_grad)
+                                       for b in batches):
+        raise RuntimeError("merged_attention: key groups that require grad need a gradient "
+                           "buffer (GroupBatch.grads)")
+    fused = bool(batches) and kernels.fuses_groups(q.dtype)
+    return _Merged.apply(q, k, v, bias.self_bias, bias.slope, anchor, batches, on_backward,
+                         scale, kernels, fused)
+
+
+class _Merged(torch.autograd.Function):
+    """See the module doc; `self_bias`/`slope` may be None (no self slot / no depth bias)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
+                slope: Tensor | None, anchor: Tensor | None, batches: list[GroupBatch],
+                on_backward: Callable[[], None] | None, scale: float, kernels: PartKernels,
+                fused: bool) -> Tensor:
+        # Merged in the kernels' lse precision (float32 for bf16 inputs).
+        acc = torch.promote_types(q.dtype, torch.float32)
+        mask = (None if self_bias is None
+                else _self_mask(q.shape[2], self_bias, kernels.mask_dtype(q.dtype)))
+        own, own_lse = kernels.own_forward(q, k, v, mask=mask, scale=scale)
+        out, lse, biases, weighted, weights = own, own_lse, [], None, None
+        # On the fused kernels the groups merge into the block's own output in place, and in
+        # backward the depth bias's row sums come from the kernel, so nothing per group is kept.
+        depth = slope is not None and any(o for b in batches for o in b.offsets)
+        if batches:
+            biases = [_bias(slope, b.offsets, acc) for b in batches]
+        if fused:
+            for b, bias in zip(batches, biases):
+                shift = (bias.view(len(b.offsets), -1) if isinstance(bias, Tensor)
+                         else lse.new_zeros(len(b.offsets), q.shape[1]))
+                finished_groups.forward(q, b.k, b.v, shift, scale, out, lse)
+        elif batches:
+            groups_out, groups_lse = _attend_groups(q, batches, biases, scale, kernels)
+            lse = torch.logaddexp(own_lse, torch.logsumexp(groups_lse, dim=0))
+            weights = torch.exp(groups_lse - lse)
+            weighted = weights.unsqueeze(-1) * groups_out
+            out = torch.exp(own_lse - lse).unsqueeze(-1) * own + weighted.sum(0)
+            if not depth:
+                # Only the depth bias's gradient reads the groups' weighted outputs.
+                weighted = weights = None
+        out = out.to(q.dtype)
+        ctx.scale, ctx.batches, ctx.biases, ctx.on_backward = scale, batches, biases, on_backward
+        ctx.kernels, ctx.fused, ctx.depth = kernels, fused, depth
+        ctx.has_anchor = anchor is not None
+        # The mask is n x n: made again in backward rather than kept per layer.
+        ctx.save_for_backward(q, k, v, out, lse, self_bias, slope, weighted, weights)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, self_bias, slope, weighted, weights = ctx.saved_tensors
+        scale, acc, kernels = ctx.scale, lse.dtype, ctx.kernels
+        mask = (None if self_bias is None
+                else _self_mask(q.shape[2], self_bias, kernels.mask_dtype(q.dtype)))
+        dq, dk, dv = kernels.own_backward(grad, q, k, v, out=out, lse=lse, mask=mask,
+                                          scale=scale)
+        fused, depth = ctx.fused, ctx.depth
+        if fused and grad.stride(-1) != 1:
+            grad = grad.contiguous()  # the kernel reads rows of d numbers
+        # D_i = dO_i·o_i, which the gradients of both learned biases and the fused kernel read.
+        delta = (_rowdot(grad, out, acc)
+                 if fused or ctx.needs_input_grad[3] or weighted is not None else None)
+        d_bias = None
+        if ctx.needs_input_grad[3]:
+            # b_σ is on the mask's diagonal: its gradient is the diagonal's score gradient
+            # p_ii·(dO_i·v_i - D_i), with p_ii = exp(q_i·k_i·scale + b_σ - lse_i) and b_σ as
+            # the kernel added it (rounded to the mask's dtype).
+            heads = q.shape[1]
+            self_score = _rowdot(q, per_query_head(k, heads), acc).mul_(scale)
+            p_self = self_score.add_(mask[0, 0].to(acc) - lse).exp_()
+            d_self = _rowdot(grad, per_query_head(v, heads), acc).sub_(delta)
+            d_bias = torch.linalg.vecdot(p_self.flatten(), d_self.flatten()).reshape(1)
+            d_bias = d_bias.to(self_bias.dtype)
+        row_sums = []
+        for b, bias in zip(ctx.batches, ctx.biases):
+            grad_k, grad_v = b.grads() if b.grads is not None else (None, None)
+            if fused:
+                # Each group's lse `[g, B, H, n]` (a broadcast view when no bias shifts it).
+                g = len(b.offsets)
+                lse_g = lse + bias if isinstance(bias, Tensor) else lse.expand(g, *lse.shape)
+                if grad_k is None:  # no key/value gradient wanted: the kernel forms dq only
+                    grad_k = grad_v = q.new_empty(0)
+                rows = lse.new_zeros(g, *lse.shape) if depth else lse.new_empty(0)
+                finished_groups.backward(grad, q, b.k, b.v, lse_g, delta, scale, dq, grad_k,
+                                         grad_v, rows)
+                row_sums.append(rows)
+                continue
+            # The kernel forms P = exp(S·scale - lse_i) with lse_i = lse + λ·offset: each
+            # group's exact share of the merged softmax, depth bias included.
+            # (`[g, B, H, n]`: each group's rows contiguous, as the kernels need them.)
+            shifted = (lse + bias).unbind() if isinstance(bias, Tensor) else [lse] * len(b.offsets)
+            for i, lse_g in enumerate(shifted):
+                dq_g, dk_g, dv_g = kernels.group_backward(grad, q, b.k[i], b.v[i], out=out,
+                                                          lse=lse_g, scale=scale)
+                dq += dq_g
+                if grad_k is not None:
+                    grad_k[i].add_(dk_g)
+                    grad_v[i].add_(dv_g)
+        d_slope = None if slope is None else torch.zeros_like(slope)
+        if depth:
+            # Score bias -λ·offset per group: dλ = -Σ offset · (row sums of the group's score
+            # gradient). The fused kernel sums them; otherwise that row sum is
+            # w_g·(dO·o_g - D) with o_g the group's own output.
+            d_shift = (torch.cat(row_sums) if fused
+                       else _rowdot(grad, weighted, acc) - weights * delta)
+            offsets = torch.tensor([o for b in ctx.batches for o in b.offsets], dtype=acc,
+                                   device=d_shift.device)
+            d_slope = -(d_shift * offsets.view(-1, 1, 1, 1)).sum((0, 1, 3)).to(slope.dtype)
+        if ctx.on_backward is not None:
+            ctx.on_backward()
+        # The batches are views of the history's buffers: the graph must not keep them alive
+        # (with block checkpointing it lives on in a reference cycle until a collection).
+        ctx.batches = ctx.biases = ()
+        d_anchor = grad.new_zeros(()) if ctx.has_anchor else None
+        return dq, dk, dv, d_bias, d_slope, d_anchor, None, None, None, None, None
+
+
+def _rowdot(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
+    """`Σ_d a·b` over the last dimension in `acc` (one fused pass when no cast is needed)."""
+    if a.dtype == acc and b.dtype == acc:
+        return torch.linalg.vecdot(a, b)
+    return (a * b).sum(-1, dtype=acc)
+
+
+def _attend_groups(q: Tensor, batches: list[GroupBatch], biases: list[Tensor | float],
+                   scale: float, kernels: PartKernels) -> tuple[Tensor, Tensor]:
+    """Each group's own attention output `[G, B, H, n, d_h]` and lse `[G, B, H, n]` (its depth
+    bias, from `_bias`, included), one kernel call per batch of stacked groups."""
+    outs, lses = [], []
+    for b, bias in zip(batches, biases):
+        g = len(b.offsets)
+        o, lse = kernels.group_forward(q.repeat(g, 1, 1, 1) if g > 1 else q, b.k.flatten(0, 1),
+                                       b.v.flatten(0, 1), scale=scale)
+        outs.append(o.view(g, *q.shape))
+        lses.append(lse.view(g, *q.shape[:3]) - bias)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _self_mask(n: int, self_bias: Tensor, dtype: torch.dtype) -> Tensor:
+    """The float mask `[n, n]` of a block's own keys: b_σ on the diagonal (the self slot), 0
+    below it (in-block keys), -inf above. Detached: the kernels take it as a constant, and
+    `_Merged` writes b_σ's gradient out. Quadratic in the block: 1 MiB at c = 512, 1 GiB for
+    one block of 16K tokens (float32), alive only during one kernel call."""
+    mask = torch.full((n, n), float("-inf"), dtype=dtype, device=self_bias.device).triu_(1)
+    mask.diagonal().copy_(self_bias.detach().to(dtype).expand(n))
+    return mask
+
+
+def _bias(slope: Tensor | None, offsets: list[int], dtype: torch.dtype) -> Tensor | float:
+    """The depth bias λ_h·(m - l) of each group `[g, 1, H, 1]` (subtracted from its lse)."""
+    if slope is None or not any(offsets):
+        return 0.0
+    steps = torch.tensor(offsets, dtype=dtype, device=slope.device).view(-1, 1, 1, 1)
+    return steps * slope.to(dtype).view(1, 1, -1, 1)

@@ -1,0 +1,84 @@
+"""`triton`: a block's whole key set in one fused Triton kernel per (block, layer).
+
+The kernel (`megabeta/kernels/triton_attention.py`) reads what spec §3 gives the queries of block
+b at layer l straight from the history buffers: the block's own keys (causal, b_σ on the
+diagonal) and, for every source m ∈ M(l), rows [lo, start) of layer m's finished keys (the
+deep-token window's rows for a deeper source), with the depth bias λ_h·(m - l) subtracted from
+that group's scores; one online softmax over all of it. Its backward adds the groups' key and
+value gradients into the history's gradient buffers in place.
+
+The buffers are the whole sequence's (`[L, B, H_kv, T, d_h]`) and the block's start is read from
+a device tensor, so every block launches the same shapes: nothing here depends on the block
+index but the tensors' contents (what `torch.compile` and CUDA graphs need).
+
+Decoding and the explicit reference hand attention the history as pieces; those calls go to the
+merged path of the device (`merged.py`: ATen's CUDA or CPU kernels), which computes the same
+function.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from megabeta.kernels import triton_attention
+from megabeta.model.attention.backend import AttentionBackend, AttentionBias, KeyLayout, KeySet
+
+
+class TritonAttention:
+    """The `triton` backend; `pieces` serves the calls that come with the history as pieces."""
+
+    name = "triton"
+    reads_buffers = True
+
+    def __init__(self, head_dim: int, pieces: AttentionBackend) -> None:
+        self.layout = KeyLayout(head_dim)
+        self.pieces = pieces
+
+    def attend(self, q: Tensor, keys: KeySet, bias: AttentionBias, *, layer: int,
+               dropout_p: float) -> Tensor:
+        if dropout_p:
+            raise ValueError("triton attention has no dropout (select the sdpa backend)")
+        stored = keys.stored
+        if stored is None and (keys.finished or keys.history_pieces()[0]):
+            return self.pieces.attend(q, keys, bias, layer=layer, dropout_p=dropout_p)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        if stored is None:
+            # One block with no history (training a sequence of at most c tokens): own keys only.
+            empty = q.new_empty(0)
+            return triton_attention.block_attention(
+                q, keys.k.to(q.dtype), keys.v.to(q.dtype), empty, empty, empty, empty,
+                q.new_zeros((), dtype=torch.int64), q.new_zeros(0, q.shape[1]), bias.self_bias,
+                sources=[], layer=layer, window=0, scale=scale)
+        # In the buffers' dtype: the kernels take one, and autocast does not reach them.
+        dtype = stored.dtype
+        sources = stored.sources(layer)
+        hist_k, hist_v = stored.buffers()
+        grad_k, grad_v = (stored.gradient_buffers() if torch.is_grad_enabled()
+                          else (hist_k.new_empty(0), hist_k.new_empty(0)))
+        q = _after_backward(q.to(dtype), stored.done_reading)
+        return triton_attention.block_attention(
+            q, keys.k.to(dtype), keys.v.to(dtype), hist_k, hist_v, grad_k, grad_v,
+            stored.start_index(), bias.group_shift, bias.self_bias, sources=sources, layer=layer,
+            window=stored.window, scale=scale, anchor=stored.anchor)
+
+
+def _after_backward(x: Tensor, callback: Callable[[], None]) -> Tensor:
+    """`x`, with `callback` called once its gradient is formed: for the queries of an attention
+    call, once that call's backward (which adds into the history's gradient buffers) is done."""
+    return _AfterBackward.apply(x, callback) if torch.is_grad_enabled() else x
+
+
+class _AfterBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, callback: Callable[[], None]) -> Tensor:
+        ctx.callback = callback
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        ctx.callback()
+        return grad, None

@@ -1,0 +1,44 @@
+"""The one place a model's cell kernels (RMSNorm, RoPE, SwiGLU) are chosen, from
+`execution.cell_kernels` and the device, when a model is built or moved (`DecoderLM._select_kernels`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from megabeta.model.config import ConfigError
+from megabeta.model.layers import TORCH_KERNELS, CellKernels
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether Triton kernels run on `device`: triton installed, and a CUDA device or, on CPU,
+    Triton's interpreter (`TRITON_INTERPRET=1`, read when the kernels are defined)."""
+    return importlib.util.find_spec("triton") is not None and (
+        device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+def require_triton(device: torch.device, setting: str) -> None:
+    """Raise ConfigError naming `setting` (e.g. "execution.attention = 'triton'") when Triton
+    kernels cannot run on `device` (`triton_runs_on`), saying what to do."""
+    if importlib.util.find_spec("triton") is None:
+        raise ConfigError(f"{setting} needs triton, which is not installed: pip install "
+                          "'megabeta[gpu]' (or choose another value)")
+    if not triton_runs_on(device):
+        raise ConfigError(f"{setting} runs on CUDA devices (or on CPU under Triton's interpreter, "
+                          f"TRITON_INTERPRET=1 set before start-up); this model is on {device}")
+
+
+def select_cell_kernels(name: str, *, device: torch.device) -> CellKernels:
+    """`torch` (megabeta.model.layers), `triton` (megabeta.kernels.triton_cell), or for `auto`
+    triton on a CUDA device where it is installed, else torch."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_runs_on(device) else "torch"
+    if name == "torch":
+        return TORCH_KERNELS
+    require_triton(device, f"execution.cell_kernels = {name!r}")
+    from megabeta.kernels import triton_cell  # imports triton: only when chosen
+
+    return CellKernels("triton", triton_cell.rms_normalize, triton_cell.add_rms_normalize,
+                       triton_cell.split_heads_rope, triton_cell.swiglu)

@@ -1,0 +1,255 @@
+"""The Triton block-attention kernels (megabeta/kernels/triton_attention.py) against an explicit
+float64 attention with autograd over spec §3's key set: [own keys (causal, self bias on the
+diagonal) | each group's history rows (score minus its shift)] in one softmax. Run under
+Triton's CPU interpreter here (float32, tiny grids: tiles of 16, so n and T of 20-48 cross them).
+"""
+
+import functools
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not importable: no Triton kernels to test")
+
+from megabeta.kernels import triton_attention  # noqa: E402
+from megabeta.kernels.ops import LaunchCount  # noqa: E402
+
+L, D = 4, 24
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def _case(*, n: int, start: int, batch: int = 1, heads: int = 4, kv_heads: int = 2, width: int = D,
+          length: int = 48, sources: tuple[int, ...] = (1, 2, 3), layer: int = 1,
+          window: int = 0, self_bias: bool = True, shift: bool = True, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    hist_k = rand(L, batch, kv_heads, length, width)
+    hist_v = rand(L, batch, kv_heads, length, width)
+    # Rows >= start are not written yet: garbage that must never reach a result.
+    hist_k[:, :, :, start:] = float("nan")
+    hist_v[:, :, :, start:] = float("inf")
+    return dict(
+        # Strided like the model's: a transposed [B, n, H, d] projection.
+        q=rand(batch, n, heads, width).transpose(1, 2),
+        k=rand(batch, n, kv_heads, width).transpose(1, 2), v=rand(batch, kv_heads, n, width),
+        hist_k=hist_k, hist_v=hist_v,
+        # A 0-d view into a position table (an offset into its storage), as a caller keeps it.
+        start=torch.arange(length + 1)[start], start_value=start,
+        shift=(rand(len(sources), heads).abs() if shift
+               else torch.zeros(len(sources), heads)),
+        self_bias=rand(1) if self_bias else None, sources=list(sources), layer=layer,
+        window=window, scale=1 / math.sqrt(width), grad=rand(batch, heads, n, width))
+
+
+def _lo(c: dict, source: int) -> int:
+    window, start = c["window"], c["start_value"]
+    return max(0, start - window) if window > 0 and source > c["layer"] else 0
+
+
+def _reference(c: dict, perturb: str | None = None) -> dict:
+    """Explicit attention in float64; `perturb` changes one term, for the mutation checks."""
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().double().requires_grad_()
+
+    q, k, v, shift = leaf(c["q"]), leaf(c["k"]), leaf(c["v"]), leaf(c["shift"])
+    self_bias = None if c["self_bias"] is None else leaf(c["self_bias"])
+    heads, n = q.shape[1], q.shape[2]
+    per_kv = heads // k.shape[1]
+    start = c["start_value"]
+
+    def per_head(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(per_kv, dim=1)
+
+    scores = q @ per_head(k).transpose(-1, -2) * c["scale"]
+    diag = torch.eye(n, dtype=torch.bool)
+    if self_bias is not None:
+        bias = self_bias + (0.5 if perturb == "self_bias" else 0.0)
+        scores = scores + torch.where(diag, bias, torch.zeros((), dtype=torch.float64))
+    causal = torch.ones(n, n, dtype=torch.bool).tril(0 if perturb != "causal" else 1)
+    parts_s, parts_v = [scores.masked_fill(~causal, float("-inf"))], [per_head(v)]
+    group_k, group_v = [], []
+    for g, source in enumerate(c["sources"]):
+        lo = _lo(c, source) + (1 if perturb == "window" and _lo(c, source) > 0 else 0)
+        # Only the valid rows become leaves: the garbage beyond must not reach the reference.
+        gk = leaf(c["hist_k"][source, :, :, lo:start])
+        gv = leaf(c["hist_v"][source, :, :, lo:start])
+        group_k.append((source, lo, gk))
+        group_v.append(gv)
+        sign = 1.0 if perturb == "shift_sign" else -1.0
+        parts_s.append(q @ per_head(gk).transpose(-1, -2) * c["scale"]
+                       + sign * shift[g].view(1, heads, 1, 1))
+        parts_v.append(per_head(gv))
+    s = torch.cat(parts_s, dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.softmax(s, dim=-1) @ torch.cat(parts_v, dim=2)
+    (out * c["grad"].double()).sum().backward()
+    grad_hist_k = torch.zeros_like(c["hist_k"], dtype=torch.float64)
+    grad_hist_v = torch.zeros_like(grad_hist_k)
+    for (source, lo, gk), gv in zip(group_k, group_v):
+        grad_hist_k[source, :, :, lo:start] = gk.grad
+        grad_hist_v[source, :, :, lo:start] = gv.grad
+    return dict(out=out.detach(), lse=lse.detach(), dq=q.grad, dk=k.grad, dv=v.grad,
+                d_shift=torch.zeros_like(shift) if shift.grad is None else shift.grad,
+                d_self_bias=None if self_bias is None else self_bias.grad,
+                grad_hist_k=grad_hist_k, grad_hist_v=grad_hist_v)
+
+
+def _kwargs(c: dict) -> dict:
+    return dict(sources=c["sources"], layer=c["layer"], window=c["window"], scale=c["scale"])
+
+
+def _kernels(c: dict) -> dict:
+    """forward then backward, on gradient buffers that start non-zero (the kernels add)."""
+    with LaunchCount() as count:
+        out, lse = triton_attention.forward(c["q"], c["k"], c["v"], c["hist_k"], c["hist_v"],
+                                            c["start"], c["shift"], c["self_bias"], **_kwargs(c))
+    assert count.total == 1
+    base_k = torch.full(c["hist_k"].shape, 0.25)
+    base_v = torch.full(c["hist_k"].shape, -0.5)
+    grad_hist_k, grad_hist_v = base_k.clone(), base_v.clone()
+    with LaunchCount() as count:
+        dq, dk, dv, d_shift, d_self_bias = triton_attention.backward(
+            c["grad"], c["q"], c["k"], c["v"], c["hist_k"], c["hist_v"], out, lse, c["start"],
+            c["shift"], c["self_bias"], grad_hist_k, grad_hist_v, **_kwargs(c))
+    assert count.total == 1
+    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, d_shift=d_shift, d_self_bias=d_self_bias,
+                grad_hist_k=grad_hist_k - base_k, grad_hist_v=grad_hist_v - base_v)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels_of(name: str) -> dict:
+    """`_kernels` of a named case, shared by the tests (the interpreter is slow)."""
+    return _kernels(_case(**CASES[name]))
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.allclose(got.double(), want, **TOL)
+
+
+def _assert_matches(got: dict, want: dict) -> None:
+    for name in ("out", "lse", "dq", "dk", "dv", "d_shift", "grad_hist_k", "grad_hist_v"):
+        torch.testing.assert_close(got[name].double(), want[name], **TOL, msg=name)
+    if want["d_self_bias"] is None:
+        assert got["d_self_bias"].numel() == 0
+    else:
+        torch.testing.assert_close(got["d_self_bias"].double(), want["d_self_bias"], **TOL)
+
+
+CASES = {
+    # n and the history cross tiles of 16; garbage rows 32..47.
+    "tiles": dict(n=20, start=32),
+    "ragged": dict(n=5, start=40, batch=2, width=16, shift=False),
+    "no_history": dict(n=20, start=0, sources=(), kv_heads=4),
+    "first_block_with_groups": dict(n=7, start=0, batch=2, kv_heads=1),
+    # Sources 1 and 2 are deeper than layer 0: they read only the last 21 rows.
+    "deep_window": dict(n=17, start=37, sources=(0, 1, 2), layer=0, window=21,
+                        self_bias=False),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_kernels_match_explicit_attention(name: str) -> None:
+    got, want = _kernels_of(name), _reference(_case(**CASES[name]))
+    _assert_matches(got, want)
+    # The output's storage is [B, n, H, d]: heads merge with a view.
+    assert got["out"].transpose(1, 2).is_contiguous()
+    assert torch.isfinite(got["grad_hist_k"]).all() and torch.isfinite(got["out"]).all()
+    # The buffers are untouched outside the groups' rows (`want` is zero there).
+    for g in ("grad_hist_k", "grad_hist_v"):
+        assert torch.equal(got[g][want[g] == 0], torch.zeros_like(got[g][want[g] == 0]))
+
+
+@pytest.mark.parametrize("perturb,case", [("self_bias", "tiles"), ("shift_sign", "tiles"),
+                                          ("causal", "tiles"), ("window", "deep_window")])
+def test_kernels_differ_from_a_perturbed_reference(perturb: str, case: str) -> None:
+    """Mutation checks: the comparison above would catch a wrong bias, sign, mask or window."""
+    got = _kernels_of(case)
+    _assert_matches(got, _reference(_case(**CASES[case])))
+    wrong = _reference(_case(**CASES[case]), perturb)
+    assert not _close(got["out"], wrong["out"])
+    assert not _close(got["dq"], wrong["dq"])
+
+
+def test_half_precision_inputs() -> None:
+    """float16 end to end (accumulated in float32); bfloat16's tl.dot is wrong in the
+    interpreter (triton#11584), so it is left to a GPU."""
+    c = _case(n=9, start=20, length=24)
+    want = _reference(c)
+    for name in ("q", "k", "v", "hist_k", "hist_v", "grad"):
+        c[name] = c[name].half()
+    got = _kernels(c)
+    assert got["out"].dtype == got["dq"].dtype == got["dk"].dtype == torch.float16
+    for name in ("out", "lse", "dq", "dk", "dv", "d_shift", "d_self_bias", "grad_hist_k",
+                 "grad_hist_v"):
+        torch.testing.assert_close(got[name].double(), want[name], rtol=5e-3, atol=5e-3,
+                                   msg=name)
+
+
+def test_rejects_sources_that_are_not_a_progression() -> None:
+    c = _case(n=3, start=8, sources=(0, 1, 3), layer=0)
+    with pytest.raises(ValueError, match="one step"):
+        triton_attention.forward(c["q"], c["k"], c["v"], c["hist_k"], c["hist_v"], c["start"],
+                                 c["shift"], c["self_bias"], **_kwargs(c))
+
+
+def _differentiable(c: dict, grad_hist: tuple[torch.Tensor, torch.Tensor], fn=None) -> dict:
+    """block_attention's output and gradients (through `fn`, by default eager)."""
+    q, k, v = (c[x].detach().clone().requires_grad_() for x in ("q", "k", "v"))
+    shift = c["shift"].clone().requires_grad_()
+    self_bias = c["self_bias"].clone().requires_grad_()
+    anchor = torch.zeros((), requires_grad=True)
+
+    def call(q, k, v, hist_k, hist_v, gk, gv, start, shift, self_bias, anchor):
+        return triton_attention.block_attention(q, k, v, hist_k, hist_v, gk, gv, start, shift,
+                                                self_bias, anchor=anchor, **_kwargs(c))
+
+    out = (fn or call)(q, k, v, c["hist_k"], c["hist_v"], *grad_hist, c["start"], shift,
+                       self_bias, anchor)
+    (out * c["grad"]).sum().backward()
+    assert torch.equal(anchor.grad, torch.zeros(()))
+    return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, d_shift=shift.grad,
+                d_self_bias=self_bias.grad)
+
+
+def test_autograd_entry_point_matches_and_adds_into_the_buffers() -> None:
+    c = _case(n=12, start=20, batch=2, length=24)
+    want = _reference(c)
+    grad_hist = (torch.ones(c["hist_k"].shape), torch.ones(c["hist_k"].shape))
+    got = _differentiable(c, grad_hist)
+    for name, value in got.items():
+        torch.testing.assert_close(value.double(), want[name], **TOL, msg=name)
+    torch.testing.assert_close(grad_hist[0].double() - 1, want["grad_hist_k"], **TOL)
+    torch.testing.assert_close(grad_hist[1].double() - 1, want["grad_hist_v"], **TOL)
+
+
+def test_compiles_to_one_graph_for_every_start() -> None:
+    """The start is a device value: three blocks, one compiled graph, every one exact."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    graphs = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    def call(q, k, v, hist_k, hist_v, gk, gv, start, shift, self_bias, anchor):
+        return triton_attention.block_attention(q, k, v, hist_k, hist_v, gk, gv, start, shift,
+                                                self_bias, anchor=anchor, sources=[1, 2],
+                                                layer=1, window=0, scale=D ** -0.5)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, fullgraph=True, backend=counting)
+    for start in (0, 9, 20):
+        c = _case(n=6, start=start, length=20, sources=(1, 2), seed=start)
+        want = _reference(c)
+        buffers = (torch.zeros(c["hist_k"].shape), torch.zeros(c["hist_k"].shape))
+        got = _differentiable(c, buffers, compiled)
+        for name, value in got.items():
+            torch.testing.assert_close(value.double(), want[name], **TOL, msg=name)
+        torch.testing.assert_close(buffers[0].double(), want["grad_hist_k"], **TOL)
+        torch.testing.assert_close(buffers[1].double(), want["grad_hist_v"], **TOL)
+    assert len(graphs) == 1

@@ -1,0 +1,286 @@
+"""The Triton cell kernels (megabeta/kernels/triton_cell.py) against the torch versions in
+megabeta.model.layers and against float64 formulas written out here, forward and backward
+(autograd through the custom ops), on widths that are not powers of two (masked tiles), ragged
+token counts and strided inputs and gradients. Each op is also checked with
+`torch.library.opcheck` (schema, fake impl, autograd registration, AOT dispatch), for one launch
+each way, and against a perturbed reference that must NOT match (so the tolerances can fail).
+
+Without a GPU the kernels run under Triton's CPU interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1), in float32 and float64; bfloat16 only for the dtype rules."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton cell kernels "
+                                     "(megabeta/kernels/triton_cell.py) cannot run")
+
+from megabeta.kernels import ops, triton_cell as tc  # noqa: E402
+from megabeta.model import layers  # noqa: E402
+
+EPS = 1e-5
+THETA = 10_000.0
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
+
+
+def _rand(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _value_and_grads(fn: Callable[..., Tensor | tuple[Tensor, ...]], inputs: list[Tensor],
+                     weights: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """`fn`'s outputs and the gradients of `Σ out·weight` w.r.t. `inputs` (fresh leaves, cast
+    to the weights' dtype so a float64 reference sees float64 inputs)."""
+    leaves = [t.detach().to(weights[0].dtype).requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    loss = sum((o * w.to(o.dtype)).sum() for o, w in zip(outs, weights))
+    return [o.detach() for o in outs], list(torch.autograd.grad(loss, leaves))
+
+
+def _assert_close(got: list[Tensor], want: list[Tensor], dtype: torch.dtype) -> None:
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w.to(g.dtype), **TOL[dtype])
+
+
+def _assert_differs(got: list[Tensor], want: list[Tensor], dtype: torch.dtype) -> None:
+    assert not all(torch.allclose(g, w.to(g.dtype), **TOL[dtype]) for g, w in zip(got, want))
+
+
+def _launches(fn: Callable[[], Tensor | tuple[Tensor, ...]]) -> tuple[int, int]:
+    """Triton launches of `fn()`'s forward and of its backward."""
+    with ops.LaunchCount() as forward:
+        out = fn()
+    outs = out if isinstance(out, tuple) else (out,)
+    with ops.LaunchCount() as backward:
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    return forward.total, backward.total
+
+
+# ---- rms_normalize -----------------------------------------------------------------------------
+
+def _rms64(x: Tensor, mutated: bool = False) -> Tensor:
+    """`x / sqrt(mean(x²) + eps)`; mutated: the mean over d + 1 elements."""
+    d = x.shape[-1] + (1 if mutated else 0)
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) / d + EPS)
+
+
+def _rms_input(dtype: torch.dtype, strided: bool) -> Tensor:
+    # d = 40 and 13: masked tiles. Strided: every other column (last-dim stride 2).
+    if strided:
+        return _rand(2, 3, 80, seed=1, dtype=dtype)[..., ::2]
+    return _rand(7, 13, seed=2, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rms_normalize_matches_torch_and_float64(dtype: torch.dtype, strided: bool) -> None:
+    x = _rms_input(dtype, strided)
+    dy = _rand(*x.shape, seed=3, dtype=dtype)
+    got = _value_and_grads(lambda t: tc.rms_normalize(t, EPS), [x], [dy])
+    torch_ref = _value_and_grads(lambda t: layers.rms_normalize(t, EPS), [x], [dy])
+    exact = _value_and_grads(_rms64, [x], [dy.double()])
+    assert got[0][0].dtype == dtype and got[0][0].is_contiguous()
+    _assert_close(got[0] + got[1], torch_ref[0] + torch_ref[1], dtype)
+    _assert_close(got[0] + got[1], exact[0] + exact[1], dtype)
+    mutated = _value_and_grads(lambda t: _rms64(t, mutated=True), [x], [dy.double()])
+    _assert_differs(got[0], mutated[0], dtype)
+    _assert_differs(got[1], mutated[1], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_add_rms_normalize_matches_torch_and_float64(dtype: torch.dtype) -> None:
+    # Both outputs feed the loss: the residual stream's gradient is added by the kernel.
+    x, delta = _rand(2, 3, 40, seed=20, dtype=dtype), _rand(2, 3, 40, seed=21, dtype=dtype)
+    weights = [_rand(2, 3, 40, seed=22, dtype=dtype), _rand(2, 3, 40, seed=23, dtype=dtype)]
+
+    def torch_ref(x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        a = x + delta
+        return a, layers.rms_normalize(a, EPS)
+
+    def exact(x: Tensor, delta: Tensor, mutated: bool = False) -> tuple[Tensor, Tensor]:
+        return x + delta, _rms64(x + delta, mutated)
+
+    got = _value_and_grads(lambda t, u: tc.add_rms_normalize(t, u, EPS), [x, delta], weights)
+    want = _value_and_grads(torch_ref, [x, delta], weights)
+    want64 = _value_and_grads(exact, [x, delta], [w.double() for w in weights])
+    assert all(o.dtype == dtype and o.is_contiguous() for o in got[0])
+    _assert_close(got[0] + got[1], want[0] + want[1], dtype)
+    _assert_close(got[0] + got[1], want64[0] + want64[1], dtype)
+    mutated = _value_and_grads(lambda t, u: exact(t, u, mutated=True), [x, delta],
+                               [w.double() for w in weights])
+    _assert_differs(got[0], mutated[0], dtype)
+    _assert_differs(got[1], mutated[1], dtype)
+
+
+# ---- split_heads_rope --------------------------------------------------------------------------
+
+HEAD_DIM = 12  # half = 6: masked tiles
+
+
+def _torch_split(y: Tensor, cos: Tensor, sin: Tensor, rotary: int) -> tuple[Tensor, Tensor]:
+    """What layers.Projection does after its matmul (no head norm)."""
+    width = rotary * HEAD_DIM
+    rot, plain = y.split([width, y.shape[-1] - width], dim=-1)
+    rot = layers.apply_rope(rot.unflatten(-1, (rotary, HEAD_DIM)).transpose(1, 2), cos, sin)
+    return rot, plain.unflatten(-1, (-1, HEAD_DIM)).transpose(1, 2)
+
+
+def _split64(y: Tensor, start: int, rotary: int) -> tuple[Tensor, Tensor]:
+    """Each head's halves as one complex number per frequency, `x₁ + i·x₂`, times
+    `e^{i·p·θ^(-2j/d_h)}` at position p."""
+    half = HEAD_DIM // 2
+    n = y.shape[1]
+    heads = y.unflatten(-1, (-1, HEAD_DIM)).transpose(1, 2)
+    rot, plain = heads[:, :rotary], heads[:, rotary:]
+    freq = torch.tensor([THETA ** (-2 * j / HEAD_DIM) for j in range(half)], dtype=torch.float64)
+    angle = torch.arange(start, start + n, dtype=torch.float64)[:, None] * freq
+    z = torch.complex(rot[..., :half], rot[..., half:]) * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat([z.real, z.imag], dim=-1), plain
+
+
+def _tables(start: int, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    cos, sin = layers.rope_tables(HEAD_DIM, start, n, THETA)
+    return cos.to(dtype), sin.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n,rotary,plain", [(5, 3, 2), (37, 2, 1), (6, 2, 0)])
+def test_split_heads_rope_matches_torch_and_float64(dtype: torch.dtype, n: int, rotary: int,
+                                                     plain: int) -> None:
+    # n = 37: two token tiles, the second ragged. plain = 0: the last layer's finished K only.
+    start, batch = 7, 2
+    y = _rand(batch, n, (rotary + plain) * HEAD_DIM, seed=4, dtype=dtype)
+    # Strided tables: cos rows of a longer table (as a block's slice), sin column-major.
+    cos, sin = _tables(0, start + n + 3, dtype)
+    cos, sin = cos[start:start + n], sin[start:start + n].t().contiguous().t()
+    # The rotary gradient arrives transposed (strided), as from a consumer of [B, n, H, d_h].
+    w_rot = _rand(batch, n, rotary, HEAD_DIM, seed=5, dtype=dtype).transpose(1, 2)
+    w_plain = _rand(batch, plain, n, HEAD_DIM, seed=6, dtype=dtype)
+    weights = [w_rot, w_plain]
+
+    got = _value_and_grads(lambda t: tc.split_heads_rope(t, cos, sin, rotary_heads=rotary,
+                                                         head_dim=HEAD_DIM), [y], weights)
+    torch_ref = _value_and_grads(lambda t: _torch_split(t, cos, sin, rotary), [y], weights)
+    exact = _value_and_grads(lambda t: _split64(t, start, rotary), [y],
+                             [w.double() for w in weights])
+    assert all(o.is_contiguous() and o.dtype == dtype for o in got[0])
+    assert got[0][1].shape == (batch, plain, n, HEAD_DIM)
+    _assert_close(got[0] + got[1], torch_ref[0] + torch_ref[1], dtype)
+    _assert_close(got[0] + got[1], exact[0] + exact[1], dtype)
+    # Off by one position: the rotation is checked, not just the split.
+    mutated = _value_and_grads(lambda t: _split64(t, start + 1, rotary), [y],
+                               [w.double() for w in weights])
+    _assert_differs(got[0], mutated[0], dtype)
+    _assert_differs(got[1], mutated[1], dtype)
+
+
+def test_split_heads_rope_dtypes_follow_torch() -> None:
+    # bfloat16 projection with float32 tables: torch promotes the rotary heads to float32.
+    y = _rand(1, 4, 3 * HEAD_DIM, seed=7).bfloat16().requires_grad_()
+    cos, sin = _tables(0, 4, torch.float32)
+    rot, plain = tc.split_heads_rope(y, cos, sin, rotary_heads=2, head_dim=HEAD_DIM)
+    want_rot, want_plain = _torch_split(y, cos, sin, 2)
+    assert (rot.dtype, plain.dtype) == (want_rot.dtype, want_plain.dtype)
+    torch.testing.assert_close(rot, want_rot)
+    torch.testing.assert_close(plain, want_plain)
+    (rot.sum() + plain.sum()).backward()
+    assert y.grad.dtype == torch.bfloat16
+
+
+def test_split_heads_rope_rejects_bad_shapes() -> None:
+    y = torch.zeros(1, 4, 3 * HEAD_DIM)
+    cos, sin = _tables(0, 4, torch.float32)
+    with pytest.raises(ValueError, match="rotary heads"):
+        tc.split_heads_rope(y, cos, sin, rotary_heads=4, head_dim=HEAD_DIM)
+    with pytest.raises(ValueError, match="cos/sin"):
+        tc.split_heads_rope(y, cos[:3], sin[:3], rotary_heads=2, head_dim=HEAD_DIM)
+
+
+# ---- swiglu ------------------------------------------------------------------------------------
+
+def _swiglu64(gate_up: Tensor, mutated: bool = False) -> Tensor:
+    """`g / (1 + e^{-g}) · u`; mutated: gate and up swapped."""
+    h = gate_up.shape[-1] // 2
+    g, u = gate_up[..., :h], gate_up[..., h:]
+    if mutated:
+        g, u = u, g
+    return g / (1 + torch.exp(-g)) * u
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(2, 3, 40), (3, 2 * 1100)])
+def test_swiglu_matches_torch_and_float64(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    # h = 20: a masked tile; h = 1100: two column tiles of 1024, the second ragged.
+    gate_up = 3 * _rand(*shape, seed=8, dtype=dtype)
+    dout = _rand(*shape[:-1], shape[-1] // 2, seed=9, dtype=dtype)
+    got = _value_and_grads(tc.swiglu, [gate_up], [dout])
+    torch_ref = _value_and_grads(lambda t: (lambda g, u: F.silu(g) * u)(*t.chunk(2, dim=-1)),
+                                 [gate_up], [dout])
+    exact = _value_and_grads(_swiglu64, [gate_up], [dout.double()])
+    assert got[0][0].dtype == dtype and got[0][0].is_contiguous()
+    _assert_close(got[0] + got[1], torch_ref[0] + torch_ref[1], dtype)
+    _assert_close(got[0] + got[1], exact[0] + exact[1], dtype)
+    mutated = _value_and_grads(lambda t: _swiglu64(t, mutated=True), [gate_up], [dout.double()])
+    _assert_differs(got[0], mutated[0], dtype)
+    _assert_differs(got[1], mutated[1], dtype)
+
+
+# ---- every op ----------------------------------------------------------------------------------
+
+def _cases() -> dict[str, tuple[Callable[..., object], tuple]]:
+    """(op, sample arguments) per custom op, forward and backward."""
+    cos, sin = _tables(3, 5, torch.float32)
+    return {
+        "rms_normalize": (tc._rms_normalize_op, (_rand(2, 3, 40, seed=10).requires_grad_(), EPS)),
+        "rms_normalize_backward": (tc._rms_normalize_backward_op,
+                                   (_rand(2, 3, 40, seed=11), _rand(2, 3, 40, seed=12), EPS)),
+        "add_rms_normalize": (tc._add_rms_normalize_op,
+                              (_rand(2, 3, 40, seed=24).requires_grad_(),
+                               _rand(2, 3, 40, seed=25).requires_grad_(), EPS)),
+        "add_rms_normalize_backward": (tc._add_rms_normalize_backward_op,
+                                       (_rand(2, 3, 40, seed=26), _rand(2, 3, 40, seed=27),
+                                        _rand(2, 3, 40, seed=28), EPS)),
+        "split_heads_rope": (tc._split_heads_rope_op,
+                             (_rand(2, 5, 5 * HEAD_DIM, seed=13).requires_grad_(), cos, sin, 3,
+                              HEAD_DIM)),
+        "split_heads_rope_backward": (tc._split_heads_rope_backward_op,
+                                      (_rand(2, 3, 5, HEAD_DIM, seed=14),
+                                       _rand(2, 2, 5, HEAD_DIM, seed=15), cos, sin,
+                                       torch.float32)),
+        "swiglu": (tc._swiglu_op, (_rand(2, 3, 40, seed=16).requires_grad_(),)),
+        "swiglu_backward": (tc._swiglu_backward_op,
+                            (_rand(2, 3, 20, seed=17), _rand(2, 3, 40, seed=18))),
+    }
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_opcheck(name: str) -> None:
+    op, args = _cases()[name]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("name", ["rms_normalize", "add_rms_normalize", "split_heads_rope",
+                                  "swiglu"])
+def test_one_launch_each_way(name: str) -> None:
+    op, args = _cases()[name]
+    assert _launches(lambda: op(*args)) == (1, 1)
+
+
+def test_entry_points_are_the_ops() -> None:
+    # The model calls the plain functions; they must reach the registered ops (one launch each).
+    x = _rand(2, 40, seed=19)
+    with ops.LaunchCount() as count:
+        tc.rms_normalize(x, EPS)
+        tc.add_rms_normalize(x, x, EPS)
+        tc.swiglu(x)
+        tc.split_heads_rope(x[None, :, :36], *_tables(0, 2, torch.float32), rotary_heads=1,
+                            head_dim=HEAD_DIM)
+    assert count.total == 4
+    # The dispatch counter (megabeta.bench.dispatch) runs each op's Python implementation.
+    assert all(ops.implementation(f"megabeta::{name}") is not None for name in _cases())
