@@ -210,7 +210,7 @@ def _differentiable(c: dict, grad_hist: tuple[torch.Tensor, torch.Tensor], fn=No
     out = (fn or call)(q, k, v, c["hist_k"], c["hist_v"], *grad_hist, c["start"], shift,
                        self_bias, anchor)
     (out * c["grad"]).sum().backward()
-    assert torch.equal(anchor.grad, torch.zeros(()))
+    assert anchor.grad is None  # an ordering edge only: no gradient, no launch
     return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, d_shift=shift.grad,
                 d_self_bias=self_bias.grad)
 

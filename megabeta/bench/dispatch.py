@@ -83,7 +83,10 @@ class DispatchCount(TorchDispatchMode):
 
 
 def count_step(model: torch.nn.Module, tokens: torch.Tensor) -> DispatchCount:
-    """The kernel launches of one training step (forward + backward) of `model` on `tokens`."""
+    """The kernel launches of one training step (forward + backward) of `model` on `tokens`,
+    from no gradients (as after the optimizer's `zero_grad`; existing ones would add an
+    accumulation per parameter)."""
+    model.zero_grad(set_to_none=True)
     with DispatchCount() as count:
         model(tokens, tokens).backward()
     return count

@@ -568,7 +568,6 @@ if triton is not None:
         # check; and the gradient buffers are written by this very backward.
         ctx.history = (hist_k, hist_v, grad_hist_k, grad_hist_v)
         ctx.args = (list(sources), layer, window, scale)
-        ctx.anchor = None if anchor is None else (anchor.dtype, anchor.device)
         ctx.mark_non_differentiable(lse)
 
     def _attention_backward(ctx, grad: Tensor, _grad_lse: Tensor | None) -> tuple:
@@ -577,8 +576,9 @@ if triton is not None:
         dq, dk, dv, d_shift, d_self_bias = torch.ops.megabeta.block_attention_backward(
             grad, q, k, v, hist_k, hist_v, out, lse, start, shift, self_bias, grad_hist_k,
             grad_hist_v, *ctx.args)
-        d_anchor = (None if ctx.anchor is None
-                    else torch.zeros((), dtype=ctx.anchor[0], device=ctx.anchor[1]))
+        # No gradient for the anchor: its edge alone orders autograd (the producer's backward
+        # waits for it either way), and a zero per call would be a launch per call.
+        d_anchor = None
         return (dq, dk, dv, None, None, None, None, None, d_shift.to(shift.dtype),
                 None if self_bias is None else d_self_bias.to(self_bias.dtype), d_anchor,
                 None, None, None, None)
@@ -638,7 +638,7 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Ten
     """`forward`'s output `[B, H, n, d]`, differentiable w.r.t. q, k, v, shift and self_bias;
     its backward adds the history's gradients into `grad_hist_k, grad_hist_v` (as `backward`).
     `anchor`: an optional 0-d tensor taken as an input only so that autograd runs this
-    backward before the anchor's producer's (its gradient is zero). The history buffers are
+    backward before the anchor's producer's (it gets no gradient). The history buffers are
     held, not saved: rows >= start may be written between forward and backward; `start` and
     the other inputs must not change."""
     return torch.ops.megabeta.block_attention(q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v,

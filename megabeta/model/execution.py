@@ -29,7 +29,7 @@ class ExecutionConfig:
     compile: bool = False
     """torch.compile each layer's residual branches (applied by the engine)."""
     cuda_graphs: bool = False
-    """Capture the beta12 block step in CUDA graphs and replay it per block (CUDA only)."""
+    """Capture the beta12 block step in CUDA graphs (not implemented yet: must stay false)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -46,6 +46,9 @@ class ExecutionConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"execution.{name} = {getattr(self, name)!r}: must be true or "
                                   "false")
+        if self.cuda_graphs:
+            raise ConfigError("execution.cuda_graphs = true: capturing the block step in CUDA "
+                              "graphs is not implemented yet; set it to false")
 
 
 __all__ = ["ExecutionConfig", "CHECKPOINT_MODES", "ATTENTION_BACKENDS", "CELL_KERNELS"]

@@ -203,9 +203,10 @@ class BufferedHistory:
         if self.grad_keys is None:
             grads = [None] * (2 * self.layers)
         else:
+            # Views where no cast is needed: every reader of these rows is done, nothing
+            # writes them again.
             rows, dtype = slice(start, start + n), self.keys.dtype
-            grads = [g[:, :, rows].to(dtype, copy=True)
-                     for g in (*self.grad_keys, *self.grad_values)]
+            grads = [g[:, :, rows].to(dtype) for g in (*self.grad_keys, *self.grad_values)]
         if start == 0:
             # The first block's gradients are the last to go: nobody reads the buffers again.
             # Dropped here because torch's non-reentrant checkpoint keeps its inputs (our views)

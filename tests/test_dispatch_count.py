@@ -1,0 +1,57 @@
+"""Kernel launches per (block, layer) cell of a training step (megabeta.bench.dispatch): the
+counts are deterministic, so they are tested; what each launch costs is a benchmark's business."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megabeta.bench.dispatch import DispatchCount, count_step, per_cell
+from megabeta.kernels import ops
+
+SMALL = dict(block_size=8, d_model=32, hidden_dim=48, num_heads=2, num_kv_heads=2)
+GPU_PATH_CEILING = 52
+"""Launches per cell on the path a GPU takes (Triton attention and cell kernels), forward,
+recompute and backward together; 223 on the concatenating fallback this path replaces."""
+
+
+def test_custom_ops_count_what_they_launch() -> None:
+    """A custom op is charged its ATen operators and Triton launches, not one call."""
+    @ops.custom_op("test_two_adds")
+    def two_adds(x: torch.Tensor) -> torch.Tensor:
+        return (x + 1) + 1
+
+    two_adds.register_fake(lambda x: torch.empty_like(x))
+    x = torch.zeros(3)
+    with DispatchCount() as count:
+        two_adds(x).view(3)
+    assert count.by_op == {"add": 2}
+    assert count.total == 2
+
+
+def test_gpu_path_launches_few_kernels_per_cell() -> None:
+    pytest.importorskip("triton", reason="triton is not installed (pip install 'megabeta[gpu]')")
+    fused = per_cell("triton", cell_kernels="triton", blocks=(2, 3), **SMALL)
+    fallback = per_cell("sdpa", blocks=(2, 3), **SMALL)
+    assert fused["per_cell"] <= GPU_PATH_CEILING, fused
+    assert fused["per_cell"] * 4 < fallback["per_cell"], (fused["per_cell"],
+                                                          fallback["per_cell"])
+    # Forward and backward of each fused kernel: one launch each per use.
+    assert fused["launches"]["_backward_kernel"] * 2 == fused["launches"]["_forward_kernel"]
+
+
+def test_counts_are_deterministic() -> None:
+    first, second = (per_cell("cpu_flash", blocks=(2, 3), **SMALL) for _ in range(2))
+    assert first == second
+
+
+def test_step_count_grows_by_the_cell_count() -> None:
+    """Per cell is the marginal cost: a step of one more block costs L cells more."""
+    from megabeta.bench.dispatch import counting_config
+    from megabeta.model import ExecutionConfig, build_model
+
+    config = counting_config(**SMALL)
+    model = build_model(config, ExecutionConfig(attention="cpu_flash",
+                                                activation_checkpoint="block"))
+    steps = [count_step(model, torch.zeros(1, n * 8, dtype=torch.long)).total for n in (2, 3, 4)]
+    assert steps[2] - steps[1] == steps[1] - steps[0]
