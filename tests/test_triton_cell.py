@@ -52,6 +52,14 @@ def _assert_differs(got: list[Tensor], want: list[Tensor], dtype: torch.dtype) -
     assert not all(torch.allclose(g, w.to(g.dtype), **TOL[dtype]) for g, w in zip(got, want))
 
 
+def _check(got: tuple, references: list[tuple], mutated: tuple, dtype: torch.dtype) -> None:
+    """Values and gradients `got` match every reference and differ from the mutated one."""
+    for reference in references:
+        _assert_close(got[0] + got[1], reference[0] + reference[1], dtype)
+    _assert_differs(got[0], mutated[0], dtype)
+    _assert_differs(got[1], mutated[1], dtype)
+
+
 def _launches(fn: Callable[[], Tensor | tuple[Tensor, ...]]) -> tuple[int, int]:
     """Triton launches of `fn()`'s forward and of its backward."""
     with ops.LaunchCount() as forward:
@@ -86,11 +94,8 @@ def test_rms_normalize_matches_torch_and_float64(dtype: torch.dtype, strided: bo
     torch_ref = _value_and_grads(lambda t: layers.rms_normalize(t, EPS), [x], [dy])
     exact = _value_and_grads(_rms64, [x], [dy.double()])
     assert got[0][0].dtype == dtype and got[0][0].is_contiguous()
-    _assert_close(got[0] + got[1], torch_ref[0] + torch_ref[1], dtype)
-    _assert_close(got[0] + got[1], exact[0] + exact[1], dtype)
     mutated = _value_and_grads(lambda t: _rms64(t, mutated=True), [x], [dy.double()])
-    _assert_differs(got[0], mutated[0], dtype)
-    _assert_differs(got[1], mutated[1], dtype)
+    _check(got, [torch_ref, exact], mutated, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -110,12 +115,9 @@ def test_add_rms_normalize_matches_torch_and_float64(dtype: torch.dtype) -> None
     want = _value_and_grads(torch_ref, [x, delta], weights)
     want64 = _value_and_grads(exact, [x, delta], [w.double() for w in weights])
     assert all(o.dtype == dtype and o.is_contiguous() for o in got[0])
-    _assert_close(got[0] + got[1], want[0] + want[1], dtype)
-    _assert_close(got[0] + got[1], want64[0] + want64[1], dtype)
     mutated = _value_and_grads(lambda t, u: exact(t, u, mutated=True), [x, delta],
                                [w.double() for w in weights])
-    _assert_differs(got[0], mutated[0], dtype)
-    _assert_differs(got[1], mutated[1], dtype)
+    _check(got, [want, want64], mutated, dtype)
 
 
 # ---- split_heads_rope --------------------------------------------------------------------------
@@ -171,13 +173,10 @@ def test_split_heads_rope_matches_torch_and_float64(dtype: torch.dtype, n: int, 
                              [w.double() for w in weights])
     assert all(o.is_contiguous() and o.dtype == dtype for o in got[0])
     assert got[0][1].shape == (batch, plain, n, HEAD_DIM)
-    _assert_close(got[0] + got[1], torch_ref[0] + torch_ref[1], dtype)
-    _assert_close(got[0] + got[1], exact[0] + exact[1], dtype)
     # Off by one position: the rotation is checked, not just the split.
     mutated = _value_and_grads(lambda t: _split64(t, start + 1, rotary), [y],
                                [w.double() for w in weights])
-    _assert_differs(got[0], mutated[0], dtype)
-    _assert_differs(got[1], mutated[1], dtype)
+    _check(got, [torch_ref, exact], mutated, dtype)
 
 
 def test_split_heads_rope_dtypes_follow_torch() -> None:
@@ -224,11 +223,8 @@ def test_swiglu_matches_torch_and_float64(dtype: torch.dtype, shape: tuple[int, 
                                  [gate_up], [dout])
     exact = _value_and_grads(_swiglu64, [gate_up], [dout.double()])
     assert got[0][0].dtype == dtype and got[0][0].is_contiguous()
-    _assert_close(got[0] + got[1], torch_ref[0] + torch_ref[1], dtype)
-    _assert_close(got[0] + got[1], exact[0] + exact[1], dtype)
     mutated = _value_and_grads(lambda t: _swiglu64(t, mutated=True), [gate_up], [dout.double()])
-    _assert_differs(got[0], mutated[0], dtype)
-    _assert_differs(got[1], mutated[1], dtype)
+    _check(got, [torch_ref, exact], mutated, dtype)
 
 
 # ---- every op ----------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from torch import Tensor
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from megabeta.bench.model import _peak_mib, _timed  # noqa: E402
+from megabeta.bench.model import peak_mib, timed  # noqa: E402
 from megabeta.model import (ConfigError, DecoderLM, ExecutionConfig, ModelConfig,  # noqa: E402
                             build_model, get_preset)
 from megabeta.model.attention.backend import per_query_head  # noqa: E402
@@ -861,8 +861,8 @@ def measure(run: Run, config: ModelConfig, execution: ExecutionConfig, batch: in
         fit = int((run.budget.left() - reserve) // first) if first > 0 else repeats + warmup
         repeats = max(0, min(repeats, fit - warmup))
         warmup = min(warmup, max(0, fit - repeats)) if repeats else 0
-        seconds = _timed(step, run.device, repeats, warmup) if repeats else first
-    return Timing(seconds, first, _peak_mib(run.device) / 1024, static,
+        seconds = timed(step, run.device, repeats, warmup) if repeats else first
+    return Timing(seconds, first, peak_mib(run.device) / 1024, static,
                   model.attention_backend.name, count[0], repeats)
 
 

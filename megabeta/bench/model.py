@@ -36,7 +36,7 @@ TRAIN_WARMUP = 3
 fresh process are slower while the allocator settles (README, "Measured figures")."""
 
 
-def _timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int) -> float:
+def timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int) -> float:
     """Median seconds of `repeats` calls, after `warmup` untimed calls when `repeats` > 1."""
     def sync() -> None:
         if device.type == "cuda":
@@ -54,7 +54,7 @@ def _timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: in
     return statistics.median(times)
 
 
-def _peak_mib(device: torch.device) -> float:
+def peak_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
@@ -85,7 +85,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     batch, length = case["batch"], case["length"]
     out: dict[str, Any] = {}
     if case["kind"] == "train":
-        seconds = _timed(_train_step(model, tokens), device, case["repeats"],
+        seconds = timed(_train_step(model, tokens), device, case["repeats"],
                          case.get("warmup", TRAIN_WARMUP))
         flops = batch * training_flops(config, length)
         out.update(seconds=seconds, flops=flops, flops_per_s=flops / seconds)
@@ -94,13 +94,13 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         prompt = tokens[:, :length]
         capacity = length + case["decode_tokens"] + 1
         # One untimed prefill and decode step each: no optimizer state or gradients to settle.
-        seconds = _timed(lambda: model.prefill(prompt, capacity), device, case["repeats"], 1)
+        seconds = timed(lambda: model.prefill(prompt, capacity), device, case["repeats"], 1)
         _, cache = model.prefill(prompt, capacity)
         step_tokens = tokens[:, -1]
-        decode = _timed(lambda: model.step(step_tokens, cache), device, case["decode_tokens"], 1)
+        decode = timed(lambda: model.step(step_tokens, cache), device, case["decode_tokens"], 1)
         out.update(prefill_ms_per_token=seconds * 1e3 / (batch * length),
                    decode_ms_per_token=decode * 1e3 / batch)
-    out["peak_mib"] = _peak_mib(device)
+    out["peak_mib"] = peak_mib(device)
     return out
 
 

@@ -150,6 +150,16 @@ if triton is not None:
         """First history row a group reads (history.group_rows)."""
         return tl.where((window > 0) & (source > layer), tl.maximum(start - window, 0), 0)
 
+    @triton.jit
+    def _tile(base, rows, stride, offs_d, mask):
+        """Rows `rows` of a `[rows, d]` matrix at `base` (row stride `stride`), 0 where masked."""
+        return tl.load(base + rows[:, None] * stride + offs_d[None, :], mask=mask, other=0.0)
+
+    @triton.jit
+    def _layer_base(ptr, source, s_l, b, s_b, hkv, s_h):
+        """Where (source layer, batch, KV head) starts in a `[L, B, H_kv, T, d]` buffer."""
+        return ptr + source.to(tl.int64) * s_l + b * s_b + hkv * s_h
+
     @triton.jit(do_not_specialize=["n", "G", "src0", "src_step", "layer", "window"])
     def _forward_kernel(q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, start_ptr, shift_ptr, sb_ptr,
                         out_ptr, lse_ptr,
@@ -182,10 +192,8 @@ if triton is not None:
         for j0 in range(0, tl.minimum(n, (pid_m + 1) * BLOCK_M), BLOCK_N):
             offs_n = j0 + tl.arange(0, BLOCK_N)
             kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + b * sk_b + hkv * sk_h + offs_n[:, None] * sk_n + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + b * sv_b + hkv * sv_h + offs_n[:, None] * sv_n + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
+            k = _tile(k_ptr + b * sk_b + hkv * sk_h, offs_n, sk_n, offs_d, kv_mask)
+            v = _tile(v_ptr + b * sv_b + hkv * sv_h, offs_n, sv_n, offs_d, kv_mask)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
             if HAS_SELF:
                 s += tl.where(offs_m[:, None] == offs_n[None, :], self_bias, 0.0)
@@ -195,16 +203,14 @@ if triton is not None:
         for g in range(G):
             source = src0 + g * src_step
             bias = tl.load(shift_ptr + g * H + h) * _LOG2E
-            k_base = hk_ptr + source.to(tl.int64) * shk_l + b * shk_b + hkv * shk_h
-            v_base = hv_ptr + source.to(tl.int64) * shv_l + b * shv_b + hkv * shv_h
+            k_base = _layer_base(hk_ptr, source, shk_l, b, shk_b, hkv, shk_h)
+            v_base = _layer_base(hv_ptr, source, shv_l, b, shv_b, hkv, shv_h)
             for j0 in range(_group_lo(start, window, source, layer), start, BLOCK_N):
                 offs_n = j0 + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < start
                 kv_mask = n_mask[:, None] & d_mask[None, :]
-                k = tl.load(k_base + offs_n[:, None] * shk_t + offs_d[None, :], mask=kv_mask,
-                            other=0.0)
-                v = tl.load(v_base + offs_n[:, None] * shv_t + offs_d[None, :], mask=kv_mask,
-                            other=0.0)
+                k = _tile(k_base, offs_n, shk_t, offs_d, kv_mask)
+                v = _tile(v_base, offs_n, shv_t, offs_d, kv_mask)
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale - bias
                 s = tl.where(n_mask[None, :], s, float("-inf"))
                 acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v, DOT_PREC)
@@ -267,10 +273,8 @@ if triton is not None:
         if task < own_tiles:
             offs_n = task * BLOCK_N + tl.arange(0, BLOCK_N)
             kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + b * sk_b + hkv * sk_h + offs_n[:, None] * sk_n + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + b * sv_b + hkv * sv_h + offs_n[:, None] * sv_n + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
+            k = _tile(k_ptr + b * sk_b + hkv * sk_h, offs_n, sk_n, offs_d, kv_mask)
+            v = _tile(v_ptr + b * sv_b + hkv * sv_h, offs_n, sv_n, offs_d, kv_mask)
             if HAS_SELF:
                 self_bias = tl.load(sb_ptr).to(tl.float32) * _LOG2E
             for hh in range(per_kv):
@@ -300,10 +304,10 @@ if triton is not None:
                     + (task - own_tiles) % T_TILES * BLOCK_N)
             offs_n = row0 + tl.arange(0, BLOCK_N)
             kv_mask = (offs_n < start)[:, None] & d_mask[None, :]
-            k = tl.load(hk_ptr + source.to(tl.int64) * shk_l + b * shk_b + hkv * shk_h
-                        + offs_n[:, None] * shk_t + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(hv_ptr + source.to(tl.int64) * shv_l + b * shv_b + hkv * shv_h
-                        + offs_n[:, None] * shv_t + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = _tile(_layer_base(hk_ptr, source, shk_l, b, shk_b, hkv, shk_h), offs_n, shk_t,
+                      offs_d, kv_mask)
+            v = _tile(_layer_base(hv_ptr, source, shv_l, b, shv_b, hkv, shv_h), offs_n, shv_t,
+                      offs_d, kv_mask)
             # A tile past the valid rows has nothing to do: no query loop, masked stores.
             m_end = tl.where(row0 < start, n, 0)
             for hh in range(per_kv):
@@ -353,10 +357,8 @@ if triton is not None:
         for j0 in range(0, tl.minimum(n, m0 + BLOCK_M), BLOCK_N):
             offs_n = j0 + tl.arange(0, BLOCK_N)
             kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + b * sk_b + hkv * sk_h + offs_n[:, None] * sk_n + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + b * sv_b + hkv * sv_h + offs_n[:, None] * sv_n + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
+            k = _tile(k_ptr + b * sk_b + hkv * sk_h, offs_n, sk_n, offs_d, kv_mask)
+            v = _tile(v_ptr + b * sv_b + hkv * sv_h, offs_n, sv_n, offs_d, kv_mask)
             valid = m_mask[:, None] & (offs_n < n)[None, :] & (offs_n[None, :] <= offs_m[:, None])
             on_diag = offs_m[:, None] == offs_n[None, :]
             bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -369,17 +371,15 @@ if triton is not None:
         for g in range(G):
             source = src0 + g * src_step
             bias = -tl.load(shift_ptr + g * H + h) * _LOG2E
-            k_base = hk_ptr + source.to(tl.int64) * shk_l + b * shk_b + hkv * shk_h
-            v_base = hv_ptr + source.to(tl.int64) * shv_l + b * shv_b + hkv * shv_h
+            k_base = _layer_base(hk_ptr, source, shk_l, b, shk_b, hkv, shk_h)
+            v_base = _layer_base(hv_ptr, source, shv_l, b, shv_b, hkv, shv_h)
             row_sum = tl.zeros([BLOCK_M], tl.float32)
             for j0 in range(_group_lo(start, window, source, layer), start, BLOCK_N):
                 offs_n = j0 + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < start
                 kv_mask = n_mask[:, None] & d_mask[None, :]
-                k = tl.load(k_base + offs_n[:, None] * shk_t + offs_d[None, :], mask=kv_mask,
-                            other=0.0)
-                v = tl.load(v_base + offs_n[:, None] * shv_t + offs_d[None, :], mask=kv_mask,
-                            other=0.0)
+                k = _tile(k_base, offs_n, shk_t, offs_d, kv_mask)
+                v = _tile(v_base, offs_n, shv_t, offs_d, kv_mask)
                 p, ds = _score_grad(q, k, v, do, lse, delta, bias,
                                     m_mask[:, None] & n_mask[None, :], qk_scale, DOT_PREC)
                 dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)

@@ -403,14 +403,21 @@ def split_heads_rope(y: Tensor, cos: Tensor, sin: Tensor, *, rotary_heads: int,
 # ---- SwiGLU ------------------------------------------------------------------------------------
 
 @triton.jit
-def _swiglu_forward_kernel(GU, OUT, stride_m, stride_w, h,
-                           BLOCK_H: tl.constexpr, COMPUTE: tl.constexpr):
+def _gate_up_tile(GU, stride_m, stride_w, h, BLOCK_H: tl.constexpr, COMPUTE: tl.constexpr):
+    """This program's row, columns, column mask, and its gate and up tiles of `GU [rows, 2h]`."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < h
     src = GU + row * stride_m + cols * stride_w
     gate = tl.load(src, mask=mask, other=0.0).to(COMPUTE)
     up = tl.load(src + h * stride_w, mask=mask, other=0.0).to(COMPUTE)
+    return row, cols, mask, gate, up
+
+
+@triton.jit
+def _swiglu_forward_kernel(GU, OUT, stride_m, stride_w, h,
+                           BLOCK_H: tl.constexpr, COMPUTE: tl.constexpr):
+    row, cols, mask, gate, up = _gate_up_tile(GU, stride_m, stride_w, h, BLOCK_H, COMPUTE)
     out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(OUT + row * h + cols, out.to(OUT.dtype.element_ty), mask=mask)
 
@@ -418,12 +425,7 @@ def _swiglu_forward_kernel(GU, OUT, stride_m, stride_w, h,
 @triton.jit
 def _swiglu_backward_kernel(DOUT, GU, DGU, stride_gm, stride_gw, stride_m, stride_w, h,
                             BLOCK_H: tl.constexpr, COMPUTE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < h
-    src = GU + row * stride_m + cols * stride_w
-    gate = tl.load(src, mask=mask, other=0.0).to(COMPUTE)
-    up = tl.load(src + h * stride_w, mask=mask, other=0.0).to(COMPUTE)
+    row, cols, mask, gate, up = _gate_up_tile(GU, stride_m, stride_w, h, BLOCK_H, COMPUTE)
     dout = tl.load(DOUT + row * stride_gm + cols * stride_gw, mask=mask, other=0.0).to(COMPUTE)
     sig = 1.0 / (1.0 + tl.exp(-gate))
     # silu'(g) = σ(g)·(1 + g·(1 - σ(g)))

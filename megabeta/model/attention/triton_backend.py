@@ -51,7 +51,7 @@ class TritonAttention:
             empty = q.new_empty(0)
             return triton_attention.block_attention(
                 q, keys.k.to(q.dtype), keys.v.to(q.dtype), empty, empty, empty, empty,
-                q.new_zeros((), dtype=torch.int64), q.new_zeros(0, q.shape[1]), bias.self_bias,
+                q.new_zeros((), dtype=torch.int64), q.new_empty(0, q.shape[1]), bias.self_bias,
                 sources=[], layer=layer, window=0, scale=scale)
         # In the buffers' dtype: the kernels take one, and autocast does not reach them.
         dtype = stored.dtype
