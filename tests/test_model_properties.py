@@ -106,7 +106,14 @@ def test_checkpointing_recomputes_blocks_in_backward() -> None:
     """With block checkpointing, backward runs every block's layers again (T/c more calls)."""
     calls = {"n": 0}
     model = tiny_model(block_size=5, activation_checkpoint="block")
-    model.layers[0].feed_forward.w2.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+    layer = model.layers[0]
+    mlp_delta = layer.mlp_delta
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["n"] += 1
+        return mlp_delta(*args, **kwargs)
+
+    layer.mlp_delta = counted
     loss = model(tokens(length=T), tokens(length=T, seed=2))
     forward_calls = calls["n"]
     loss.backward()

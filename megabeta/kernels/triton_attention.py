@@ -332,15 +332,17 @@ if triton is not None:
 
     @triton.jit
     def _query_program(m_tile, bh, q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr, lse_ptr,
-                       start, shift_ptr, sb_ptr, dq_ptr, rows_ptr, diag_ptr,
+                       start, shift_ptr, sb_ptr, dq_ptr, rows_ptr, diag_ptr, rows_t,
                        sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                        shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                        sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, sdq_b, sdq_h, sdq_n,
                        B, H, HKV, n, G, src0, src_step, layer, window, scale, qk_scale,
-                       HAS_SELF: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+                       HAS_SELF: tl.constexpr, ROWS_AT_START: tl.constexpr, D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       DOT_PREC: tl.constexpr):
         """dQ of one query tile over every key, and its rows' score-gradient sums: per group
-        (`rows [G, B, H, n]`) and on the diagonal (`diag [B, H, n]`)."""
+        (`rows [G, B, H, rows_t]`) and on the diagonal (`diag [B, H, rows_t]`), at the query's
+        index, or with ROWS_AT_START at its position (`start` + index: a pass's buffers)."""
         b = (bh // H).to(tl.int64)
         h = bh % H
         hkv = (h // (H // HKV)).to(tl.int64)
@@ -351,6 +353,7 @@ if triton is not None:
             q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H, sq_b, sq_h, sq_n,
             sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, D, BLOCK_M, BLOCK_D)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        row0 = start if ROWS_AT_START else 0
         if HAS_SELF:
             self_bias = tl.load(sb_ptr).to(tl.float32) * _LOG2E
             diag = tl.zeros([BLOCK_M], tl.float32)
@@ -384,24 +387,26 @@ if triton is not None:
                                     m_mask[:, None] & n_mask[None, :], qk_scale, DOT_PREC)
                 dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
                 row_sum += tl.sum(ds, 1)
-            tl.store(rows_ptr + ((g * B + b) * H + h) * n + offs_m, row_sum, mask=m_mask)
+            tl.store(rows_ptr + ((g * B + b) * H + h) * rows_t + row0 + offs_m, row_sum,
+                     mask=m_mask)
         tl.store(dq_ptr + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_n + offs_d[None, :],
                  (dq * scale).to(dq_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
         if HAS_SELF:
-            tl.store(diag_ptr + (b * H + h) * n + offs_m, diag, mask=m_mask)
+            tl.store(diag_ptr + (b * H + h) * rows_t + row0 + offs_m, diag, mask=m_mask)
 
     @triton.jit(do_not_specialize=["n", "G", "T_TILES", "src0", "src_step", "layer", "window"])
     def _backward_kernel(q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr, lse_ptr, start_ptr,
                          shift_ptr, sb_ptr, dq_ptr, dk_ptr, dv_ptr, ghk_ptr, ghv_ptr, rows_ptr,
-                         diag_ptr,
+                         diag_ptr, rows_t,
                          sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                          shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                          sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, sdq_b, sdq_h, sdq_n,
                          sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
                          sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t,
                          B, H, HKV, n, G, T_TILES, src0, src_step, layer, window, scale, qk_scale,
-                         HAS_SELF: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+                         HAS_SELF: tl.constexpr, ROWS_AT_START: tl.constexpr, D: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         DOT_PREC: tl.constexpr):
         # Programs [0, key_programs): (key task, b·kv head); the rest: (query tile, b·head).
         pid = tl.program_id(0)
         start = tl.load(start_ptr).to(tl.int32)
@@ -421,12 +426,12 @@ if triton is not None:
             rest = pid - key_programs
             _query_program(rest // (B * H), rest % (B * H), q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr,
                            do_ptr, o_ptr, lse_ptr, start, shift_ptr, sb_ptr, dq_ptr, rows_ptr,
-                           diag_ptr,
+                           diag_ptr, rows_t,
                            sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                            shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                            sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, sdq_b, sdq_h, sdq_n,
                            B, H, HKV, n, G, src0, src_step, layer, window, scale, qk_scale,
-                           HAS_SELF, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+                           HAS_SELF, ROWS_AT_START, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
 
 
 def _meta(q: Tensor) -> dict:
@@ -467,8 +472,9 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tenso
 def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor,
                    hist_v: Tensor, out: Tensor, lse: Tensor, start: Tensor, shift: Tensor,
                    self_bias: Tensor | None, grad_hist_k: Tensor, grad_hist_v: Tensor,
-                   sources: list[int], layer: int, window: int,
-                   scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   sources: list[int], layer: int, window: int, scale: float,
+                   shift_rows: Tensor | None = None,
+                   diag_rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     groups, src0, step = _groups(sources)
     _check(q, k, v, hist_k, hist_v, shift, sources)
     if groups and (grad_hist_k.shape != hist_k.shape or grad_hist_v.shape != hist_k.shape
@@ -484,9 +490,15 @@ def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor
     lse = lse.contiguous()
     batch, heads, n, _ = q.shape
     dq, dk, dv = _like(q), _like(k), _like(v)
-    # Per-row partial sums of the score gradient, reduced below in a fixed order.
-    rows = lse.new_empty(groups, batch, heads, n)
-    diag = lse.new_empty(batch, heads, n) if self_bias is not None else lse.new_empty(0)
+    # Per-row partial sums of the score gradient, reduced below in a fixed order, or left in
+    # the pass's buffers (`shift_rows [G, B, H, T]`, `diag_rows [B, H, T]`) at the block's
+    # positions, for the pass to reduce once.
+    in_pass = shift_rows is not None
+    if in_pass:
+        rows, diag, rows_t = shift_rows, diag_rows, shift_rows.shape[-1]
+    else:
+        rows, rows_t = lse.new_empty(groups, batch, heads, n), n
+        diag = lse.new_empty(batch, heads, n) if self_bias is not None else lse.new_empty(0)
     shift = shift.to(torch.float32).contiguous()
     meta = _meta(q)
     t_tiles = triton.cdiv(hist_k.shape[3], meta["BLOCK_N"]) if groups else 0
@@ -494,14 +506,16 @@ def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor
     grid = (key_programs + triton.cdiv(n, meta["BLOCK_M"]) * batch * heads,)
     launch(_backward_kernel, grid, q, k, v, hist_k, hist_v, grad, out, lse, start, shift,
            shift if self_bias is None else self_bias, dq, dk, dv, grad_hist_k, grad_hist_v,
-           rows, diag,
+           rows, diag, rows_t,
            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
            *_hist_strides(hist_k, groups), *_hist_strides(hist_v, groups),
            *grad.stride()[:3], *out.stride()[:3], *dq.stride()[:3], *dk.stride()[:3],
            *dv.stride()[:3], *_hist_strides(grad_hist_k, groups),
            *_hist_strides(grad_hist_v, groups),
            batch, heads, k.shape[1], n, groups, t_tiles, src0, step, layer, window, scale,
-           scale * LOG2E, HAS_SELF=self_bias is not None, **meta)
+           scale * LOG2E, HAS_SELF=self_bias is not None, ROWS_AT_START=in_pass, **meta)
+    if in_pass:
+        return dq, dk, dv, lse.new_empty(0), lse.new_empty(0)
     # The shift is subtracted from the scores.
     d_shift = -rows.sum((1, 3))
     d_self_bias = diag.sum().reshape(1) if self_bias is not None else diag
@@ -525,20 +539,26 @@ if triton is not None:
           scale: float) -> tuple[Tensor, Tensor]:
         return _forward_fake(q)
 
-    @custom_op("block_attention_backward", mutates_args=("grad_hist_k", "grad_hist_v"))
+    @custom_op("block_attention_backward",
+               mutates_args=("grad_hist_k", "grad_hist_v", "shift_rows", "diag_rows"))
     def _backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor,
                      hist_v: Tensor, out: Tensor, lse: Tensor, start: Tensor, shift: Tensor,
                      self_bias: Tensor | None, grad_hist_k: Tensor, grad_hist_v: Tensor,
-                     sources: list[int], layer: int, window: int,
-                     scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     sources: list[int], layer: int, window: int, scale: float,
+                     shift_rows: Tensor | None = None, diag_rows: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         return _backward_impl(grad, q, k, v, hist_k, hist_v, out, lse, start, shift, self_bias,
-                              grad_hist_k, grad_hist_v, sources, layer, window, scale)
+                              grad_hist_k, grad_hist_v, sources, layer, window, scale,
+                              shift_rows, diag_rows)
 
     @_backward_op.register_fake
     def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
           out: Tensor, lse: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
           grad_hist_k: Tensor, grad_hist_v: Tensor, sources: list[int], layer: int, window: int,
-          scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+          scale: float, shift_rows: Tensor | None = None, diag_rows: Tensor | None = None
+          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        if shift_rows is not None:
+            return _like(q), _like(k), _like(v), lse.new_empty(0), lse.new_empty(0)
         return (_like(q), _like(k), _like(v),
                 lse.new_empty(len(sources), q.shape[1]),
                 lse.new_empty(1 if self_bias is not None else 0))
@@ -547,7 +567,8 @@ if triton is not None:
     def _attention_op(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
                       grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor, shift: Tensor,
                       self_bias: Tensor | None, anchor: Tensor | None, sources: list[int],
-                      layer: int, window: int, scale: float) -> tuple[Tensor, Tensor]:
+                      layer: int, window: int, scale: float, shift_rows: Tensor | None = None,
+                      diag_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return _forward_impl(q, k, v, hist_k, hist_v, start, shift, self_bias, sources, layer,
                              window, scale)
 
@@ -555,33 +576,43 @@ if triton is not None:
     def _(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, grad_hist_k: Tensor,
           grad_hist_v: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
           anchor: Tensor | None, sources: list[int], layer: int, window: int,
-          scale: float) -> tuple[Tensor, Tensor]:
+          scale: float, shift_rows: Tensor | None = None,
+          diag_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return _forward_fake(q)
 
     def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
         (q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, shift, self_bias, anchor,
-         sources, layer, window, scale) = inputs
+         sources, layer, window, scale, shift_rows, diag_rows) = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, start, shift, self_bias, out, lse)
         # Not saved tensors on purpose: later blocks write their rows of the history (rows
         # >= start, which this call never reads), which would trip the saved-tensor version
         # check; and the gradient buffers are written by this very backward.
         ctx.history = (hist_k, hist_v, grad_hist_k, grad_hist_v)
+        ctx.rows = (shift_rows, diag_rows)
         ctx.args = (list(sources), layer, window, scale)
         ctx.mark_non_differentiable(lse)
+        # No zero-filled gradient for lse (nobody differentiates it): a launch per call.
+        ctx.set_materialize_grads(False)
 
     def _attention_backward(ctx, grad: Tensor, _grad_lse: Tensor | None) -> tuple:
+        if grad is None:  # the output took no part in the loss
+            return (None,) * 17
         q, k, v, start, shift, self_bias, out, lse = ctx.saved_tensors
         hist_k, hist_v, grad_hist_k, grad_hist_v = ctx.history
         dq, dk, dv, d_shift, d_self_bias = torch.ops.megabeta.block_attention_backward(
             grad, q, k, v, hist_k, hist_v, out, lse, start, shift, self_bias, grad_hist_k,
-            grad_hist_v, *ctx.args)
+            grad_hist_v, *ctx.args, *ctx.rows)
+        if ctx.rows[0] is not None:  # the biases' partial sums went to the pass's buffers
+            d_shift = d_self_bias = None
         # No gradient for the anchor: its edge alone orders autograd (the producer's backward
         # waits for it either way), and a zero per call would be a launch per call.
         d_anchor = None
-        return (dq, dk, dv, None, None, None, None, None, d_shift.to(shift.dtype),
-                None if self_bias is None else d_self_bias.to(self_bias.dtype), d_anchor,
-                None, None, None, None)
+        return (dq, dk, dv, None, None, None, None, None,
+                None if d_shift is None else d_shift.to(shift.dtype),
+                None if self_bias is None or d_self_bias is None
+                else d_self_bias.to(self_bias.dtype),
+                d_anchor, None, None, None, None, None, None)
 
     _attention_op.register_autograd(_attention_backward, setup_context=_setup_context)
 
@@ -634,13 +665,21 @@ def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist
 def block_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
                     grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor, shift: Tensor,
                     self_bias: Tensor | None = None, *, sources: list[int], layer: int,
-                    window: int, scale: float, anchor: Tensor | None = None) -> Tensor:
+                    window: int, scale: float, anchor: Tensor | None = None,
+                    shift_rows: Tensor | None = None,
+                    diag_rows: Tensor | None = None) -> Tensor:
     """`forward`'s output `[B, H, n, d]`, differentiable w.r.t. q, k, v, shift and self_bias;
     its backward adds the history's gradients into `grad_hist_k, grad_hist_v` (as `backward`).
     `anchor`: an optional 0-d tensor taken as an input only so that autograd runs this
     backward before the anchor's producer's (it gets no gradient). The history buffers are
     held, not saved: rows >= start may be written between forward and backward; `start` and
-    the other inputs must not change."""
+    the other inputs must not change.
+
+    `shift_rows [G, B, H, T]`, `diag_rows [B, H, T]` (float32; T any length covering the
+    block's positions): a pass's buffers for the per-row score-gradient sums of the shift and
+    the self bias. Given, backward writes this block's rows there (at positions start …) and
+    returns no gradient for shift and self_bias: the pass reduces the rows of all its blocks
+    once, instead of a reduction and a sum per block."""
     return torch.ops.megabeta.block_attention(q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v,
                                               start, shift, self_bias, anchor, sources, layer,
-                                              window, scale)[0]
+                                              window, scale, shift_rows, diag_rows)[0]

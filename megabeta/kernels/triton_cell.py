@@ -489,6 +489,6 @@ _swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_conte
 
 def swiglu(gate_up: Tensor) -> Tensor:
     """`silu(gate) · up` for `gate, up = gate_up.chunk(2, dim=-1)`: `[..., 2h] → [..., h]`
-    (contiguous, `gate_up`'s dtype), the elementwise part of `FeedForward.from_fused`. One
+    (contiguous, `gate_up`'s dtype), the elementwise part of `TransformerLayer.mlp_delta`. One
     launch forward, one backward (`d gate_up`, from the saved `gate_up`)."""
     return _swiglu_op(gate_up)

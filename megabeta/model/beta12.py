@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from megabeta.model.attention import AttentionBias
+from megabeta.model.attention import AttentionBias, BiasRows
 from megabeta.model.cache import DecodeCache
 from megabeta.model.history import BufferedHistory, BufferedView, PieceHistory, PieceView
 from megabeta.model.layers import Attention, Projection
@@ -28,19 +28,20 @@ from megabeta.model.transformer import DecoderLM
 
 
 class CellWeights:
-    """The fused weights of one pass (layers.Projection), per layer l:
+    """The fused weights of one pass (layers.Projection, layers.SharedWeight), per layer l:
 
     - `input(l, finished=True)`: one matmul of layer l's normalized input for layer l-1's
       finished K/V and layer l's queries and construction K/V (5 projections, 2 norm weights
       folded in); `finished=False` (a block whose finished KVs nobody reads) drops the first.
     - `last_finished`: the last layer's finished K/V from the block's final hidden states.
-    - `gate_up[l]`: SwiGLU's gate and up projections with ffn_norm folded in.
+    - `branches[l]`: W_O, SwiGLU's gate and up projections with ffn_norm folded in, and w2.
     - `biases[l]`: the layer's score biases: λ per head (None without a depth bias, or with
       depth_window 0, where every group is the layer's own, offset 0), b_σ, and the groups'
-      score shifts λ_h·(m - l) that the fused kernels take.
+      score shifts λ_h·(m - l) that the fused kernels take, with the pass's gradient rows
+      (`BiasRows`, of `length` tokens).
     """
 
-    def __init__(self, model: "Beta12Transformer", finished: bool) -> None:
+    def __init__(self, model: "Beta12Transformer", finished: bool, length: int) -> None:
         c, kernels = model.config, model.cell_kernels
         inputs = [layer.attention.input_rows(layer.attention_norm) for layer in model.layers]
         self._plain = [Projection(rows, c.head_dim, kernels) for rows in inputs]
@@ -52,8 +53,10 @@ class CellWeights:
             self._finished = [None] + [Projection([fk] + rows + [fv], c.head_dim, kernels)
                                        for (fk, fv), rows in zip(outputs, inputs[1:])]
             self.last_finished = Projection(outputs[-1], c.head_dim, kernels)
-        self.gate_up = [layer.feed_forward.fused_weight(layer.ffn_norm) for layer in model.layers]
-        self.biases = [_biases(layer.attention, model.config.source_layers(l), l, c.depth_window)
+        self.branches = [layer.pass_weights() for layer in model.layers]
+        self.biases = [BiasRows(length).hand_out(_biases(layer.attention,
+                                                         model.config.source_layers(l), l,
+                                                         c.depth_window))
                        for l, layer in enumerate(model.layers)]
 
     def input(self, layer: int, finished: bool) -> Projection:
@@ -132,8 +135,9 @@ class Beta12Transformer(DecoderLM):
                 q, k, v = parts
             o = attention.attend(q, history.key_set(l, k, v), weights.biases[l], layer=l,
                                  dropout_p=dropout)
-            x, normalized = kernels.add_rms_normalize(x, layer.attention_delta(o), eps)
-            mlp = layer.mlp_delta(normalized, weights.gate_up[l], kernels)
+            branches = weights.branches[l]
+            x, normalized = kernels.add_rms_normalize(x, layer.attention_delta(o, branches), eps)
+            mlp = layer.mlp_delta(normalized, branches, kernels)
             if construction:
                 con_k.append(layout.keys(k, l))
                 con_v.append(layout.values(v))
@@ -154,7 +158,7 @@ class Beta12Transformer(DecoderLM):
         c = self.config.block_size
         x = self.tok_embeddings(tokens)
         # Built once per pass, outside the checkpointed blocks (which only read them).
-        weights = CellWeights(self, finished=length > c)
+        weights = CellWeights(self, finished=length > c, length=length)
         dropout = self.config.dropout if self.training else 0.0
         history = self._history(length)
         # The tables of the whole sequence, once per pass; each block reads a slice (no copy).
@@ -196,7 +200,8 @@ class Beta12Transformer(DecoderLM):
         cache.reserve(tokens.shape[1])
         c = self.config.block_size
         x = self.tok_embeddings(tokens)
-        weights = self.decode_weights(cache, lambda: CellWeights(self, finished=True))
+        weights = self.decode_weights(
+            cache, lambda: CellWeights(self, finished=True, length=cache.capacity))
         logits = []
         done = 0
         while done < tokens.shape[1]:

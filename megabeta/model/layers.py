@@ -145,6 +145,97 @@ class CellKernels:
 TORCH_KERNELS = CellKernels("torch", rms_normalize, add_rms_normalize, split_heads_rope, swiglu)
 
 
+class SharedWeight:
+    """A weight that many calls of one pass multiply by (every block, or every loop): built
+    once per pass from the parameters (`weight`, `[out, in]`).
+
+    Under autograd each call's weight gradient would be one matmul plus one sum into the
+    others (twice the launches a cell needs). `linear` instead accumulates it in place, one
+    `addmm` per call, and the pass hands the sum to autograd once, when every call's backward
+    is done (`_HandOut`, which all of them take as input). Only where the inputs have the
+    weight's dtype: under autocast, where each call sees a cast copy, autograd sums as before.
+    """
+
+    def __init__(self, weight: Tensor) -> None:
+        self.weight = weight
+        self.grad: Tensor | None = None
+        self._ones: dict[int, Tensor] = {}
+        self.accumulates = weight.requires_grad and torch.is_grad_enabled()
+        self.tensor = _HandOut.apply(weight, self) if self.accumulates else weight
+        """What the calls read: `weight`, through the node that hands the gradient out."""
+
+    def add_row_sum(self, rows: Tensor) -> None:
+        """Add `rows [m, out]` summed over m to the gradient of a bias `[out]`: one
+        matrix-vector product, with a vector of ones kept per m for the pass."""
+        ones = self._ones.get(rows.shape[0])
+        if ones is None:
+            ones = self._ones[rows.shape[0]] = rows.new_ones(rows.shape[0])
+        if self.grad is None:
+            self.grad = rows.t() @ ones
+        else:
+            self.grad.addmv_(rows.t(), ones)
+
+
+class _HandOut(torch.autograd.Function):
+    """Forward: the shared weight as is (a view). Backward, after every reader's: its
+    accumulated gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, shared: SharedWeight) -> Tensor:
+        ctx.shared = shared
+        ctx.set_materialize_grads(False)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, None]:
+        shared, ctx.shared = ctx.shared, None
+        total, shared.grad, shared._ones = shared.grad, None, {}
+        if grad is not None:  # a reader that is not `linear` (e.g. under autocast)
+            total = grad if total is None else total + grad
+        return total, None
+
+
+def linear(x: Tensor, weight: SharedWeight, bias: SharedWeight | None = None) -> Tensor:
+    """`F.linear(x, weight, bias)` for a weight (and bias) shared across a pass."""
+    w, b = weight.tensor, None if bias is None else bias.tensor
+    if (weight.accumulates and (bias is None or bias.accumulates) and torch.is_grad_enabled()
+            and x.dtype == w.dtype and not _autocast(x.device)):
+        return _AccumulatingLinear.apply(x, w, b, weight, bias)
+    return F.linear(x, w, b)
+
+
+def _autocast(device: torch.device) -> bool:
+    kind = device.type
+    return torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+
+
+class _AccumulatingLinear(torch.autograd.Function):
+    """`F.linear` whose weight and bias gradients are added into their `SharedWeight.grad` (none
+    returned for them: `_HandOut` returns the sums)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None,
+                shared: SharedWeight, shared_bias: SharedWeight | None) -> Tensor:
+        ctx.shared, ctx.shared_bias = shared, shared_bias
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+        x, weight = ctx.saved_tensors
+        shared = ctx.shared
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        if shared.grad is None:
+            shared.grad = dy2.t() @ x2
+        else:
+            shared.grad.addmm_(dy2.t(), x2)
+        if ctx.shared_bias is not None:
+            ctx.shared_bias.add_row_sum(dy2)
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        return dx, None, None, None, None
+
+
 @dataclass(eq=False)
 class Rows:
     """Some heads of a projection: weight rows (norm weight folded in), optional bias, per-head
@@ -173,11 +264,11 @@ class Projection:
         rotary = [p for p in parts if p.rotary]
         plain = [p for p in parts if not p.rotary]
         order = rotary + plain
-        self.weight = torch.cat([p.weight for p in order])
+        self.weight = SharedWeight(torch.cat([p.weight for p in order]))
         self.bias = None
         if any(p.bias is not None for p in order):
-            self.bias = torch.cat([p.weight.new_zeros(len(p.weight)) if p.bias is None else p.bias
-                                   for p in order])
+            self.bias = SharedWeight(torch.cat([p.weight.new_zeros(len(p.weight))
+                                                if p.bias is None else p.bias for p in order]))
         self.head_dim = head_dim
         self.rotary_heads = sum(p.heads for p in rotary)
         self.head_norm = None
@@ -194,7 +285,7 @@ class Projection:
     def __call__(self, normalized: Tensor, cos: Tensor, sin: Tensor) -> list[Tensor]:
         """The parts of `normalized [B, n, d]` (already `rms_normalize`d), with RoPE at the
         positions of `cos/sin`."""
-        y = F.linear(normalized, self.weight, self.bias)
+        y = linear(normalized, self.weight, self.bias)
         d = self.head_dim
         if self.head_norm is None:
             rot, plain = self.kernels.split_heads_rope(y, cos, sin,
@@ -225,9 +316,6 @@ class FeedForward(nn.Module):
         of the normalized `x` (the norm's weight folded into the columns)."""
         return torch.cat([self.w1.weight, self.w3.weight]) * norm.weight
 
-    def from_fused(self, gate_up: Tensor, kernels: CellKernels = TORCH_KERNELS) -> Tensor:
-        """`w2(silu(gate) * up)` from the output of the fused matmul."""
-        return self.w2(kernels.swiglu(gate_up))
 
 
 class Attention(nn.Module):
@@ -279,9 +367,18 @@ class Attention(nn.Module):
             return None
         return self.lambda_max * torch.sigmoid(self.depth_bias)
 
-    def merge_heads(self, o: Tensor) -> Tensor:
-        """`[B, H, n, d_h]` → `W_O` applied to the concatenated heads, `[B, n, d]`."""
-        return self.wo(o.transpose(1, 2).flatten(2))
+
+
+@dataclass(frozen=True)
+class BranchWeights:
+    """A layer's residual-branch weights for one pass (`TransformerLayer.pass_weights`)."""
+
+    out: SharedWeight
+    """W_O."""
+    gate_up: SharedWeight
+    """`feed_forward.fused_weight(ffn_norm)`: gate and up with the norm's weight folded in."""
+    down: SharedWeight
+    """w2."""
 
 
 class TransformerLayer(nn.Module):
@@ -295,16 +392,22 @@ class TransformerLayer(nn.Module):
         self.feed_forward = FeedForward(config.d_model, config.hidden_dim)
         self.dropout = nn.Dropout(config.dropout)
 
-    def attention_delta(self, o: Tensor) -> Tensor:
-        """The attention branch `W_O·o` (dropout applied) for per-head output `o [B, H, n, d_h]`:
-        what the residual stream adds."""
-        return self._dropped(self.attention.merge_heads(o))
+    def pass_weights(self) -> "BranchWeights":
+        """This layer's branch weights for one pass (fused, shared by the pass's calls)."""
+        return BranchWeights(SharedWeight(self.attention.wo.weight),
+                             SharedWeight(self.feed_forward.fused_weight(self.ffn_norm)),
+                             SharedWeight(self.feed_forward.w2.weight))
 
-    def mlp_delta(self, normalized: Tensor, gate_up_weight: Tensor,
+    def attention_delta(self, o: Tensor, weights: "BranchWeights") -> Tensor:
+        """The attention branch `W_O·o` (dropout applied) for per-head output `o [B, H, n, d_h]`
+        (the heads concatenated): what the residual stream adds."""
+        return self._dropped(linear(o.transpose(1, 2).flatten(2), weights.out))
+
+    def mlp_delta(self, normalized: Tensor, weights: "BranchWeights",
                   kernels: CellKernels = TORCH_KERNELS) -> Tensor:
-        """The SwiGLU branch of `rms_normalize(a)`, given `feed_forward.fused_weight(ffn_norm)`."""
-        gate_up = F.linear(normalized, gate_up_weight)
-        return self._dropped(self.feed_forward.from_fused(gate_up, kernels))
+        """The SwiGLU branch `w2(silu(w1 x) * w3 x)` of `normalized = rms_normalize(a)`."""
+        gate_up = linear(normalized, weights.gate_up)
+        return self._dropped(linear(kernels.swiglu(gate_up), weights.down))
 
     def _dropped(self, x: Tensor) -> Tensor:
         # No dropout call at p = 0: in training it would still launch a kernel per branch.

@@ -23,6 +23,7 @@ from megabeta.model.config import ConfigError, ModelConfig
 from megabeta.model.execution import ExecutionConfig
 from megabeta.model.cell_kernels import select_cell_kernels
 from megabeta.model.layers import (
+    BranchWeights,
     CellKernels,
     Projection,
     RMSNorm,
@@ -180,19 +181,19 @@ class StandardTransformer(DecoderLM):
         """How many times the stack is applied (the looped arm repeats it)."""
         return 1
 
-    def _weights(self) -> list[tuple[Projection, Tensor]]:
-        """Per layer of the stack, its fused input projection and SwiGLU gate/up weight
-        (layers.Projection), built once per pass."""
+    def _weights(self) -> list[tuple[Projection, BranchWeights]]:
+        """Per layer of the stack, its fused input projection and branch weights
+        (layers.Projection, layers.BranchWeights), built once per pass."""
         c = self.config
         return [(Projection(layer.attention.input_rows(layer.attention_norm), c.head_dim,
                             self.cell_kernels),
-                 layer.feed_forward.fused_weight(layer.ffn_norm))
+                 layer.pass_weights())
                 for layer in self.layers]
 
-    def _layer(self, layer: TransformerLayer, weights: tuple[Projection, Tensor], x: Tensor,
+    def _layer(self, layer: TransformerLayer, weights: tuple[Projection, BranchWeights], x: Tensor,
                cos: Tensor, sin: Tensor, cache: KVBuffer | None) -> tuple[Tensor, Tensor, Tensor]:
         """One layer on tokens with RoPE tables `cos/sin`; earlier tokens' KVs come from `cache`."""
-        projection, gate_up = weights
+        projection, branches = weights
         kernels, eps = self.cell_kernels, self.config.norm_eps
         q, k, v = projection(kernels.rms_normalize(x, eps), cos, sin)
         keys = KeySet(k=k, v=v)
@@ -200,10 +201,11 @@ class StandardTransformer(DecoderLM):
             keys.prefix_k, keys.prefix_v = cache.view()
         dropout = self.config.dropout if self.training else 0.0
         o = self.attention_backend.attend(q, keys, NO_BIAS, layer=0, dropout_p=dropout)
-        a, normalized = kernels.add_rms_normalize(x, layer.attention_delta(o), eps)
-        return a + layer.mlp_delta(normalized, gate_up, kernels), k, v
+        a, normalized = kernels.add_rms_normalize(x, layer.attention_delta(o, branches), eps)
+        return a + layer.mlp_delta(normalized, branches, kernels), k, v
 
-    def _applications(self) -> list[tuple[TransformerLayer, tuple[Projection, Tensor]]]:
+    def _applications(self) -> list[tuple[TransformerLayer,
+                                          tuple[Projection, BranchWeights]]]:
         """(layer, its fused weights) in the order the layers are applied."""
         return list(zip(self.layers, self._weights())) * self._repeats()
 

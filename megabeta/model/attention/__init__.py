@@ -5,6 +5,7 @@ from megabeta.model.attention.backend import (
     NO_BIAS,
     AttentionBackend,
     AttentionBias,
+    BiasRows,
     GroupBatch,
     KeyLayout,
     KeySet,
@@ -12,5 +13,5 @@ from megabeta.model.attention.backend import (
 )
 from megabeta.model.attention.select import select_attention
 
-__all__ = ["AttentionBackend", "AttentionBias", "NO_BIAS", "GroupBatch", "KeyLayout", "KeySet",
+__all__ = ["AttentionBackend", "AttentionBias", "BiasRows", "NO_BIAS", "GroupBatch", "KeyLayout", "KeySet",
            "StoredHistory", "select_attention"]

@@ -19,7 +19,7 @@ A block of `n` consecutive queries of layer l attends, in ONE softmax (spec §3)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,63 @@ class KeyLayout:
         return F.pad(v, (0, self.extra)) if self.extra else v
 
 
+@dataclass(eq=False)
+class BiasRows:
+    """Per-row partial sums of one layer's bias gradients over one pass, for kernels that
+    write them per block (the `triton` backend) instead of reducing and summing per block.
+
+    Buffers `[G, B, H, T]` (the depth shift's groups) and `[B, H, T]` (the self bias's
+    diagonal), float32, allocated by the first reader (`buffers`); `hand_out` makes the
+    layer's shift and self bias tensors whose gradient, once every reader's backward has
+    run, is the reduction of the rows (plus what other readers returned).
+    """
+
+    length: int
+    """T: the pass's tokens."""
+    shift: Tensor | None = None
+    diag: Tensor | None = None
+
+    def buffers(self, groups: int, batch: int, heads: int,
+                like: Tensor) -> tuple[Tensor, Tensor]:
+        if self.shift is None:
+            # Zeros: rows of blocks whose kernels write none (no groups yet) must add nothing.
+            self.shift = like.new_zeros(groups, batch, heads, self.length, dtype=torch.float32)
+            self.diag = like.new_zeros(batch, heads, self.length, dtype=torch.float32)
+        return self.shift, self.diag
+
+    def hand_out(self, bias: "AttentionBias") -> "AttentionBias":
+        """`bias` with its shift and self bias read through the reducing nodes (when they need
+        gradients)."""
+        def through(t: Tensor | None, kind: str) -> Tensor | None:
+            if t is None or not (t.requires_grad and torch.is_grad_enabled()):
+                return t
+            return _HandOutRows.apply(t, self, kind)
+
+        return AttentionBias(bias.slope, through(bias.self_bias, "diag"),
+                             through(bias.group_shift, "shift"), self)
+
+
+class _HandOutRows(torch.autograd.Function):
+    """Forward: the tensor as is. Backward, after every reader's: the rows' reduction (the
+    shift is subtracted from scores: minus its rows' sum; b_σ: the diagonal's sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, rows: BiasRows, kind: str) -> Tensor:
+        ctx.rows, ctx.kind, ctx.dtype = rows, kind, t.dtype
+        ctx.set_materialize_grads(False)
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, None, None]:
+        rows, ctx.rows = ctx.rows, None
+        total = grad
+        if rows.shift is not None:
+            part = (-rows.shift.sum((1, 3)) if ctx.kind == "shift"
+                    else rows.diag.sum().reshape(1)).to(ctx.dtype)
+            total = part if total is None else total + part
+        return total, None, None
+
+
 @dataclass(frozen=True)
 class AttentionBias:
     """The learned biases of one layer's scores (spec §3)."""
@@ -67,6 +124,8 @@ class AttentionBias:
     group_shift: Tensor | None = None
     """`[G, H]` float32: λ_h·(m - l) per source m ∈ M(l), what the fused kernels subtract from
     each finished group's scores (built once per pass with the other weights); None: no groups."""
+    rows: BiasRows | None = None
+    """Where the fused kernels may leave the biases' gradient rows for the pass to reduce."""
 
 
 NO_BIAS = AttentionBias()

@@ -47,12 +47,12 @@ class TritonAttention:
             return self.pieces.attend(q, keys, bias, layer=layer, dropout_p=dropout_p)
         scale = 1.0 / math.sqrt(q.shape[-1])
         if stored is None:
-            # One block with no history (training a sequence of at most c tokens): own keys only.
+            # A block with no history (the first, or a sequence of at most c tokens): own keys.
             empty = q.new_empty(0)
             return triton_attention.block_attention(
                 q, keys.k.to(q.dtype), keys.v.to(q.dtype), empty, empty, empty, empty,
                 q.new_zeros((), dtype=torch.int64), q.new_empty(0, q.shape[1]), bias.self_bias,
-                sources=[], layer=layer, window=0, scale=scale)
+                sources=[], layer=layer, window=0, scale=scale, **_rows(bias, q, 0))
         # In the buffers' dtype: the kernels take one, and autocast does not reach them.
         dtype = stored.dtype
         sources = stored.sources(layer)
@@ -63,7 +63,17 @@ class TritonAttention:
         return triton_attention.block_attention(
             q, keys.k.to(dtype), keys.v.to(dtype), hist_k, hist_v, grad_k, grad_v,
             stored.start_index(), bias.group_shift, bias.self_bias, sources=sources, layer=layer,
-            window=stored.window, scale=scale, anchor=stored.anchor)
+            window=stored.window, scale=scale, anchor=stored.anchor,
+            **_rows(bias, q, len(sources)))
+
+
+def _rows(bias: AttentionBias, q: Tensor, groups: int) -> dict[str, Tensor]:
+    """The pass's buffers for the biases' gradient rows (`BiasRows`), when training."""
+    if bias.rows is None or not torch.is_grad_enabled():
+        return {}
+    groups = bias.group_shift.shape[0] if bias.group_shift is not None else groups
+    shift, diag = bias.rows.buffers(groups, q.shape[0], q.shape[1], q)
+    return dict(shift_rows=shift, diag_rows=diag)
 
 
 def _after_backward(x: Tensor, callback: Callable[[], None]) -> Tensor:
