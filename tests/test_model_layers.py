@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+import torch.nn.functional as F
 
-from megabeta.model.layers import apply_rope, rms_normalize, rope_tables
+from megabeta.model.layers import SharedWeight, apply_rope, linear, rms_normalize, rope_tables
 
 
 def _heads(*shape: int) -> torch.Tensor:
@@ -51,3 +53,25 @@ def test_rope_promotes_like_the_tables_and_returns_the_input_dtype_gradient() ->
     assert y.dtype == torch.float32
     y.sum().backward()
     assert x.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float64, False), (torch.bfloat16, True),
+                                            (torch.float32, True)])
+def test_shared_weight_gradients_sum_over_its_calls(dtype: torch.dtype, autocast: bool) -> None:
+    """`linear` with a SharedWeight: the weight's and bias's gradients over three calls equal
+    autograd's through F.linear (accumulated in place where the dtypes allow, under bf16
+    autocast with fp32 weights by autograd), and reach the parameters once."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 4, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    b = torch.randn(5, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    xs = [torch.randn(2, 3, 4, generator=gen, dtype=torch.float64).to(dtype) for _ in range(3)]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        shared_w, shared_b = SharedWeight(w * 2), SharedWeight(b * 3)
+        loss = sum((linear(x, shared_w, shared_b) * (i + 1)).sum() for i, x in enumerate(xs))
+        want = sum((F.linear(x, w * 2, b * 3) * (i + 1)).sum() for i, x in enumerate(xs))
+    want_w, want_b = torch.autograd.grad(want, (w, b))
+    loss.backward()
+    tol = dict(atol=0, rtol=1e-12) if dtype == torch.float64 else dict(atol=0.1, rtol=0.02)
+    torch.testing.assert_close(w.grad, want_w, **tol)
+    torch.testing.assert_close(b.grad, want_b, **tol)
+    assert shared_w.grad is None and shared_b.grad is None  # handed out, not kept

@@ -153,7 +153,8 @@ class SharedWeight:
     others (twice the launches a cell needs). `linear` instead accumulates it in place, one
     `addmm` per call, and the pass hands the sum to autograd once, when every call's backward
     is done (`_HandOut`, which all of them take as input). Only where the inputs have the
-    weight's dtype: under autocast, where each call sees a cast copy, autograd sums as before.
+    weight's dtype and autocast casts nothing (off, or bf16 parameters under bf16 autocast):
+    where each call sees a cast copy, autograd sums as before.
     """
 
     def __init__(self, weight: Tensor) -> None:
@@ -198,15 +199,21 @@ class _HandOut(torch.autograd.Function):
 def linear(x: Tensor, weight: SharedWeight, bias: SharedWeight | None = None) -> Tensor:
     """`F.linear(x, weight, bias)` for a weight (and bias) shared across a pass."""
     w, b = weight.tensor, None if bias is None else bias.tensor
+    # Under autocast only where it casts nothing (bf16 parameters, as FSDP2 with
+    # fsdp_param_dtype = bf16 gathers them): backward must see the dtypes forward computed in.
+    cast = _autocast_dtype(x.device)
     if (weight.accumulates and (bias is None or bias.accumulates) and torch.is_grad_enabled()
-            and x.dtype == w.dtype and not _autocast(x.device)):
+            and x.dtype == w.dtype and cast in (None, w.dtype)):
         return _AccumulatingLinear.apply(x, w, b, weight, bias)
     return F.linear(x, w, b)
 
 
-def _autocast(device: torch.device) -> bool:
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on `device`, or None when it is off."""
     kind = device.type
-    return torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return None
 
 
 class _AccumulatingLinear(torch.autograd.Function):
