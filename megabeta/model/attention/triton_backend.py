@@ -52,7 +52,7 @@ class TritonAttention:
             return triton_attention.block_attention(
                 q, keys.k.to(q.dtype), keys.v.to(q.dtype), empty, empty, empty, empty,
                 q.new_zeros((), dtype=torch.int64), q.new_empty(0, q.shape[1]), bias.self_bias,
-                sources=[], layer=layer, window=0, scale=scale, **_rows(bias, q, 0))
+                sources=[], layer=layer, window=0, scale=scale, **_rows(bias, q))
         # In the buffers' dtype: the kernels take one, and autocast does not reach them.
         dtype = stored.dtype
         sources = stored.sources(layer)
@@ -64,15 +64,15 @@ class TritonAttention:
             q, keys.k.to(dtype), keys.v.to(dtype), hist_k, hist_v, grad_k, grad_v,
             stored.start_index(), bias.group_shift, bias.self_bias, sources=sources, layer=layer,
             window=stored.window, scale=scale, anchor=stored.anchor,
-            **_rows(bias, q, len(sources)))
+            **_rows(bias, q))
 
 
-def _rows(bias: AttentionBias, q: Tensor, groups: int) -> dict[str, Tensor]:
-    """The pass's buffers for the biases' gradient rows (`BiasRows`), when training."""
+def _rows(bias: AttentionBias, q: Tensor) -> dict[str, Tensor]:
+    """The pass's buffers for the biases' gradient rows (`BiasRows`), when training (beta12
+    builds them with the group shifts)."""
     if bias.rows is None or not torch.is_grad_enabled():
         return {}
-    groups = bias.group_shift.shape[0] if bias.group_shift is not None else groups
-    shift, diag = bias.rows.buffers(groups, q.shape[0], q.shape[1], q)
+    shift, diag = bias.rows.buffers(bias.group_shift.shape[0], q.shape[0], q.shape[1], q)
     return dict(shift_rows=shift, diag_rows=diag)
 
 
