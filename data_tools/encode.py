@@ -173,3 +173,22 @@ def _result(result: object) -> EncodedChunk:
 
 def _done(result: object) -> bool:
     return isinstance(result, EncodedChunk) or result.ready()
+
+
+Segment = tuple[str, bool]
+"""One piece of a segmented document: its text and whether its tokens are scored by the loss."""
+
+
+def encode_segments(processor: spm.SentencePieceProcessor, segments: Sequence[Segment]
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of a segmented document (EOS appended) and its loss mask (1 = scored target).
+
+    Each segment is encoded on its own, so a token never straddles a scored and an unscored
+    span and the mask is exact; the EOS is not scored. The same function serves tokenizing and
+    the task evaluator, so both see the same token boundaries."""
+    pieces = [processor.encode(text, return_type="numpy") for text, _ in segments]
+    masks = [np.full(len(p), int(scored), dtype=np.uint8)
+             for p, (_, scored) in zip(pieces, segments)]
+    tokens = np.concatenate([*pieces, np.array([processor.eos_id()], dtype=np.int32)])
+    mask = np.concatenate([*masks, np.zeros(1, dtype=np.uint8)])
+    return tokens.astype(np.int32), mask
