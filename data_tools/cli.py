@@ -30,6 +30,8 @@ examples:
       --output-prefix data/corpus --workers 8
   mpirun -n 4 megabeta-data tokenize --tokenizer tok/m.model --inputs corpus/*.jsonl.gz \\
       --output-prefix data/corpus --workers 8
+  megabeta-data tokenize --tokenizer tok/m.model --inputs tasks.jsonl \\
+      --output-prefix data/tasks --segments-key segments
   megabeta-data merge --inputs data/a data/b --output-prefix data/ab
   megabeta-data inspect data/corpus"""
 
@@ -62,7 +64,8 @@ def _add_read_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_options(args: argparse.Namespace) -> ReadOptions:
-    return ReadOptions(args.text_key, args.split, args.on_bad_utf8)
+    return ReadOptions(args.text_key, args.split, args.on_bad_utf8,
+                       getattr(args, "segments_key", None))
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,18 +124,29 @@ def _run_tokenize(args: argparse.Namespace) -> int:
 
 def _summarize_tokenize(args: argparse.Namespace, result: TokenizeResult) -> None:
     sidecar, seconds = result.sidecar, max(result.seconds, 1e-9)
-    _say(args, f"wrote {args.output_prefix}.bin, .idx, .json: {sidecar['num_documents']:,} "
-               f"documents, {sidecar['num_tokens']:,} {sidecar['dtype']} tokens from "
+    _say(args, f"wrote {args.output_prefix}{_files_written(sidecar)}: "
+               f"{sidecar['num_documents']:,} documents, {sidecar['num_tokens']:,} "
+               f"{sidecar['dtype']} tokens{_scored(sidecar)} from "
                f"{result.input_bytes / 1e6:,.1f} MB in {seconds:.1f} s "
                f"({sidecar['num_documents'] / seconds:,.0f} docs/s, "
                f"{result.input_bytes / 1e6 / seconds:,.2f} MB/s)")
     _warn_skipped(args, sidecar["report"])
 
 
+def _files_written(sidecar: dict) -> str:
+    return ".bin, .idx, .mask, .json" if "loss_mask" in sidecar else ".bin, .idx, .json"
+
+
+def _scored(sidecar: dict) -> str:
+    mask = sidecar.get("loss_mask")
+    return f" ({mask['scored_tokens']:,} scored)" if mask else ""
+
+
 def _run_merge(args: argparse.Namespace) -> int:
     sidecar = merge(MergeConfig(args.inputs, args.output_prefix, args.overwrite))
-    _say(args, f"wrote {args.output_prefix}.bin, .idx, .json: {sidecar['num_documents']:,} "
-               f"documents, {sidecar['num_tokens']:,} tokens from {len(args.inputs)} datasets")
+    _say(args, f"wrote {args.output_prefix}{_files_written(sidecar)}: "
+               f"{sidecar['num_documents']:,} documents, {sidecar['num_tokens']:,} "
+               f"tokens{_scored(sidecar)} from {len(args.inputs)} datasets")
     return 0
 
 
@@ -189,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Stream the inputs, encode them with --workers processes, append EOS after "
                     "each document (no BOS) and write a Megatron-compatible indexed dataset "
                     "(uint16 tokens when the vocabulary fits, int32 otherwise) plus a JSON "
-                    "sidecar. Under mpirun/srun each rank tokenizes a contiguous share of the "
-                    "input files into a part next to the output, and rank 0 merges the parts. "
+                    "sidecar, and with --segments-key a per-token loss mask. Under mpirun/srun "
+                    "each rank tokenizes a contiguous share of the input files into a part next "
+                    "to the output, and rank 0 merges the parts. "
                     "The output is byte-identical for any number of workers or ranks.")
     tok.add_argument("--tokenizer", required=True, metavar="MODEL",
                      help="sentencepiece .model from train-tokenizer")
@@ -207,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto: use MPI when launched by mpirun/srun; on: require it; off: "
                           "never (MPI needs pip install 'megabeta[mpi]')")
     _add_read_arguments(tok)
+    tok.add_argument("--segments-key", metavar="KEY", default=ReadOptions.segments_key,
+                     help="JSONL field holding each document as a list of {\"text\": str, "
+                          "\"loss\": bool} segments, in order; also writes PREFIX.mask, which "
+                          "marks the tokens of the segments with loss true as the scored "
+                          "targets (each segment is encoded on its own; the EOS is not scored). "
+                          "Off: the text of --text-key, every target scored")
     _add_output_arguments(tok)
     tok.set_defaults(run=_run_tokenize)
 
@@ -214,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
         "merge", formatter_class=_Formatter, help="concatenate datasets into one",
         description="Concatenate datasets made separately, in the order given. They must hold "
                     "the same token type and, where they have sidecars, come from the same "
-                    "tokenizer model.")
+                    "tokenizer model. If any has a loss mask, so does the output (every target "
+                    "of the others scored).")
     mrg.add_argument("--inputs", nargs="+", required=True, metavar="PREFIX",
                      help="dataset prefixes (without .bin/.idx)")
     mrg.add_argument("--output-prefix", required=True, metavar="PREFIX",
@@ -226,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect", formatter_class=_Formatter, help="counts, histogram, samples and checks",
         description="Print counts, a histogram of document lengths and decoded samples, and "
                     "check that index and .bin agree, every id is below the vocabulary size, the "
-                    "sidecar matches and documents end with EOS. Exit status 2 if a check fails.")
+                    "sidecar matches, documents end with EOS and the loss mask (if any) "
+                    "matches its sidecar entry. Exit status 2 if a check fails.")
     ins.add_argument("prefix", metavar="PREFIX", help="dataset prefix (without .bin/.idx)")
     ins.add_argument("--tokenizer", metavar="MODEL", default=InspectConfig.tokenizer,
                      help="model for decoding and the hash check (default: the sidecar's, when "

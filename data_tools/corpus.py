@@ -1,10 +1,12 @@
 """Reading a corpus: which files are accepted, how they split into documents, how bytes become text.
 
 Accepted inputs: ``.txt``, ``.jsonl`` and their ``.gz`` variants. A JSONL line is one document (its
-``--text-key`` field); a ``.txt`` file is one document, or one per line (``--split line``) or per
+``--text-key`` field, or with ``--segments-key`` a list of ``{"text", "loss"}`` segments that mark
+the scored spans); a ``.txt`` file is one document, or one per line (``--split line``) or per
 blank-line-separated paragraph (``--split paragraph``). Reading yields raw byte records so the
 expensive part (UTF-8 and JSON decoding) can run in worker processes; :func:`decode_document`
-turns a record into text, counting what it skips or repairs.
+turns a record into text and :func:`decode_segments` into segments, counting what they skip or
+repair.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class ReadOptions:
     """How a .txt file splits into documents: none (whole file), line, paragraph."""
     on_bad_utf8: str = "replace"
     """Documents with undecodable UTF-8: replace bad bytes by U+FFFD, skip them, or error."""
+    segments_key: str | None = None
+    """JSONL field holding a document as ``[{"text": str, "loss": bool}, ...]`` (None: plain
+    text from ``text_key``)."""
 
 
 @dataclass(frozen=True)
@@ -188,22 +193,64 @@ def decode_document(raw: bytes, file: InputFile, line: int, options: ReadOptions
     """Text of one record, or None when it is skipped (and counted)."""
     if file.kind == "txt" and options.split == "line":
         raw = _strip_eol(raw)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        text = _bad_utf8(raw, err, file, line, options, counts)
-        if text is None:
-            return None
-    if file.kind == "jsonl":
+    text = _utf8(raw, file, line, options, counts)
+    if text is not None and file.kind == "jsonl":
         text = _json_text(text, file, line, options, counts)
-        if text is None:
-            return None
-    if not text:
-        counts.empty += 1
-        counts.first_empty = counts.first_empty or f"{file.path}:{line}"
+    if text is None:
         return None
+    if not text:
+        return _empty(file, line, counts)
     counts.documents += 1
     return text
+
+
+Segment = tuple[str, bool]
+"""A piece of a segmented document: its text, and whether its tokens are scored targets."""
+
+
+def decode_segments(raw: bytes, file: InputFile, line: int, options: ReadOptions,
+                    counts: DocumentCounts) -> list[Segment] | None:
+    """The ``options.segments_key`` segments of one JSONL record, or None when it is skipped (and
+    counted): an empty document when no segment has text; undecodable UTF-8 as ``on_bad_utf8``
+    says, for the whole document."""
+    line_text = _utf8(raw, file, line, options, counts)
+    if line_text is None:
+        return None
+    if not line_text.strip():
+        return _empty(file, line, counts)
+    segments = _json_segments(_json_record(line_text, file, line), file, line,
+                              options.segments_key)
+    if _SURROGATE_ESCAPE.search(line_text):
+        for text, _ in segments:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                # The policy applies to the document once: error, skip, or replace in every
+                # segment.
+                if _bad_utf8(text.encode("utf-8", "surrogatepass"), err, file, line, options,
+                             counts) is None:
+                    return None
+                segments = [(t.encode("utf-8", "surrogatepass").decode("utf-8", "replace"), loss)
+                            for t, loss in segments]
+                break
+    if not any(text for text, _ in segments):
+        return _empty(file, line, counts)
+    counts.documents += 1
+    return segments
+
+
+def _utf8(raw: bytes, file: InputFile, line: int, options: ReadOptions,
+          counts: DocumentCounts) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return _bad_utf8(raw, err, file, line, options, counts)
+
+
+def _empty(file: InputFile, line: int, counts: DocumentCounts) -> None:
+    counts.empty += 1
+    counts.first_empty = counts.first_empty or f"{file.path}:{line}"
+    return None
 
 
 def _bad_utf8(raw: bytes, err: UnicodeError, file: InputFile, line: int, options: ReadOptions,
@@ -224,18 +271,46 @@ _JSON = json.JSONDecoder()
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def _json_text(line_text: str, file: InputFile, line: int, options: ReadOptions,
-               counts: DocumentCounts) -> str | None:
-    if not line_text.strip():
-        return ""
+def _json_record(line_text: str, file: InputFile, line: int) -> object:
     try:
-        record = _JSON.decode(line_text)
+        return _JSON.decode(line_text)
     except json.JSONDecodeError as err:
         # Some of json's messages end in "at" ("Unterminated string starting at"): no "at at".
         at = " column" if err.msg.endswith(" at") else " at column"
         raise DataError(f"{file.path}:{line}: invalid JSON ({err.msg}{at} {err.colno}); "
                         "a .jsonl file holds one JSON object per line, fix or remove the "
                         "line") from None
+
+
+def _json_segments(record: object, file: InputFile, line: int, key: str) -> list[Segment]:
+    where = f"{file.path}:{line}"
+    segments = record.get(key) if isinstance(record, dict) else None
+    if not isinstance(segments, list):
+        if isinstance(record, dict):
+            found = (f"it is {type(segments).__name__}" if key in record
+                     else f"found: {sorted(record)}")
+        else:
+            found = f"found: {type(record).__name__}"
+        raise DataError(f"{where}: no list field {key!r} ({found}); --segments-key names the "
+                        "field holding each document as a list of {\"text\": str, \"loss\": "
+                        "bool} objects: fix the line or pass the right --segments-key")
+    parsed = []
+    for index, item in enumerate(segments):
+        text = item.get("text") if isinstance(item, dict) else None
+        loss = item.get("loss") if isinstance(item, dict) else None
+        if not isinstance(text, str) or not isinstance(loss, bool):
+            raise DataError(f"{where}: {key}[{index}] is {json.dumps(item)[:80]}, not an object "
+                            "{\"text\": str, \"loss\": bool} (loss true marks the text's tokens "
+                            "as scored targets); fix the line")
+        parsed.append((text, loss))
+    return parsed
+
+
+def _json_text(line_text: str, file: InputFile, line: int, options: ReadOptions,
+               counts: DocumentCounts) -> str | None:
+    if not line_text.strip():
+        return ""
+    record = _json_record(line_text, file, line)
     text = record.get(options.text_key) if isinstance(record, dict) else None
     if not isinstance(text, str):
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__

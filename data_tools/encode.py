@@ -1,8 +1,9 @@
 """Encoding chunks of documents to token ids, in this process or in a pool of worker processes.
 
 The reading process cuts the input into chunks of raw records (about ``chunk_bytes`` each, never
-spanning two files); workers (the reading process among them) decode, tokenize and append EOS;
-results come back in input order.
+spanning two files); workers (the reading process among them) decode, tokenize and append EOS (and,
+for segmented documents, build the loss mask: :func:`encode_segments`); results come back in input
+order.
 Because each chunk's result depends only on its records, the output is the same for any number of
 workers. At most a few chunks per process are held, which bounds memory: ``Pool.imap`` would read
 ahead without limit, so chunks are submitted with ``apply_async`` and collected oldest first (the
@@ -22,7 +23,15 @@ from multiprocessing.pool import Pool
 import numpy as np
 import sentencepiece as spm
 
-from data_tools.corpus import DocumentCounts, InputFile, ReadOptions, RecordReader, decode_document
+from data_tools.corpus import (
+    DocumentCounts,
+    InputFile,
+    ReadOptions,
+    RecordReader,
+    Segment,
+    decode_document,
+    decode_segments,
+)
 
 _QUEUED_PER_WORKER = 2
 """Chunks handed to each pool worker and not yet finished: one running, one waiting."""
@@ -41,11 +50,13 @@ class Chunk:
 
 @dataclass
 class EncodedChunk:
-    """Token ids of a chunk's documents (EOS after each), their lengths, and what was skipped."""
+    """Token ids of a chunk's documents (EOS after each), their lengths, and what was skipped;
+    with segmented input, the loss mask of the tokens (uint8, 1 = scored target)."""
 
     tokens: np.ndarray
     lengths: np.ndarray
     counts: DocumentCounts
+    mask: np.ndarray | None = None
 
 
 def read_chunks(files: list[InputFile], split: str, chunk_bytes: int,
@@ -77,6 +88,8 @@ class _Encoder:
         self.setup = setup
 
     def encode(self, chunk: Chunk) -> EncodedChunk:
+        if self.setup.options.segments_key is not None:
+            return self._encode_segmented(chunk)
         file = self.setup.files[chunk.file_index]
         counts = DocumentCounts()
         # sentencepiece appends EOS and returns each document as an int32 buffer: no list of Python
@@ -87,11 +100,31 @@ class _Encoder:
             text = decode_document(raw, file, line, self.setup.options, counts)
             if text is not None:
                 documents.append(self.processor.encode(text, add_eos=True, return_type="numpy"))
-        lengths = np.array([len(d) for d in documents], dtype=np.int64)
+        return EncodedChunk(self._concatenate(documents), _lengths(documents), counts)
+
+    def _encode_segmented(self, chunk: Chunk) -> EncodedChunk:
+        file = self.setup.files[chunk.file_index]
+        counts = DocumentCounts()
+        documents: list[np.ndarray] = []
+        masks: list[np.ndarray] = []
+        for raw, line in zip(chunk.records, chunk.lines):
+            segments = decode_segments(raw, file, line, self.setup.options, counts)
+            if segments is not None:
+                tokens, mask = encode_segments(self.processor, segments)
+                documents.append(tokens)
+                masks.append(mask)
+        mask = np.concatenate(masks) if masks else np.empty(0, dtype=np.uint8)
+        return EncodedChunk(self._concatenate(documents), _lengths(documents), counts, mask)
+
+    def _concatenate(self, documents: list[np.ndarray]) -> np.ndarray:
         if not documents:
-            return EncodedChunk(np.empty(0, dtype=self.setup.dtype), lengths, counts)
+            return np.empty(0, dtype=self.setup.dtype)
         # The dataset's dtype holds every id of the vocabulary (token_dtype_for_vocab).
-        return EncodedChunk(np.concatenate(documents).astype(self.setup.dtype), lengths, counts)
+        return np.concatenate(documents).astype(self.setup.dtype)
+
+
+def _lengths(documents: list[np.ndarray]) -> np.ndarray:
+    return np.array([len(d) for d in documents], dtype=np.int64)
 
 
 _worker_encoder: _Encoder | None = None
@@ -173,10 +206,6 @@ def _result(result: object) -> EncodedChunk:
 
 def _done(result: object) -> bool:
     return isinstance(result, EncodedChunk) or result.ready()
-
-
-Segment = tuple[str, bool]
-"""One piece of a segmented document: its text and whether its tokens are scored by the loss."""
 
 
 def encode_segments(processor: spm.SentencePieceProcessor, segments: Sequence[Segment]

@@ -2,8 +2,10 @@
 
 Checks: the index and the ``.bin`` agree (sizes, every pointer); every id is below the vocabulary
 size; the sidecar matches the index and the tokenizer file; every document ends with EOS when the
-sidecar says EOS was appended. Opening the dataset already fails on a truncated or mismatched
-pair; the rest are reported one by one so a single run shows everything that is wrong.
+sidecar says EOS was appended; the loss mask, when there is one, holds only 0 and 1 and matches
+its sidecar entry (scored-token count, SHA-256). Opening the dataset already fails on a truncated
+or mismatched pair (or mask); the rest are reported one by one so a single run shows everything
+that is wrong.
 """
 
 from __future__ import annotations
@@ -76,6 +78,16 @@ def _print_counts(dataset: IndexedDataset, lengths: np.ndarray, out: TextIO) -> 
     print(f"dtype      {dataset.dtype} (MMIDIDX code {dtype_code(dataset.dtype)})", file=out)
     print(f"documents  {dataset.num_documents:,}   sequences {len(dataset):,}   tokens "
           f"{dataset.num_tokens:,}", file=out)
+    scored = ((dataset.sidecar or {}).get("loss_mask") or {}).get("scored_tokens")
+    if not dataset.has_loss_mask:
+        print("loss mask  none (every target scored)", file=out)
+    elif not isinstance(scored, int):
+        print(f"loss mask  {paths.mask.name} ({paths.mask.stat().st_size:,} bytes; no scored "
+              "count in a sidecar, see the check below)", file=out)
+    else:
+        share = scored / max(dataset.num_tokens, 1)
+        print(f"loss mask  {paths.mask.name}: {scored:,} of {dataset.num_tokens:,} tokens "
+              f"scored ({100 * share:.1f} %)", file=out)
     if lengths.size:
         print(f"length     min {int(lengths.min()):,}  mean {lengths.mean():,.1f}  median "
               f"{float(np.median(lengths)):,.0f}  max {int(lengths.max()):,} tokens per document",
@@ -154,10 +166,19 @@ def _checks(dataset: IndexedDataset, lengths: np.ndarray, vocab_size: int | None
                             "re-run tokenize")
         return True, f"all {ends.size:,} non-empty documents end with EOS id {eos}"
 
+    def loss_mask() -> tuple[bool, str]:
+        if not dataset.has_loss_mask:
+            return False, "no loss mask"
+        scored = dataset.check_loss_mask()
+        where = "the sidecar's count and sha256" if (dataset.sidecar or {}).get("loss_mask") \
+            else "no sidecar entry to compare"
+        return True, f"{scored:,} scored tokens, only 0 and 1, {where}"
+
     return [("index and .bin agree", index_and_bin),
             ("token ids below the vocabulary size", token_ids),
             ("sidecar matches", sidecar),
-            ("documents end with EOS", end_with_eos)]
+            ("documents end with EOS", end_with_eos),
+            ("loss mask matches the sidecar", loss_mask)]
 
 
 def _print_samples(dataset: IndexedDataset, processor, config: InspectConfig,
@@ -172,3 +193,8 @@ def _print_samples(dataset: IndexedDataset, processor, config: InspectConfig,
         print(f"sample     document {int(document)}{more}", file=out)
         print(f"  ids      {ids}", file=out)
         print(f"  text     {processor.decode(ids)!r}", file=out)
+        if dataset.has_loss_mask:
+            mask = dataset.loss_masks[start:start + len(ids)]
+            print(f"  mask     {''.join(map(str, mask.tolist()))}", file=out)
+            print(f"  scored   {processor.decode([i for i, m in zip(ids, mask) if m])!r}",
+                  file=out)

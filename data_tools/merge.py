@@ -1,7 +1,9 @@
 """``merge``: concatenate datasets made separately (other machines, other days) into one, in order.
 
 All inputs must hold the same token type and, where they have sidecars, come from the same
-tokenizer model. The output's sidecar sums their counts and lists what was merged.
+tokenizer model. The output's sidecar sums their counts and lists what was merged. When any input
+has a loss mask the output has one too, in which the inputs without a mask score every target
+(what no mask means).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ def merge(config: MergeConfig) -> dict:
         raise DataError("no datasets to merge; pass their prefixes to --inputs")
     sources = [IndexedDataset(prefix) for prefix in config.inputs]
     tokenizer = _common_tokenizer(sources)
-    with IndexedDatasetWriter(config.output_prefix, sources[0].dtype,
-                              overwrite=config.overwrite) as writer:
+    with IndexedDatasetWriter(config.output_prefix, sources[0].dtype, overwrite=config.overwrite,
+                              loss_mask=any(s.has_loss_mask for s in sources)) as writer:
         for source in sources:
             writer.add_dataset(source)
         return writer.commit({

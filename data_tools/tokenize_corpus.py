@@ -3,8 +3,9 @@
 Single process: read → encode (``--workers`` processes) → write, streaming. Under MPI each rank
 takes a contiguous, size-balanced share of the input files, writes it as a part dataset next to
 the output (``PREFIX.part-RRRRR-of-WWWWW``), and rank 0 concatenates the parts in rank order, which
-is input order. Neither workers nor ranks change a byte of the result: the ``.bin``, ``.idx`` and
-sidecar are identical for any ``--workers`` and any number of ranks.
+is input order. Neither workers nor ranks change a byte of the result: the ``.bin``, ``.idx``,
+``.mask`` (``--segments-key``) and sidecar are identical for any ``--workers`` and any number of
+ranks.
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ def _check_run(config: TokenizeConfig) -> tuple[list[InputFile], TokenizerInfo]:
     if config.workers < 1:
         raise DataError(f"--workers {config.workers}: must be at least 1")
     files = input_files(config.inputs)
+    if config.read.segments_key is not None:
+        for file in files:
+            if file.kind != "jsonl":
+                raise DataError(f"{file.path}: --segments-key reads JSONL records, and this is a "
+                                ".txt file; convert it to JSONL with the segments, or tokenize "
+                                "it without --segments-key")
     _, tokenizer = load_tokenizer(config.tokenizer)
     if tokenizer.eos_id < 0:
         raise DataError(f"{config.tokenizer}: the model has no EOS piece, which separates "
@@ -104,7 +111,10 @@ def _sidecar(tokenizer: TokenizerInfo, files: list[InputFile], options: ReadOpti
         "append_eos": True,
         "inputs": [{"path": str(f.path), "bytes": f.size} for f in files],
         "arguments": {"text_key": options.text_key, "split": options.split,
-                      "on_bad_utf8": options.on_bad_utf8},
+                      "on_bad_utf8": options.on_bad_utf8,
+                      # Only when given: sidecars of plain-text runs stay as they were.
+                      **({"segments_key": options.segments_key}
+                         if options.segments_key is not None else {})},
         "report": counts.as_report(options.on_bad_utf8),
     }
 
@@ -122,10 +132,11 @@ def _tokenize_files(files: list[InputFile], prefix: str, config: TokenizeConfig,
     # The encoders first: their pool starts before the progress bar's thread (see Encoders).
     with Encoders(setup, config.workers) as encoders, \
             ByteProgress(sum(f.size for f in files), "tokenize", quiet) as progress, \
-            IndexedDatasetWriter(prefix, dtype, overwrite=config.overwrite or part) as writer:
+            IndexedDatasetWriter(prefix, dtype, overwrite=config.overwrite or part,
+                                 loss_mask=config.read.segments_key is not None) as writer:
         chunks = read_chunks(files, config.read.split, config.chunk_bytes, progress.advance)
         for encoded in encoders.encode(chunks):
-            writer.add_documents(encoded.tokens, encoded.lengths)
+            writer.add_documents(encoded.tokens, encoded.lengths, encoded.mask)
             counts.add(encoded.counts)
             progress.advance(0, encoded.counts.documents)
         if not counts.documents and not part:
@@ -137,7 +148,7 @@ def _tokenize_files(files: list[InputFile], prefix: str, config: TokenizeConfig,
 def _no_documents(files: list[InputFile]) -> DataError:
     names = ", ".join(str(f.path) for f in files)
     return DataError(f"no documents in {names}: every document was empty or skipped; check "
-                     "--text-key, --split and --on-bad-utf8")
+                     "--text-key (or --segments-key), --split and --on-bad-utf8")
 
 
 def contiguous_shares(sizes: list[int], parts: int) -> list[range]:
@@ -201,7 +212,8 @@ def _merge_parts(parts: list[str], outcomes: list[tuple[DocumentCounts | None, s
     if not total.documents:
         raise _no_documents(files)
     with IndexedDatasetWriter(config.output_prefix, token_dtype_for_vocab(tokenizer.vocab_size),
-                              overwrite=config.overwrite) as writer:
+                              overwrite=config.overwrite,
+                              loss_mask=config.read.segments_key is not None) as writer:
         for part in parts:
             writer.add_dataset(IndexedDataset(part))
         return writer.commit(_sidecar(tokenizer, files, config.read, total))

@@ -41,6 +41,8 @@ class DataConfig:
     """DataLoader worker processes per rank (0 = load in the training process)."""
     verify_token_ids: bool = False
     """Scan every token id against the vocabulary at start-up (O(tokens))."""
+    align: str = "packed"
+    """`packed` (cut across documents) or `document` (each sample starts a document, masked past it)."""
 
 
 @dataclass
@@ -187,6 +189,8 @@ class TrainConfig:
              f"give one weight per data.path ({len(d.path)} paths)")
         need(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in [0, 1)")
         need(d.num_workers >= 0, "data.num_workers", d.num_workers, "must be >= 0")
+        need(d.align in ("packed", "document"), "data.align", d.align,
+             "must be packed or document")
         need(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
         need(t.micro_batch >= 1, "train.micro_batch", t.micro_batch, "must be >= 1")
         need(t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1")

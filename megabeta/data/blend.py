@@ -6,6 +6,10 @@ is the sampler's job. The interleaving is stride scheduling: dataset ``j``'s ``k
 at virtual time ``(k + ½) / w_j`` and samples are taken in order of due time (ties to the lower
 ``j``), so every prefix of ``n`` blended samples holds ``w_j · n`` samples of dataset ``j`` up to
 less than the number of datasets.
+
+When any of the datasets has a loss mask the blend hands out :class:`MaskedSample` items
+throughout, the unmasked datasets' samples with every target scored, so a batch is always of one
+kind.
 """
 
 from __future__ import annotations
@@ -18,16 +22,19 @@ from typing import Protocol
 import numpy as np
 
 from megabeta.data.errors import DataError
+from megabeta.data.sample import MaskedSample, has_loss_mask
 
 
 class SampleDataset(Protocol):
-    """What a blend can hold: indexable samples and a content fingerprint."""
+    """What a blend can hold: indexable samples and a content fingerprint; ``has_loss_mask``
+    datasets hand out :class:`MaskedSample` items, the others int64 arrays."""
 
     fingerprint: str
+    has_loss_mask: bool
 
     def __len__(self) -> int: ...
 
-    def __getitem__(self, index: int) -> np.ndarray: ...
+    def __getitem__(self, index: int) -> np.ndarray | MaskedSample: ...
 
 
 def blend_schedule(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
@@ -69,6 +76,7 @@ class BlendedDataset:
             raise DataError(f"{len(weights)} blend weights for {len(datasets)} datasets; give one "
                             "weight per dataset")
         self.datasets = list(datasets)
+        self.has_loss_mask = any(has_loss_mask(d) for d in self.datasets)
         self.weights = _normalized(weights)
         if num_samples is None:
             num_samples = self._longest_without_repeats(sizes)
@@ -87,8 +95,11 @@ class BlendedDataset:
     def __len__(self) -> int:
         return len(self.dataset_index)
 
-    def __getitem__(self, index: int) -> np.ndarray:
-        return self.datasets[self.dataset_index[index]][int(self.dataset_sample_index[index])]
+    def __getitem__(self, index: int) -> np.ndarray | MaskedSample:
+        sample = self.datasets[self.dataset_index[index]][int(self.dataset_sample_index[index])]
+        if self.has_loss_mask and not isinstance(sample, MaskedSample):
+            return MaskedSample.all_scored(sample)
+        return sample
 
     @property
     def fingerprint(self) -> str:

@@ -1,8 +1,9 @@
 """One call from dataset prefixes to the training and validation sample datasets of a run.
 
 ``build_train_val`` opens each prefix, checks that every dataset was made by the same tokenizer (the
-one the run names, when it names one), splits each into train/validation document ranges, packs
-each range into ``seq_len + 1``-token samples and blends several datasets by weight.
+one the run names, when it names one), splits each into train/validation document ranges, cuts
+each range into ``seq_len + 1``-token samples (packed across documents, or aligned to document
+starts) and blends several datasets by weight.
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from megabeta.data.blend import BlendedDataset, SampleDataset
 from megabeta.data.errors import DataError
 from megabeta.data.format import file_sha256
 from megabeta.data.indexed import IndexedDataset
-from megabeta.data.packed import PackedDataset
+from megabeta.data.packed import DocumentDataset, PackedDataset
 from megabeta.data.sampler import GlobalSampler
 from megabeta.data.split import split_documents
+
+ALIGN_MODES = ("packed", "document")
+"""How samples are cut: across document boundaries (PackedDataset), or one per document start
+(DocumentDataset)."""
 
 
 @dataclass
@@ -78,15 +83,19 @@ class TrainValData:
 def build_train_val(prefixes: Sequence[str | os.PathLike], weights: Sequence[float] | None = None,
                     seq_len: int = 2048, val_fraction: float = 0.0,
                     expected_tokenizer_hash: str | None = None,
-                    verify_token_ids: bool = False) -> TrainValData:
+                    verify_token_ids: bool = False, align: str = "packed") -> TrainValData:
     """Train and validation datasets of ``seq_len + 1``-token samples.
 
     ``weights`` (one per prefix, default: proportional to size) blend several datasets;
     ``val_fraction`` of each dataset's documents (its last ones) become validation data;
     ``expected_tokenizer_hash`` (``megabeta.data.file_sha256`` of the run's tokenizer model) makes
     a dataset made by another tokenizer an error; ``verify_token_ids`` scans every token against
-    the vocabulary size (O(tokens), off by default).
+    the vocabulary size, and every loss mask against its sidecar (O(tokens), off by default);
+    ``align`` is ``"packed"`` (samples cut across documents) or ``"document"`` (each sample
+    starts at a document, padded and masked past its end: :class:`DocumentDataset`).
     """
+    if align not in ALIGN_MODES:
+        raise DataError(f"align {align!r}: must be one of {', '.join(ALIGN_MODES)}")
     if not prefixes:
         raise DataError("no dataset prefixes given; pass at least one PREFIX (of PREFIX.bin/.idx)")
     if weights is not None and len(weights) != len(prefixes):
@@ -100,17 +109,25 @@ def build_train_val(prefixes: Sequence[str | os.PathLike], weights: Sequence[flo
     if verify_token_ids:
         for source in sources:
             source.check_token_ids()
+            if source.has_loss_mask:
+                source.check_loss_mask()
+    special = (sources[0].sidecar or {}).get("tokenizer", {})
+
+    def samples(source: IndexedDataset, documents: range, name: str) -> SampleDataset:
+        if align == "document":
+            return DocumentDataset(source, seq_len, documents, name=name,
+                                   pad_id=max(special.get("pad_id", 0), 0))
+        return PackedDataset(source, seq_len, source.document_token_range(
+            documents.start, documents.stop), name=name)
+
     train_parts, val_parts = [], []
     for source in sources:
         train_docs, val_docs = split_documents(source.num_documents, val_fraction,
                                                str(source.paths.prefix))
-        train_parts.append(PackedDataset(source, seq_len, source.document_token_range(
-            train_docs.start, train_docs.stop), name="training split"))
+        train_parts.append(samples(source, train_docs, "training split"))
         if val_docs:
-            val_parts.append(PackedDataset(source, seq_len, source.document_token_range(
-                val_docs.start, val_docs.stop), name=f"validation split, val_fraction "
-                f"{val_fraction}"))
-    special = (sources[0].sidecar or {}).get("tokenizer", {})
+            val_parts.append(samples(source, val_docs,
+                                     f"validation split, val_fraction {val_fraction}"))
     return TrainValData(
         train=_combine(train_parts, weights),
         val=_combine(val_parts, weights) if val_parts else None,
@@ -122,7 +139,7 @@ def build_train_val(prefixes: Sequence[str | os.PathLike], weights: Sequence[flo
     )
 
 
-def _combine(parts: list[PackedDataset], weights: Sequence[float] | None) -> SampleDataset:
+def _combine(parts: list[SampleDataset], weights: Sequence[float] | None) -> SampleDataset:
     if len(parts) == 1:
         return parts[0]
     return BlendedDataset(parts, weights)

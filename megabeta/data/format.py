@@ -25,6 +25,11 @@ document indices   int64 × (D + 1)             first sequence of each document;
 ``0, 1, …, S``; datasets from Megatron-LM or GPT-NeoX with several sequences per document read
 the same way. ``PREFIX.json`` (the sidecar) is megabeta's own addition; its fields are documented in
 ``docs/data.md``.
+
+``PREFIX.mask`` (optional, megabeta's too) is the per-token loss mask: one uint8 per token of
+``.bin``, in the same order, no header; ``1`` marks a scored target (the loss term that predicts
+that token from the ones before it), ``0`` one the loss leaves out. The sidecar lists it
+(:data:`MASK_SIDECAR_KEY`); without it every target is scored.
 """
 
 from __future__ import annotations
@@ -60,28 +65,34 @@ DTYPE_CODES: dict[int, np.dtype] = {
 LENGTH_DTYPE = np.dtype("<i4")
 POINTER_DTYPE = np.dtype("<i8")
 
+MASK_DTYPE = np.dtype("u1")
+MASK_SIDECAR_KEY = "loss_mask"
+"""Sidecar entry of the mask file: ``{"file": NAME, "sha256": HEX, "scored_tokens": N}``."""
+
 SIDECAR_FORMAT = "megabeta.token_dataset"
 SIDECAR_VERSION = 1
 
 
 @dataclass(frozen=True)
 class DatasetPaths:
-    """The three files of the dataset at ``prefix``."""
+    """The files of the dataset at ``prefix`` (``mask`` exists only for masked datasets)."""
 
     prefix: Path
     bin: Path
     idx: Path
     sidecar: Path
+    mask: Path
 
     @property
-    def files(self) -> tuple[Path, Path, Path]:
-        return self.bin, self.idx, self.sidecar
+    def files(self) -> tuple[Path, Path, Path, Path]:
+        return self.bin, self.idx, self.sidecar, self.mask
 
 
 def dataset_paths(prefix: str | os.PathLike) -> DatasetPaths:
-    """Paths of ``PREFIX.bin``, ``PREFIX.idx`` and ``PREFIX.json``; the prefix carries no suffix."""
+    """Paths of ``PREFIX.bin``, ``.idx``, ``.json`` and ``.mask``; the prefix carries no suffix."""
     base = os.fspath(prefix)
-    return DatasetPaths(Path(base), Path(base + ".bin"), Path(base + ".idx"), Path(base + ".json"))
+    return DatasetPaths(Path(base), Path(base + ".bin"), Path(base + ".idx"), Path(base + ".json"),
+                        Path(base + ".mask"))
 
 
 def dtype_code(dtype: np.dtype | type) -> int:

@@ -7,6 +7,11 @@ or mismatched pair fails at once with the file name. :meth:`IndexedDataset.valid
 whole index for internal consistency (O(sequences), the index only: sizes, pointers and document
 indices; ``inspect`` runs it, and so does :func:`megabeta.data.build_train_val` for every dataset
 a run trains or evaluates on); :meth:`IndexedDataset.check_token_ids` scans every token (O(tokens)).
+
+A dataset may carry a per-token loss mask, ``PREFIX.mask`` (:mod:`megabeta.data.format`), mapped
+beside the tokens: :attr:`IndexedDataset.has_loss_mask`, :meth:`IndexedDataset.loss_mask`,
+``.loss_masks`` (flat). Opening checks its size against the token count; the O(tokens) check of
+its contents against the sidecar is :meth:`IndexedDataset.check_loss_mask`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from megabeta.data.errors import DataError
 from megabeta.data.format import (
     INDEX_HEADER,
     LENGTH_DTYPE,
+    MASK_DTYPE,
+    MASK_SIDECAR_KEY,
     POINTER_DTYPE,
     IndexHeader,
     dataset_paths,
@@ -51,6 +58,7 @@ class IndexedDataset:
         self.sidecar: dict | None = read_sidecar(self.paths.sidecar)
         if self.sidecar is not None:
             self._check_sidecar_counts()
+        self._open_loss_mask()
 
     def _open_index(self) -> None:
         idx, header = self.paths.idx, self.header
@@ -99,6 +107,37 @@ class IndexedDataset:
         else:  # mmap refuses an empty file
             self.tokens = np.empty(0, dtype=self.header.dtype)
 
+    def _open_loss_mask(self) -> None:
+        """Map ``PREFIX.mask`` when the dataset has one: the sidecar lists it, or there is no
+        sidecar and the file is there (written by another tool). A mask the sidecar does not list
+        is refused rather than ignored: it is left over from another dataset under this prefix."""
+        path = self.paths.mask
+        self.loss_masks: np.ndarray | None = None
+        entry = None if self.sidecar is None else self.sidecar.get(MASK_SIDECAR_KEY)
+        if entry is not None and not isinstance(entry, dict):
+            raise DataError(f"{self.paths.sidecar}: {MASK_SIDECAR_KEY!r} is {entry!r}, not an "
+                            "object with file, sha256 and scored_tokens; " + _REBUILD_HINT)
+        if not path.is_file():
+            if entry is not None:
+                raise DataError(f"{path}: missing, but {self.paths.sidecar} lists a loss mask "
+                                f"({entry.get('file')}); copy it next to the .bin and .idx, or "
+                                + _REBUILD_HINT)
+            return
+        if self.sidecar is not None and entry is None:
+            raise DataError(f"{path}: a loss mask that {self.paths.sidecar} does not list, so it "
+                            "belongs to another dataset once written under this prefix; delete "
+                            "it, or " + _REBUILD_HINT)
+        size = path.stat().st_size
+        if size != self.num_tokens * MASK_DTYPE.itemsize:
+            raise DataError(f"{path}: {size} bytes, but {self.paths.idx} describes "
+                            f"{self.num_tokens} tokens (one mask byte per token); the mask is "
+                            "truncated or belongs to another dataset, " + _REBUILD_HINT)
+        if self.num_tokens:
+            self.loss_masks = np.memmap(path, dtype=MASK_DTYPE, mode="r",
+                                        shape=(self.num_tokens,))
+        else:  # mmap refuses an empty file
+            self.loss_masks = np.empty(0, dtype=MASK_DTYPE)
+
     def _check_sidecar_counts(self) -> None:
         sidecar = self.sidecar
         found = {"num_documents": self.num_documents, "num_sequences": len(self),
@@ -115,12 +154,28 @@ class IndexedDataset:
         return self.header.sequence_count
 
     def __getitem__(self, index: int) -> np.ndarray:
+        return self.tokens[self._sequence_slice(index)]
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """Whether the dataset has a ``PREFIX.mask`` (else every target is scored)."""
+        return self.loss_masks is not None
+
+    def loss_mask(self, index: int) -> np.ndarray:
+        """Loss mask of sequence ``index`` (uint8, as long as ``self[index]``; 1 = scored target):
+        a read-only view into the mapped ``PREFIX.mask``, or all ones when there is none."""
+        where = self._sequence_slice(index)
+        if self.loss_masks is None:
+            return np.ones(where.stop - where.start, dtype=MASK_DTYPE)
+        return self.loss_masks[where]
+
+    def _sequence_slice(self, index: int) -> slice:
         count = len(self)
         if not -count <= index < count:
             raise IndexError(f"sequence {index} out of range for {count} sequences")
         index %= count
         start = int(self.sequence_pointers[index]) // self.header.dtype.itemsize
-        return self.tokens[start:start + int(self.sequence_lengths[index])]
+        return slice(start, start + int(self.sequence_lengths[index]))
 
     # Pickle the prefix, not the mapping: DataLoader workers started by spawn reopen the files
     # instead of receiving a copy of every token.
@@ -176,6 +231,10 @@ class IndexedDataset:
         digest.update(str(self.num_tokens).encode())
         digest.update(np.asarray(self.tokens[: 1 << 19]).tobytes())
         digest.update(np.asarray(self.tokens[-(1 << 19):]).tobytes())
+        if self.loss_masks is not None:  # unmasked datasets keep the fingerprint they always had
+            digest.update(b"loss_mask")
+            digest.update(np.asarray(self.loss_masks[: 1 << 20]).tobytes())
+            digest.update(np.asarray(self.loss_masks[-(1 << 20):]).tobytes())
         return digest.hexdigest()
 
     def validate(self) -> None:
@@ -262,6 +321,32 @@ class IndexedDataset:
                                 "file is damaged: re-tokenize with the model this run uses")
             highest = max(highest, high)
         return highest
+
+    def check_loss_mask(self) -> int:
+        """Scan the whole mask: DataError at the first byte other than 0 or 1, or when its
+        scored-token count or SHA-256 differ from the sidecar's; returns the scored-token count.
+        O(tokens): ``inspect`` runs it, and so does ``build_train_val(verify_token_ids=True)``."""
+        if self.loss_masks is None:
+            raise DataError(f"{self.paths.mask}: the dataset has no loss mask")
+        path, scored, digest = self.paths.mask, 0, hashlib.sha256()
+        for start in range(0, self.num_tokens, _CHECK_BLOCK):
+            block = np.asarray(self.loss_masks[start:start + _CHECK_BLOCK])
+            bad = np.flatnonzero(block > 1)
+            if bad.size:
+                position = start + int(bad[0])
+                raise DataError(f"{path}: byte {position} (document "
+                                f"{self._document_of_token(position)}) is {int(block[bad[0]])}, "
+                                "not 0 or 1; the mask is damaged, " + _REBUILD_HINT)
+            scored += int(np.count_nonzero(block))
+            digest.update(block.tobytes())
+        entry = (self.sidecar or {}).get(MASK_SIDECAR_KEY)
+        if entry is not None:
+            said = (entry.get("scored_tokens"), entry.get("sha256"))
+            if said != (scored, digest.hexdigest()):
+                raise DataError(f"{path}: {scored} scored tokens, sha256 {digest.hexdigest()}; "
+                                f"{self.paths.sidecar} says {said[0]} and {said[1]}: the mask was "
+                                "changed after it was written, " + _REBUILD_HINT)
+        return scored
 
     def _document_of_token(self, position: int) -> int:
         itemsize = self.header.dtype.itemsize

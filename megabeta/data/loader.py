@@ -4,7 +4,9 @@
 asked) and advances the sampler's global position when it hands a batch to the caller, not when a
 worker prefetches it, so a checkpoint taken after step ``k`` records exactly the samples of steps
 ``0 … k``. A batch is an int64 tensor ``[B, seq_len + 1]``: inputs ``[:, :-1]``, targets
-``[:, 1:]``.
+``[:, 1:]``; for a dataset with loss masks (``has_loss_mask``) it is a :class:`MaskedBatch` of
+inputs and targets, the unscored targets ``IGNORE_INDEX``. :func:`split_batch` and
+:func:`count_scored` read either kind.
 
 Workers: a sample is a slice of the page cache plus one int64 conversion, so the main process
 loads hundreds of millions of tokens per second on the development CPU, and worker processes only
@@ -17,18 +19,60 @@ Pinned memory helps only batches bound for a CUDA device: ``pin_memory`` default
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from megabeta.data.blend import SampleDataset
+from megabeta.data.sample import MaskedSample
 from megabeta.data.sampler import GlobalSampler
+from megabeta.model.loss import IGNORE_INDEX
 
 
-def collate_tokens(samples: Sequence[np.ndarray]) -> torch.Tensor:
-    """Stack equal-length int64 samples into one ``[B, L]`` tensor with a single copy."""
-    return torch.from_numpy(np.stack(samples))
+class MaskedBatch(NamedTuple):
+    """A batch of masked samples. A named tuple, so DataLoader's pinning handles it."""
+
+    inputs: torch.Tensor
+    """int64 [B, seq_len]"""
+    targets: torch.Tensor
+    """int64 [B, seq_len]; IGNORE_INDEX where the mask is 0"""
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> MaskedBatch:
+        return MaskedBatch(self.inputs.to(device, non_blocking=non_blocking),
+                           self.targets.to(device, non_blocking=non_blocking))
+
+
+Batch = torch.Tensor | MaskedBatch
+"""What a :class:`StatefulLoader` yields: ``[B, seq_len + 1]`` tokens, or a :class:`MaskedBatch`."""
+
+
+def collate_tokens(samples: Sequence[np.ndarray] | Sequence[MaskedSample]) -> Batch:
+    """Stack equal-length int64 samples into one ``[B, L]`` tensor with a single copy; masked
+    samples into inputs and targets, the targets of mask 0 set to ``IGNORE_INDEX``."""
+    if not isinstance(samples[0], MaskedSample):
+        return torch.from_numpy(np.stack(samples))
+    tokens = np.stack([s.tokens for s in samples])
+    scored = np.stack([s.mask[1:] for s in samples]) != 0
+    return MaskedBatch(torch.from_numpy(tokens[:, :-1].copy()),
+                       torch.from_numpy(np.where(scored, tokens[:, 1:], IGNORE_INDEX)))
+
+
+def split_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)`` of a batch of either kind."""
+    if isinstance(batch, MaskedBatch):
+        return batch.inputs, batch.targets
+    return batch[:, :-1], batch[:, 1:]
+
+
+def count_scored(batch: Batch) -> int:
+    """Scored targets of a batch: all of a plain one (read from its shape, no data touched), the
+    non-``IGNORE_INDEX`` ones of a masked one (a sync if it is on an accelerator: count before
+    moving it)."""
+    if isinstance(batch, MaskedBatch):
+        return int((batch.targets != IGNORE_INDEX).sum())
+    return batch.shape[0] * (batch.shape[1] - 1)
 
 
 class StatefulLoader:
@@ -49,7 +93,7 @@ class StatefulLoader:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.prefetch_factor = prefetch_factor if num_workers > 0 else None
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[Batch]:
         loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.sampler,
                             num_workers=self.num_workers, pin_memory=self.pin_memory,
                             prefetch_factor=self.prefetch_factor, collate_fn=collate_tokens)

@@ -6,12 +6,18 @@ reduced, the optimizer update, and the format of the model/optimizer shards in a
 Per optimizer step the loop calls, in this order:
 
     set_lr(lr)
-    forward_backward(inputs, targets, last=False, scale=1/A)   # micro-batches 1 … A-1
-    forward_backward(inputs, targets, last=True,  scale=1/A)   # micro-batch A: reduce here
+    forward_backward(inputs, targets, last=False, scale=s_m)   # micro-batches 1 … A-1
+    forward_backward(inputs, targets, last=True,  scale=s_A)   # micro-batch A: reduce here
     step(loss_finite) -> StepResult                            # the update (or its skip)
 
 and between steps `eval_loss`, `save` and `load`. Two implementations: `TorchEngine` (single,
 DDP, FSDP2; torch_engine.py) and `DeepSpeedEngine` (ZeRO 1/2/3; deepspeed_engine.py).
+
+The reduction across ranks AVERAGES the ranks' accumulated gradients (DDP, FSDP2 and DeepSpeed all
+do). The trainer wants the gradient of the step's global mean over scored targets, so it passes
+`s_m = n_m · W / N` (n_m scored targets in micro-batch m, N in the whole step on all W ranks): the
+average over ranks of Σ_m s_m ∇mean_m is Σ (over every micro-batch of every rank) ∇sum_m / N.
+With every micro-batch equally full, s_m is exactly 1/A.
 """
 
 from __future__ import annotations
@@ -42,8 +48,9 @@ class Engine(Protocol):
 
     def forward_backward(self, inputs: Tensor, targets: Tensor, *, last: bool,
                          scale: float) -> Tensor:
-        """Loss of one micro-batch (detached); its gradients, times `scale`, accumulated.
-        `last`: the step's final micro-batch, whose backward reduces gradients across ranks."""
+        """Mean loss of one micro-batch over its scored targets (detached); its gradients,
+        times `scale`, accumulated. `last`: the step's final micro-batch, whose backward
+        reduces (averages) gradients across ranks."""
 
     def step(self, loss_finite: bool) -> StepResult:
         """Clip and apply the accumulated gradients, or skip the update when the loss or the

@@ -150,7 +150,9 @@ class DeepSpeedEngine:
     def forward_backward(self, inputs: Tensor, targets: Tensor, *, last: bool,
                          scale: float) -> Tensor:
         loss = self.engine(inputs, targets)
-        self.engine.backward(loss)  # the engine scales by 1/accumulation itself
+        # `scale` replaces DeepSpeed's own 1/accumulation (it is 1/A when the micro-batches are
+        # equally full, scored-target weighted otherwise: engine/base.py).
+        self.engine.backward(loss * scale, scale_wrt_gas=False)
         if not last:
             self.engine.step()      # off the boundary: DeepSpeed's micro-step bookkeeping only
         return loss.detach().float()

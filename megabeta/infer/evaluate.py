@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megabeta.data import GlobalSampler, StatefulLoader
+from megabeta.data import GlobalSampler, StatefulLoader, count_scored, split_batch
 from megabeta.data.blend import SampleDataset
 
 
@@ -18,18 +18,24 @@ def evaluate(loss_of: Callable[[Tensor, Tensor], Tensor], dataset: SampleDataset
              sampler: GlobalSampler, *,
              batch_size: int, max_batches: int = 0,
              device: torch.device = torch.device("cpu")) -> dict[str, float]:
-    """Sample-weighted mean of `loss_of(inputs, targets)` over `sampler`'s samples of `dataset`
-    (at most `max_batches` batches per rank; 0 = all), summed over every rank of the process
-    group when there is one. Returns loss, perplexity and the number of samples."""
-    total, count = 0.0, 0
+    """Mean per-token loss over the scored targets of `sampler`'s samples of `dataset` (at most
+    `max_batches` batches per rank; 0 = all), summed over every rank of the process group when
+    there is one: each batch's mean `loss_of(inputs, targets)` weighted by its scored targets
+    (every target when the data has no loss mask). Returns loss, perplexity, the number of
+    samples and of scored targets."""
+    total, scored, samples = 0.0, 0, 0
     for i, batch in enumerate(StatefulLoader(dataset, sampler, batch_size)):
         if max_batches and i >= max_batches:
             break
-        batch = batch.to(device)
-        total += float(loss_of(batch[:, :-1], batch[:, 1:])) * batch.shape[0]
-        count += batch.shape[0]
-    totals = torch.tensor([total, float(count)], dtype=torch.float64, device=device)
+        count = count_scored(batch)  # on the host, before the batch moves
+        inputs, targets = split_batch(batch.to(device))
+        total += float(loss_of(inputs, targets)) * count
+        scored += count
+        samples += inputs.shape[0]
+    totals = torch.tensor([total, float(scored), float(samples)], dtype=torch.float64,
+                          device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(totals)
     loss = float(totals[0] / max(float(totals[1]), 1.0))
-    return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "samples": int(totals[1])}
+    return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "samples": int(totals[2]),
+            "scored_targets": int(totals[1])}

@@ -120,7 +120,8 @@ class DecoderLM(nn.Module):
         return fn(*args, **kwargs)
 
     def head(self, h: Tensor, targets: Tensor | None) -> Tensor:
-        """Logits of final hidden states `h [B, T, d]`, or the mean next-token loss.
+        """Logits of final hidden states `h [B, T, d]`, or the mean next-token loss over the
+        scored targets (those not IGNORE_INDEX; 0, with no gradient, when none is scored).
 
         The loss runs over LOSS_CHUNK tokens of the whole batch (the `[B, T]` tokens flattened)
         at a time (`loss.linear_cross_entropy`), so the `[B·T, vocab]` logits never exist at
@@ -131,7 +132,9 @@ class DecoderLM(nn.Module):
             return self.logits(h)
         total = linear_cross_entropy(self.norm(h).flatten(0, 1), self.head_weight(),
                                      targets.flatten(), LOSS_CHUNK)
-        return total / (targets != IGNORE_INDEX).sum()
+        # clamp: a micro-batch whose targets are all masked gives 0, not 0/0 (its scale in the
+        # trainer is 0 then; a NaN times 0 would still poison the gradients).
+        return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
     # ---- decoding (spec §4.5) -------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:

@@ -2,6 +2,8 @@
 
     setup:  ranks → device → seeds → data → model (vocab from the data) → engine → resume
     step:   lr → micro-batches (forward, backward) → clip, skip if non-finite, update → log
+            (the step's loss is the mean over the scored targets of all its micro-batches on all
+            ranks, and its gradients are that mean's: `accumulate_step`)
     every:  eval.interval → evaluate; checkpoint.interval → save
     signal: SIGTERM / SIGUSR1 / SIGINT → finish the step, save, (requeue under SLURM), exit 0
 """
@@ -26,8 +28,16 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpoin
 from megabeta.checkpoint import CheckpointError, CheckpointManager, TrainState
 from megabeta.checkpoint.manager import describe_load_error
 from megabeta.config import TrainConfig, save_config
-from megabeta.data import StatefulLoader, build_train_val, file_sha256
-from megabeta.engine import build_engine
+from megabeta.data import (
+    MaskedBatch,
+    StatefulLoader,
+    build_train_val,
+    count_scored,
+    file_sha256,
+    split_batch,
+)
+from megabeta.data.loader import Batch
+from megabeta.engine import Engine, build_engine
 from megabeta.infer.evaluate import evaluate
 from megabeta.model import ConfigError, ModelConfig, build_model, count_parameters
 from megabeta.model.flops import training_flops
@@ -52,12 +62,39 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-def _all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         value = value.clone()
         dist.all_reduce(value)
-        value /= dist.get_world_size()
     return value
+
+
+def accumulate_step(engine: Engine, micro_batches: list[Batch], device: torch.device,
+                    world_size: int) -> float:
+    """Forward and backward of one optimizer step's micro-batches on this rank; returns the
+    step's loss: the sum of the per-token losses over the scored targets of every micro-batch
+    of every rank, over their global count N. The accumulated (and, by the engine, rank-averaged)
+    gradients are that mean's, so neither depends on the world size or the accumulation.
+
+    Each micro-batch's mean is weighted by its scored count n_m (engine/base.py's `scale`). N of
+    plain batches is known from their shapes (every rank's are equally full); masked batches
+    are counted here, on the host before they move, and N is all-reduced once. With every
+    micro-batch equally full the weights are exactly 1/A, as with a per-micro-batch mean.
+    """
+    counts = [count_scored(batch) for batch in micro_batches]
+    if any(isinstance(batch, MaskedBatch) for batch in micro_batches):
+        total = int(_all_reduce_sum(torch.tensor(sum(counts), dtype=torch.int64, device=device)))
+    else:
+        total = sum(counts) * world_size
+    # No scored target in the whole step: zero gradients and loss 0 rather than 0/0.
+    total = max(total, 1)
+    summed = []
+    for index, (batch, count) in enumerate(zip(micro_batches, counts)):
+        inputs, targets = split_batch(batch.to(device, non_blocking=True))
+        loss = engine.forward_backward(inputs, targets, last=index == len(micro_batches) - 1,
+                                       scale=count * world_size / total)
+        summed.append(loss.double() * count)
+    return float(_all_reduce_sum(torch.stack(summed).sum())) / total
 
 
 class Trainer:
@@ -120,7 +157,8 @@ class Trainer:
                                     seq_len=config.data.seq_len,
                                     val_fraction=config.data.val_fraction,
                                     expected_tokenizer_hash=tokenizer_hash,
-                                    verify_token_ids=config.data.verify_token_ids)
+                                    verify_token_ids=config.data.verify_token_ids,
+                                    align=config.data.align)
         vocab = self.data.vocab_size
         if config.model.vocab_size == -1:
             vocab = self.data.require_vocab_size("model.vocab_size = -1")
@@ -200,13 +238,9 @@ class Trainer:
                 start = time.perf_counter()
                 lr = lr_at(self.state.step, config.train.steps, config.optim, config.schedule)
                 self.engine.set_lr(lr)
-                losses = []
-                for micro in range(self.grad_accumulation):
-                    batch = next(batches).to(self.device, non_blocking=True)
-                    losses.append(self.engine.forward_backward(
-                        batch[:, :-1], batch[:, 1:], last=micro == self.grad_accumulation - 1,
-                        scale=1.0 / self.grad_accumulation))
-                loss = float(_all_reduce_mean(torch.stack(losses).mean()))
+                micro_batches = [next(batches) for _ in range(self.grad_accumulation)]
+                loss = accumulate_step(self.engine, micro_batches, self.device,
+                                       self.env.world_size)
                 result = self.engine.step(math.isfinite(loss))
                 grad_norm, applied = result.grad_norm, result.applied
                 self.state.step += 1
@@ -287,4 +321,4 @@ def run(config: TrainConfig) -> dict[str, Any]:
     return Trainer(config).train()
 
 
-__all__ = ["Trainer", "TrainingStopped", "run"]
+__all__ = ["Trainer", "TrainingStopped", "accumulate_step", "run"]
