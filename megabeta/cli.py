@@ -13,6 +13,7 @@ COMMANDS = {
     "eval": ("megabeta.infer.cli:eval_main", "validation loss and perplexity of a checkpoint"),
     "generate": ("megabeta.infer.cli:generate_main", "continue a prompt with the KV cache"),
     "bench": ("megabeta.bench.__main__", "benchmarks that print figures: bench {model,data,train}"),
+    "tasks": ("megabeta.tasks.cli", "synthetic tasks with scored answers: tasks {make,eval}"),
 }
 
 

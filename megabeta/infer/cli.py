@@ -81,7 +81,8 @@ def resolve_tokenizer(source: ModelSource, given: str, force: bool,
     return recorded_path, recorded_sha or sha
 
 
-def _warn_notes(source: ModelSource) -> None:
+def warn_notes(source: ModelSource) -> None:
+    """Print what `read_source` could not read (its notes) as warnings."""
     for note in source.notes:
         print(f"warning: {note}", file=sys.stderr)
 
@@ -160,7 +161,7 @@ def eval_main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --val-fraction: {args.val_fraction}, must be in [0, 1)")
     try:
         source = read_source(args.checkpoint)
-        _warn_notes(source)
+        warn_notes(source)
         _, tokenizer_sha = resolve_tokenizer(source, args.tokenizer, args.force_tokenizer,
                                              need_file=False)
         paths, seq_len, val_fraction = _eval_settings(args, source)
@@ -273,17 +274,14 @@ def generate_main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --top-p: {args.top_p}, must be in (0, 1]")
     try:
         source = read_source(args.checkpoint)
-        _warn_notes(source)
+        warn_notes(source)
         tokenizer_path, _ = resolve_tokenizer(source, args.tokenizer, args.force_tokenizer,
                                               need_file=True)
-        sp = _load_sentencepiece(tokenizer_path)
+        sp = load_sentencepiece(tokenizer_path)
         prompt = torch.tensor(sp.encode(args.prompt), dtype=torch.long)
         _check_context(prompt.numel(), args.max_new_tokens, source)
         model = load_model(args.checkpoint)
-        if sp.vocab_size() > model.config.vocab_size:
-            raise UsageError(f"tokenizer {tokenizer_path} has {sp.vocab_size()} pieces, more "
-                             f"than the model's vocabulary ({model.config.vocab_size}); pass the "
-                             "tokenizer the model was trained with")
+        check_vocabulary(sp, tokenizer_path, model)
     except (CheckpointError, DataError, UsageError) as err:
         return _fail(str(err))
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
@@ -292,7 +290,8 @@ def generate_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _load_sentencepiece(path: str):
+def load_sentencepiece(path: str):
+    """The sentencepiece processor of `path`; UsageError when it is not a sentencepiece model."""
     import sentencepiece as spm
 
     try:
@@ -300,6 +299,14 @@ def _load_sentencepiece(path: str):
     except (RuntimeError, OSError) as err:
         raise UsageError(f"{path}: not a sentencepiece model ({err}); pass --tokenizer with the "
                          ".model file written by megabeta-data train-tokenizer") from None
+
+
+def check_vocabulary(sp, tokenizer_path: str, model) -> None:
+    """UsageError when the tokenizer has ids beyond the model's vocabulary."""
+    if sp.vocab_size() > model.config.vocab_size:
+        raise UsageError(f"tokenizer {tokenizer_path} has {sp.vocab_size()} pieces, more "
+                         f"than the model's vocabulary ({model.config.vocab_size}); pass the "
+                         "tokenizer the model was trained with")
 
 
 def _check_context(prompt_tokens: int, new_tokens: int, source: ModelSource) -> None:
