@@ -28,7 +28,7 @@ from megabeta.extras import require
 from megabeta.model import ConfigError, DecoderLM, ExecutionConfig, ModelConfig, build_model
 
 EXPORT_FORMAT = "megabeta-export/1"
-RUN_DATA_KEYS = ("path", "seq_len", "val_fraction")
+RUN_DATA_KEYS = ("path", "seq_len", "val_fraction", "align")
 """The run's data settings that an export records (its metadata key `data`)."""
 
 
@@ -121,7 +121,7 @@ def read_source(path: str | os.PathLike) -> ModelSource:
                                 "settings are not used")
             return source
         source.data = {"path": list(run.data.path), "seq_len": run.data.seq_len,
-                       "val_fraction": run.data.val_fraction}
+                       "val_fraction": run.data.val_fraction, "align": run.data.align}
         source.settings_from = str(config_file)
         if not source.tokenizer and run.data.tokenizer:
             # a checkpoint of an older version: only the run config names the tokenizer

@@ -99,17 +99,6 @@ EVAL_EPILOG = """defaults:
 """
 
 
-def evaluate_checkpoint(checkpoint: str, data_paths: list[str], *, seq_len: int,
-                        batch_size: int, val_fraction: float, max_batches: int,
-                        tokenizer_sha256: str | None = None) -> dict[str, float]:
-    """`evaluate` of a checkpoint's model on the held-out split of `data_paths` (the whole
-    data when `val_fraction` is 0); `tokenizer_sha256` refuses data of another tokenizer."""
-    model = load_model(checkpoint)
-    data = build_train_val(data_paths, None, seq_len=seq_len, val_fraction=val_fraction,
-                           expected_tokenizer_hash=tokenizer_sha256)
-    return _evaluate_data(model, data, batch_size, max_batches)
-
-
 def _evaluate_data(model, data, batch_size: int, max_batches: int) -> dict[str, float]:
     vocab = model.config.vocab_size
     if data.vocab_size is not None and data.vocab_size > vocab:
@@ -166,7 +155,9 @@ def eval_main(argv: list[str] | None = None) -> int:
                                              need_file=False)
         paths, seq_len, val_fraction = _eval_settings(args, source)
         model = load_model(args.checkpoint)
-        data = build_train_val(paths, None, seq_len=seq_len, val_fraction=val_fraction)
+        # Samples as the run cut them: packed, or document-aligned and masked past the end.
+        data = build_train_val(paths, None, seq_len=seq_len, val_fraction=val_fraction,
+                               align=source.data.get("align", "packed"))
         _check_data_tokenizer(data, tokenizer_sha, source, args.force_tokenizer)
         result = _evaluate_data(model, data, args.batch_size, args.batches)
     except (CheckpointError, DataError, UsageError) as err:
