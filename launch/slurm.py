@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Write an sbatch script that runs megabeta's trainer under torchrun on every node of a SLURM job.
+"""Write an sbatch script that runs megabeta's trainer on every node of a SLURM job: torchrun on
+each node (one srun task per node), or one srun task per rank (`--launcher srun`).
 
 Everything cluster-specific (partition, account, modules, NCCL variables) comes from flags, so the
 same generator serves any cluster; nothing is hard-coded. See launch/README.md and `--help`.
@@ -16,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 TRAIN_MODULE = "megabeta.train"
+LAUNCHERS = ("torchrun", "srun")
 # Same rule as megabeta.parallel.env.slurm_port: unprivileged, below the ephemeral range, and
 # different for two jobs sharing a node.
 PORT_FROM_JOB_ID = "$((20000 + SLURM_JOB_ID % 10000))"
@@ -24,18 +26,21 @@ EXAMPLE = """\
 example:
   python launch/slurm.py --nodes 4 --gpus-per-node 8 --cpus-per-task 64 --partition gpu \\
       --time 1-00:00:00 --requeue --signal-seconds 300 --venv .venv --write train.sbatch \\
-      -- --config configs/base.toml --optim.lr=3e-4
+      -- --config configs/t19_flash.toml --data.path=/data/corpus --optim.lr=3e-4
   sbatch train.sbatch
 
 Every node runs one srun task: torchrun, which starts --nproc-per-node workers there and meets the
 other nodes' torchruns at the first node's address (its NodeAddr from `scontrol show node`, since
 node names need not resolve everywhere; the batch host's name if scontrol cannot tell).
 
+With --launcher srun there is no torchrun: srun starts --nproc-per-node tasks per node, each a
+training rank that finds its rank from SLURM's variables and meets the others at the same address.
+
 Preemption: --signal-seconds N makes SLURM send SIGUSR1 to every process of the step N seconds
 before the time limit (torchrun itself is made to ignore it; the trainer stops at the next step
-boundary and saves). With --requeue the job may be put back in the queue, which the trainer does
-with `scontrol requeue` after saving when given --checkpoint.requeue=true; the rerun resumes from
-the checkpoint.
+boundary and saves). --requeue makes the job requeueable and, for megabeta.train, adds
+--checkpoint.requeue=true (after saving on a stop signal the trainer runs `scontrol requeue`) and
+--resume=auto (the rerun resumes from the newest checkpoint) unless the arguments set them.
 """
 
 
@@ -55,9 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="GPUs to request per node (#SBATCH --gpus-per-node); 0 for a CPU-only "
                           "job")
     job.add_argument("--cpus-per-task", type=int, metavar="C",
-                     help="CPUs for each node's task, i.e. for torchrun and all its workers on "
-                          "that node; also passed to srun, which no longer inherits it "
-                          "(default: unset)")
+                     help="CPUs per srun task: with torchrun the node's task, i.e. torchrun and "
+                          "all its workers on that node; with --launcher srun one rank; also "
+                          "passed to srun, which no longer inherits it (default: unset)")
     job.add_argument("--partition", help="partition to submit to (default: the cluster's default)")
     job.add_argument("--account", help="account to charge (default: your default account)")
     job.add_argument("--time", help="time limit: MIN, MIN:SEC, H:MIN:SEC, D-H, D-H:MIN or "
@@ -67,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="log file pattern; %%x is the job name, %%j the job id "
                           "(default %%x-%%j.out)")
     job.add_argument("--requeue", action="store_true",
-                     help="allow the job to be requeued (#SBATCH --requeue): after a preemption "
-                          "signal the trainer can put it back in the queue to resume")
+                     help="make the job requeueable (#SBATCH --requeue) and have the trainer "
+                          "requeue it after saving on a stop signal and resume when it reruns "
+                          "(adds --checkpoint.requeue=true --resume=auto for megabeta.train "
+                          "unless the training arguments set them)")
     job.add_argument("--signal-seconds", type=int, metavar="N",
                      help="send SIGUSR1 to the job's processes N seconds before the time limit "
                           "(#SBATCH --signal=USR1@N) so the trainer saves and stops in time; "
@@ -77,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="extra #SBATCH option, repeatable, e.g. --sbatch=--qos=high "
                           "--sbatch=--constraint=h100")
     run = p.add_argument_group("run")
+    run.add_argument("--launcher", choices=LAUNCHERS, default="torchrun",
+                     help="torchrun: one srun task per node runs torchrun, which starts that "
+                          "node's ranks; srun: one srun task per rank, no torchrun (default "
+                          "torchrun)")
     run.add_argument("--nproc-per-node", type=int, metavar="P",
                      help="training processes per node (default: --gpus-per-node, or 1 for 0 GPUs)")
     run.add_argument("--module", default=TRAIN_MODULE,
@@ -146,13 +157,27 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--signal-seconds {args.signal_seconds} is not before the end of --time "
                     f"{args.time} ({limit} s): the signal would never come")
     if not args.train_args:
-        p.error("no training arguments: put them after `--`, e.g. -- --config configs/base.toml")
+        p.error("no training arguments: put them after `--`, e.g. "
+                "-- --config configs/t19_flash.toml --data.path=PREFIX")
+
+
+def trainer_args(args: argparse.Namespace) -> list[str]:
+    """The module's arguments: the user's, then what --requeue needs of megabeta.train (a
+    requeued job that neither requeues nor resumes would simply end, or start over)."""
+    extra = []
+    if args.requeue and args.module == TRAIN_MODULE:
+        given = {a.split("=", 1)[0] for a in args.train_args}
+        extra += [flag for flag in ("--checkpoint.requeue=true", "--resume=auto")
+                  if flag.split("=", 1)[0] not in given]
+    return [*args.train_args, *extra]
 
 
 def render(args: argparse.Namespace, argv: list[str]) -> str:
     """The sbatch script for parsed, checked flags; `argv` is recorded so it can be regenerated."""
     nproc = args.nproc_per_node or max(args.gpus_per_node, 1)
-    sbatch = [f"--job-name={args.job_name}", f"--nodes={args.nodes}", "--ntasks-per-node=1"]
+    per_node = nproc if args.launcher == "srun" else 1
+    sbatch = [f"--job-name={args.job_name}", f"--nodes={args.nodes}",
+              f"--ntasks-per-node={per_node}"]
     if args.gpus_per_node:
         sbatch.append(f"--gpus-per-node={args.gpus_per_node}")
     for flag in ("cpus_per_task", "partition", "account", "time", "output"):
@@ -174,16 +199,14 @@ def render(args: argparse.Namespace, argv: list[str]) -> str:
     for item in args.env:
         name, value = item.split("=", 1)
         lines.append(f"export {name}={shlex.quote(value)}")
-    srun = ["srun", '--nodes="$SLURM_NNODES"', "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    srun = ["srun", '--nodes="$SLURM_NNODES"', f"--ntasks-per-node={per_node}",
+            "--kill-on-bad-exit=1"]
     if args.cpus_per_task is not None:
         srun.append(f"--cpus-per-task={args.cpus_per_task}")
-    torchrun = ["torchrun", '--nnodes="$SLURM_NNODES"', f"--nproc_per_node={nproc}",
-                "--rdzv_backend=c10d", '--rdzv_endpoint="$HEAD_ADDR:$RDZV_PORT"',
-                '--rdzv_id="$SLURM_JOB_ID"']
-    train = ["-m", args.module, *map(shlex.quote, args.train_args)]
+    train = ["-m", args.module, *map(shlex.quote, trainer_args(args))]
     lines += [
         "",
-        "# torchrun meets on the first node. Node names need not resolve on every node (several",
+        "# Rank 0 runs on the first node. Node names need not resolve on every node (several",
         "# slurmd per host, private naming), its NodeAddr does; the batch shell runs on that node,",
         "# so its hostname is the fallback when scontrol cannot tell.",
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null \\',
@@ -198,6 +221,21 @@ def render(args: argparse.Namespace, argv: list[str]) -> str:
         'echo "megabeta: job $SLURM_JOB_ID on $SLURM_NNODES node(s), rendezvous at" \\',
         '    "$HEAD_ADDR:$RDZV_PORT"',
         "",
+    ]
+    if args.launcher == "srun":
+        lines += [
+            "# One srun task per rank; each reads its rank from SLURM's variables and meets the",
+            "# others at MASTER_ADDR:MASTER_PORT (megabeta.parallel.env.discover).",
+            'export MASTER_ADDR="$HEAD_ADDR" MASTER_PORT="$RDZV_PORT"',
+            " ".join(srun) + " \\",
+            "    python3 " + " ".join(train),
+            "",
+        ]
+        return "\n".join(lines)
+    torchrun = ["torchrun", '--nnodes="$SLURM_NNODES"', f"--nproc_per_node={nproc}",
+                "--rdzv_backend=c10d", '--rdzv_endpoint="$HEAD_ADDR:$RDZV_PORT"',
+                '--rdzv_id="$SLURM_JOB_ID"']
+    lines += [
         "# One task per node runs torchrun, which starts that node's workers. SIGUSR1 reaches",
         "# every process of the step; its default action would kill torchrun (and the step with",
         "# it), so torchrun ignores it while the workers install their own handler.",

@@ -1,6 +1,6 @@
 """The import direction of the packages: a module never imports from a layer above its own.
 
-    kernels < model < data < config/extras < parallel < engine < checkpoint < infer
+    kernels < model < data < config/extras < storage < parallel < engine < checkpoint < infer
     < train, tasks < bench, cli, demo
 
 (The model knows nothing of parallelism, engines or training; the engine nothing of the loop.)
@@ -14,7 +14,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 LAYERS = [["megabeta.kernels"], ["megabeta.model"], ["megabeta.data"],
-          ["megabeta.config", "megabeta.extras"], ["megabeta.parallel"], ["megabeta.engine"],
+          ["megabeta.config", "megabeta.extras"], ["megabeta.storage"], ["megabeta.parallel"],
+          ["megabeta.engine"],
           ["megabeta.checkpoint"], ["megabeta.infer"], ["megabeta.train", "megabeta.tasks"],
           ["megabeta.bench", "megabeta.cli", "megabeta.demo", "megabeta.__main__"]]
 

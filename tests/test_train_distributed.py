@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_helpers import launcher_free_environ
 from train_helpers import REPO, TINY, launch, losses, train_records
 
 STEPS = ["--train.steps=6", "--optim.lr=1e-2"]
@@ -146,3 +147,22 @@ def test_sigterm_saves_at_a_step_boundary_and_the_run_resumes(tiny_data, tmp_pat
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{stopped:08d}"
     launch([*args, "--resume=auto", "--train.steps=" + str(stopped + 2)], nproc=2)
     assert train_records(run_dir)[-1]["step"] == stopped + 2
+
+
+def test_mpirun_trains_like_torchrun(fsdp_run: Path, tiny_data, tmp_path: Path) -> None:
+    """Two ranks started by Open MPI's mpirun (ranks from OMPI_COMM_WORLD_*, gloo): the same
+    losses as torchrun's, bit for bit."""
+    mpirun = Path(sys.executable).parent / "mpirun"
+    if not mpirun.exists():
+        pytest.skip("no mpirun next to this Python: pip install 'megabeta[mpi]'")
+    env = launcher_free_environ(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                                OMPI_MCA_rmaps_base_oversubscribe="1")
+    run_dir = tmp_path / "mpirun"
+    cmd = [str(mpirun), "-n", "2", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", sys.executable,
+           "-m", "megabeta.train", *args_for(tiny_data, run_dir, "--parallel.backend=fsdp")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert losses(run_dir) == losses(fsdp_run)
+    state = json.loads((run_dir / "checkpoints" / "step_00000006" / "train_state.json").read_text())
+    assert state["world_size"] == 2
+    assert "[rank 1]" not in done.stdout + done.stderr  # rank 0 logs, the other stays quiet

@@ -7,7 +7,7 @@ import sys
 
 BENCHMARKS = {"model": "megabeta.bench.model", "data": "megabeta.bench.data",
               "train": "megabeta.bench.train", "dispatch": "megabeta.bench.dispatch",
-              "gpu": "megabeta.bench.gpu"}
+              "gpu": "megabeta.bench.gpu", "checkpoint": "megabeta.bench.checkpoint"}
 PROG = "megabeta bench"
 
 
@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
               "  train  tokens/s and MFU per parallel backend, framework overhead, checkpoints\n"
               "  dispatch  kernel launches per (block, layer) cell of a training step\n"
               "  gpu    the device check for one CUDA GPU: kernels, exactness, speed, MFU\n"
+              "  checkpoint  what fsync (durable commits) adds to a checkpoint save\n"
               f"Each takes --help ({PROG} model --help).", file=sys.stderr)
         if argv and argv[0] not in ("-h", "--help"):
             print(f"{PROG}: error: unknown benchmark {argv[0]!r}; choose one of "

@@ -26,6 +26,7 @@ from megabeta.checkpoint.manager import CheckpointError, read_train_state
 from megabeta.config import load_config
 from megabeta.extras import require
 from megabeta.model import ConfigError, DecoderLM, ExecutionConfig, ModelConfig, build_model
+from megabeta.storage.safe_load import dcp_reader
 
 EXPORT_FORMAT = "megabeta-export/1"
 RUN_DATA_KEYS = ("path", "seq_len", "val_fraction", "align")
@@ -136,7 +137,7 @@ def _model_state_from_checkpoint(path: Path, model: DecoderLM, backend: str) -> 
         return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(path / "model"),
                                                                      tag="engine")
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path / "model"), no_dist=True)
+    dcp.load(state, no_dist=True, **dcp_reader(path / "model"))
     return state["model"]
 
 

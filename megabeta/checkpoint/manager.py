@@ -5,12 +5,17 @@ Layout under `<run_dir>/checkpoints/`:
     step_00000100/            one complete checkpoint
         model/                the backend's shards (DCP files, or a DeepSpeed engine checkpoint)
         train_state.json      step, tokens seen, global data-loader state, model config, backend
-        rng/rank_00000.pt     every rank's Python, NumPy, torch (and CUDA) RNG states
+        rng/rank_00000.pt     every rank's Python, NumPy, torch (and CUDA) RNG states, as
+                              tensors and numbers (loaded with weights_only: storage/safe_load.py)
     latest                    the name of the newest complete checkpoint
 
 A checkpoint is written under `step_XXXXXXXX.tmp` and renamed once every rank has finished, so a
 directory without the suffix is always complete and `latest` never names a partial one. The
-newest `keep` are kept.
+newest `keep` are kept. The commit is durable (storage/durable.py), in the order databases use: every
+file is fsynced by the rank that wrote it (DCP syncs its shards, the DeepSpeed engine its own
+files), then rank 0 fsyncs the directories, renames the checkpoint into place and fsyncs its
+parent, then writes `latest` the same way (temporary file, fsync, rename, fsync). A crash at any
+point leaves the previous `latest` naming a checkpoint whose data is on disk.
 
 Files can still be lost or cut short afterwards (a full disk, a partial copy, a purge).
 `check_checkpoint` finds that cheaply, from sizes and headers only: every shard file that the DCP
@@ -23,6 +28,7 @@ an explicit `--resume=PATH` to a damaged one is an error naming the file and the
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -38,6 +44,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from megabeta.storage.durable import (fsync_directories, fsync_path, replace_durably,
+                                         write_durably, write_synced)
+from megabeta.storage.safe_load import SafeFileSystemReader
 
 FORMAT = "megabeta-checkpoint/1"
 STATE_FILE = "train_state.json"
@@ -87,19 +97,71 @@ def _rank() -> int:
 
 
 def capture_rng() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
+    """This process's RNG states as tensors, numbers and strings only, so that they load with
+    `weights_only=True` (no pickled objects to run code from)."""
+    version, mt_state, gauss_next = random.getstate()
+    numpy_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": torch.tensor(mt_state, dtype=torch.int64),
+                   "gauss_next": gauss_next},
+        "numpy": {"bit_generator": numpy_state["bit_generator"],
+                  "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+                  "pos": int(numpy_state["state"]["pos"]),
+                  "has_gauss": int(numpy_state["has_gauss"]),
+                  "gauss": float(numpy_state["gauss"])},
+        "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    python, numpy_state = state["python"], state["numpy"]
+    random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss_next"]))
+    np.random.set_state({"bit_generator": numpy_state["bit_generator"],
+                         "state": {"key": numpy_state["key"].numpy().astype(np.uint32),
+                                   "pos": numpy_state["pos"]},
+                         "has_gauss": numpy_state["has_gauss"], "gauss": numpy_state["gauss"]})
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+_NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+                        getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct]
+"""What a NumPy array in an RNG file of the first format (`np.random.get_state()`'s tuple) needs
+to unpickle: array reconstruction only."""
+
+
+def load_rng_file(file: Path) -> dict[str, Any]:
+    """The RNG states in `file`, loaded with `weights_only=True`; CheckpointError when it holds
+    anything but tensors, numbers and NumPy arrays (it could run code) or is not in this format.
+    Files of the first format (Python and NumPy states as their own tuples) are converted."""
+    try:
+        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+            state = torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as err:
+        reason = str(err).splitlines()[0].split(". ")[0]
+        raise CheckpointError(f"{file} holds objects other than RNG states ({reason}); refusing "
+                              "to load it: it could run code. Resume from a checkpoint your own "
+                              "runs wrote") from None
+    if isinstance(state, dict) and isinstance(state.get("python"), tuple):
+        state = _from_first_format(state)
+    if not (isinstance(state, dict) and isinstance(state.get("python"), dict)
+            and isinstance(state.get("numpy"), dict) and "torch" in state):
+        raise CheckpointError(f"{file} is not a megabeta RNG state file (expected python, numpy "
+                              "and torch states); resume from a checkpoint this megabeta wrote")
+    return state
+
+
+def _from_first_format(state: dict[str, Any]) -> dict[str, Any]:
+    version, mt_state, gauss_next = state["python"]
+    _, key, pos, has_gauss, gauss = state["numpy"]
+    return {**state,
+            "python": {"version": version, "state": torch.tensor(mt_state, dtype=torch.int64),
+                       "gauss_next": gauss_next},
+            "numpy": {"bit_generator": "MT19937", "key": torch.from_numpy(key.astype(np.int64)),
+                      "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}}
 
 
 def read_train_state(path: Path) -> TrainState:
@@ -149,13 +211,11 @@ def _model_damage(model: Path, state: TrainState) -> str | None:
 def _dcp_damage(model: Path) -> str | None:
     """What is wrong with the DCP checkpoint in `model` (None: every shard its metadata names
     is there, as long as the data placed in it)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     metadata_file = model / DCP_METADATA
     if not metadata_file.is_file():
         return f"{metadata_file} is missing (it lists the shards and what is in them)"
     try:
-        metadata = FileSystemReader(str(model)).read_metadata()
+        metadata = SafeFileSystemReader(str(model)).read_metadata()
         storage = dict(metadata.storage_data or {})
     except Exception as err:  # noqa: BLE001 - an unreadable pickle raises anything
         return f"{metadata_file} cannot be read ({type(err).__name__}: {_first_line(err)})"
@@ -341,17 +401,20 @@ class CheckpointManager:
             (tmp / "rng").mkdir(parents=True)
             (tmp / "model").mkdir()
         _barrier()
-        torch.save(capture_rng(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+        buffer = io.BytesIO()
+        torch.save(capture_rng(), buffer)
+        write_synced(tmp / "rng" / f"rank_{_rank():05d}.pt", buffer.getvalue())
         future = write_model(tmp / "model")
         if _rank() == 0:
-            (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
+            write_synced(tmp / STATE_FILE, json.dumps(asdict(state), indent=1).encode())
         self._pending = (future, tmp, final)
         if future is None:
             self.finalize()
         return final
 
     def finalize(self) -> None:
-        """Complete the pending save: wait for it, rename, point `latest` at it, prune."""
+        """Complete the pending save: wait for it, make it durable and rename it (module doc),
+        point `latest` at it, prune."""
         if self._pending is None:
             return
         future, tmp, final = self._pending
@@ -362,10 +425,10 @@ class CheckpointManager:
         if _rank() == 0:
             if final.exists():
                 shutil.rmtree(final)
-            os.replace(tmp, final)
-            pointer = self.root / "latest.tmp"
-            pointer.write_text(final.name)
-            os.replace(pointer, self.root / "latest")
+            fsync_directories(tmp)
+            replace_durably(tmp, final)
+            fsync_path(self.root.parent)  # the entry of checkpoints/ itself, made at the first save
+            write_durably(self.root / "latest", final.name.encode())
             for old in self.complete()[:-self.keep]:
                 shutil.rmtree(old)
         _barrier()
@@ -375,5 +438,5 @@ class CheckpointManager:
         files = sorted((path / "rng").glob("rank_*.pt"))
         if len(files) != world_size:
             return False
-        restore_rng(torch.load(path / "rng" / f"rank_{_rank():05d}.pt", weights_only=False))
+        restore_rng(load_rng_file(path / "rng" / f"rank_{_rank():05d}.pt"))
         return True

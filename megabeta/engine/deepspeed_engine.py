@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from megabeta.storage.durable import fsync_path
 from megabeta.config import TrainConfig
 from megabeta.engine.base import StepResult
 from megabeta.engine.optim import build_optimizer, param_groups, set_lr
@@ -172,6 +173,10 @@ class DeepSpeedEngine:
 
     def save(self, path: Path, *, async_save: bool = False) -> Future | None:
         self.engine.save_checkpoint(str(path), tag="engine")
+        # DeepSpeed writes without fsync: each rank syncs what it wrote (checkpoint/manager.py's
+        # commit order), before the manager's barrier and rename.
+        for file in own_files(path, self.engine.global_rank):
+            fsync_path(file)
         return None
 
     def load(self, path: Path) -> None:
@@ -184,6 +189,15 @@ class DeepSpeedEngine:
         load_path, _ = self.engine.load_checkpoint(str(path), tag=tag)
         if load_path is None:
             raise FileNotFoundError(f"{path}: no DeepSpeed engine checkpoint (tag {tag!r}) inside")
+
+
+def own_files(path: Path, rank: int) -> list[Path]:
+    """The files of a DeepSpeed checkpoint in `path` that `rank` wrote: its own
+    `zero_pp_rank_<rank>_*` shards, and for rank 0 the rest (model states below ZeRO-3, the
+    `latest` tag file)."""
+    mine = f"zero_pp_rank_{rank}_"
+    return sorted(f for f in path.rglob("*") if f.is_file()
+                  and (mine in f.name or (rank == 0 and "zero_pp_rank_" not in f.name)))
 
 
 def _to_universal(engine_dir: Path, out: Path) -> None:

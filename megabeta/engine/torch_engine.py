@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from megabeta.storage.safe_load import dcp_reader
 from megabeta.config import TrainConfig
 from megabeta.engine.base import StepResult
 from megabeta.engine.optim import build_optimizer, set_lr
@@ -89,14 +90,15 @@ class TorchEngine:
         return {"model": model_sd, "optim": optim_sd}
 
     def save(self, path: Path, *, async_save: bool = False) -> Future | None:
-        state = self._state()
+        # sync_files: each rank fsyncs the shards it wrote (checkpoint/manager.py's commit order).
+        state, writer = self._state(), dcp.FileSystemWriter(str(path), sync_files=True)
         if async_save:
-            return dcp.async_save(state, checkpoint_id=str(path))
-        dcp.save(state, checkpoint_id=str(path))
+            return dcp.async_save(state, storage_writer=writer)
+        dcp.save(state, storage_writer=writer)
         return None
 
     def load(self, path: Path) -> None:
         state = self._state()
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, **dcp_reader(path))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
