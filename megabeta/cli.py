@@ -14,6 +14,7 @@ COMMANDS = {
     "generate": ("megabeta.infer.cli:generate_main", "continue a prompt with the KV cache"),
     "bench": ("megabeta.bench.__main__", "benchmarks that print figures: bench {model,data,train}"),
     "tasks": ("megabeta.tasks.cli", "synthetic tasks with scored answers: tasks {make,eval}"),
+    "ablate": ("megabeta.ablate.cli", "train arms on the same data, summarise mean ± spread"),
 }
 
 
