@@ -73,10 +73,14 @@ def assert_committed_durably(run_dir: Path, events: list[dict]) -> None:
     assert (root / "latest").read_text() == "step_00000006"
 
 
-def test_dcp_save_syncs_every_file_then_renames_then_syncs_the_directory(tiny_data,
-                                                                          tmp_path: Path) -> None:
-    run_dir, events = recorded_run(tiny_data, tmp_path, 1)
-    assert_committed_durably(run_dir, events)
+@pytest.fixture(scope="module")
+def dcp_run(tiny_data, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """A single-process run (DCP checkpoints) with its fsync/replace events."""
+    return recorded_run(tiny_data, tmp_path_factory.mktemp("dcp"), 1)
+
+
+def test_dcp_save_syncs_every_file_then_renames_then_syncs_the_directory(dcp_run) -> None:
+    assert_committed_durably(*dcp_run)
 
 
 @pytest.mark.slow
@@ -132,10 +136,11 @@ def test_an_rng_file_that_would_run_code_is_refused(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def test_resume_refuses_a_crafted_checkpoint_before_running_it(tiny_data, tmp_path: Path) -> None:
+def test_resume_refuses_a_crafted_checkpoint_before_running_it(dcp_run, tiny_data,
+                                                               tmp_path: Path) -> None:
     """A checkpoint whose DCP metadata and RNG file would run code: `check_checkpoint` (which
     --resume=auto runs on every candidate) names the file, and nothing runs."""
-    run_dir, _ = recorded_run(tiny_data, tmp_path, 1)
+    run_dir, _ = dcp_run
     crafted = tmp_path / "crafted"
     shutil.copytree(run_dir / "checkpoints" / "step_00000006", crafted)
     marker = tmp_path / "ran"
