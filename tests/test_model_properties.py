@@ -147,8 +147,8 @@ def test_a_training_step_frees_its_history(checkpoint: str, monkeypatch) -> None
     histories = []
     make = Beta12Transformer._history
 
-    def recorded(self, length):
-        history = make(self, length)
+    def recorded(self, length, **kwargs):
+        history = make(self, length, **kwargs)
         histories.append(weakref.ref(history))
         return history
 

@@ -47,7 +47,7 @@ import functools
 import torch
 from torch import Tensor
 
-from megabeta.kernels.ops import custom_op, launch
+from megabeta.kernels.ops import anchor_gradient, custom_op, launch
 
 try:
     import triton
@@ -591,6 +591,7 @@ if triton is not None:
         ctx.history = (hist_k, hist_v, grad_hist_k, grad_hist_v)
         ctx.rows = (shift_rows, diag_rows)
         ctx.args = (list(sources), layer, window, scale)
+        ctx.anchor = None if anchor is None else (anchor.dtype, anchor.device)
         ctx.mark_non_differentiable(lse)
         # No zero-filled gradient for lse (nobody differentiates it): a launch per call.
         ctx.set_materialize_grads(False)
@@ -605,14 +606,11 @@ if triton is not None:
             grad_hist_v, *ctx.args, *ctx.rows)
         if ctx.rows[0] is not None:  # the biases' partial sums went to the pass's buffers
             d_shift = d_self_bias = None
-        # No gradient for the anchor: its edge alone orders autograd (the producer's backward
-        # waits for it either way), and a zero per call would be a launch per call.
-        d_anchor = None
         return (dq, dk, dv, None, None, None, None, None,
                 None if d_shift is None else d_shift.to(shift.dtype),
                 None if self_bias is None or d_self_bias is None
                 else d_self_bias.to(self_bias.dtype),
-                d_anchor, None, None, None, None, None, None)
+                anchor_gradient(ctx.anchor), None, None, None, None, None, None)
 
     _attention_op.register_autograd(_attention_backward, setup_context=_setup_context)
 

@@ -15,16 +15,24 @@ history (spec §4.6). The LM head and loss run after the block loop, in chunks (
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from megabeta.model.attention import AttentionBias, BiasRows
 from megabeta.model.cache import DecodeCache
+from megabeta.model.config import ConfigError
 from megabeta.model.history import BufferedHistory, BufferedView, PieceHistory, PieceView
 from megabeta.model.layers import Attention, Projection
 from megabeta.model.transformer import DecoderLM
+
+
+STATIC_BACKENDS = ("cpu_fused", "triton")
+"""Attention backends a compiled block step can call: they take the block's start as a tensor."""
 
 
 class CellWeights:
@@ -41,23 +49,28 @@ class CellWeights:
       (`BiasRows`, of `length` tokens).
     """
 
-    def __init__(self, model: "Beta12Transformer", finished: bool, length: int) -> None:
+    def __init__(self, model: "Beta12Transformer", finished: bool, length: int, *,
+                 traced: bool = False) -> None:
         c, kernels = model.config, model.cell_kernels
+        # Read by a compiled block step (`traced`): gradients by plain autograd, none of the
+        # Python-side sums (SharedWeight, BiasRows) that a graph cannot hold.
+        project = functools.partial(Projection, head_dim=c.head_dim, kernels=kernels,
+                                    accumulate=not traced)
         inputs = [layer.attention.input_rows(layer.attention_norm) for layer in model.layers]
-        self._plain = [Projection(rows, c.head_dim, kernels) for rows in inputs]
+        self._plain = [project(rows) for rows in inputs]
         self._finished: list[Projection | None] = []
         self.last_finished: Projection | None = None
         if finished:
             outputs = [layer.attention.finished_rows(layer.attention_norm)
                        for layer in model.layers]
-            self._finished = [None] + [Projection([fk] + rows + [fv], c.head_dim, kernels)
+            self._finished = [None] + [project([fk] + rows + [fv])
                                        for (fk, fv), rows in zip(outputs, inputs[1:])]
-            self.last_finished = Projection(outputs[-1], c.head_dim, kernels)
-        self.branches = [layer.pass_weights() for layer in model.layers]
-        self.biases = [BiasRows(length).hand_out(_biases(layer.attention,
-                                                         model.config.source_layers(l), l,
-                                                         c.depth_window))
-                       for l, layer in enumerate(model.layers)]
+            self.last_finished = project(outputs[-1])
+        self.branches = [layer.pass_weights(accumulate=not traced) for layer in model.layers]
+        self.biases = [_biases(layer.attention, model.config.source_layers(l), l,
+                               c.depth_window) for l, layer in enumerate(model.layers)]
+        if not traced:
+            self.biases = [BiasRows(length).hand_out(bias) for bias in self.biases]
 
     def input(self, layer: int, finished: bool) -> Projection:
         return self._finished[layer] if finished and layer > 0 else self._plain[layer]
@@ -73,6 +86,18 @@ def _biases(attention: Attention, sources: list[int], layer: int, depth_window: 
     shift = (offsets[:, None] * slope.float() if slope is not None
              else offsets.new_zeros(len(sources), attention.num_heads))
     return AttentionBias(slope, attention.self_bias, shift)
+
+
+def _saved_unchecked() -> contextlib.AbstractContextManager:
+    """Save tensors for backward as they are, without autograd's version check. A compiled
+    block step saves its inputs, the history buffers among them, which later blocks then write
+    (publish; their backward adds into the gradient buffers) at rows this block never reads:
+    the check would refuse what is correct. (The eager readers hold the buffers unsaved.)"""
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
 
 
 @dataclass
@@ -157,21 +182,32 @@ class Beta12Transformer(DecoderLM):
         self._check_length(length)
         c = self.config.block_size
         x = self.tok_embeddings(tokens)
+        static = self.block_step is not None and length > c
         # Built once per pass, outside the checkpointed blocks (which only read them).
-        weights = CellWeights(self, finished=length > c, length=length)
+        weights = CellWeights(self, finished=length > c, length=length, traced=static)
         dropout = self.config.dropout if self.training else 0.0
-        history = self._history(length)
         # The tables of the whole sequence, once per pass; each block reads a slice (no copy).
         cos, sin = self.rope(0, length, x)
+        history = self._history(length, static=static)
+        if static:
+            history.allocate(x.shape[0], self.config.num_kv_heads, self.config.head_dim,
+                             dtype=self._finished_dtype(x, cos), device=x.device)
         hidden = []
         try:
             # Split, not sliced per block: one concatenation in backward instead of a zero-filled
             # [B, T, d] gradient per block.
             for s, block in zip(range(0, length, c), x.split(c, dim=1)):
                 e = min(s + c, length)
-                out = self._run(self._block, block, (cos[s:e], sin[s:e]), history.view(s),
-                                weights, dropout=dropout, finished=e < length,
-                                construction=False)
+                if static:
+                    # Every full block through the one compiled graph, finished KVs included
+                    # (the last block's are not read); a ragged last block runs eagerly.
+                    step, view, finished = (self.block_step if e - s == c else self._block,
+                                            history.step_view(s), True)
+                else:
+                    step, view, finished = self._block, history.view(s), e < length
+                with _saved_unchecked() if static else contextlib.nullcontext():
+                    out = self._run(step, block, (cos[s:e], sin[s:e]), view, weights,
+                                    dropout=dropout, finished=finished, construction=False)
                 if e < length:
                     history.publish(s, out.finished_k, out.finished_v)
                 hidden.append(out.hidden)
@@ -179,13 +215,49 @@ class Beta12Transformer(DecoderLM):
             history.close()
         return self.head(torch.cat(hidden, dim=1), targets)
 
-    def _history(self, length: int) -> BufferedHistory | PieceHistory:
+    def _history(self, length: int, *, static: bool) -> BufferedHistory | PieceHistory:
         """Zero-copy buffers for the backends that read them; per-block pieces for the others
         (and for a single block, which reads no history)."""
         c = self.config
         if self.attention_backend.reads_buffers and length > c.block_size:
-            return BufferedHistory(self._sources(), c.deep_token_window, length)
+            return BufferedHistory(self._sources(), c.deep_token_window, length,
+                                   check_order=not static)
         return PieceHistory(self._sources(), c.deep_token_window)
+
+    def _finished_dtype(self, x: Tensor, cos: Tensor) -> torch.dtype:
+        """The finished keys' dtype, which the history buffers take: the projections' (under
+        autocast its dtype), promoted with the RoPE tables' (history.BufferedHistory)."""
+        kind = x.device.type
+        matmul = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
+                  else self.layers[0].attention.wq.weight.dtype)
+        return torch.promote_types(matmul, cos.dtype)
+
+    # ---- the static block step ------------------------------------------------------------------
+    block_step: Callable[..., BlockOutput] | None = None
+    """`_block` compiled once for every full block (`compile_block_step`); None: eager."""
+
+    def compile_block_step(self, *, cuda_graphs: bool = False) -> None:
+        """Run every full block of a sequence through ONE compiled graph of `_block`
+        (`torch.compile(fullgraph=True)`), forward and, under block checkpointing, recompute
+        and backward; with `cuda_graphs`, captured as CUDA graphs and replayed per block
+        (torch's CUDA-graph trees: mode "reduce-overhead").
+
+        Nothing the graph sees differs between blocks but tensor contents: the history is read
+        from fixed-size buffers, the block's start from a tensor (`history.StepView`), and the
+        attention backend must read both (`triton`, or `cpu_fused` through
+        attention/merged_op.py). The history's publish stays outside, between blocks."""
+        backend = self.attention_backend.name
+        if backend not in STATIC_BACKENDS:
+            raise ConfigError(f"execution.compile / cuda_graphs on beta12 compile the block step, "
+                              f"which needs an attention backend that reads the history at a "
+                              f"start held in a tensor ({' or '.join(STATIC_BACKENDS)}), not "
+                              f"execution.attention = {backend!r}")
+        device = self.tok_embeddings.weight.device
+        if cuda_graphs and device.type != "cuda":
+            raise ConfigError(f"execution.cuda_graphs = true needs a CUDA device; this model is "
+                              f"on {device}")
+        self.block_step = torch.compile(self._block, fullgraph=True,
+                                        mode="reduce-overhead" if cuda_graphs else None)
 
     # ---- decoding (spec §4.5) -------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:

@@ -33,22 +33,16 @@ Instead:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from megabeta.model.attention.backend import GroupBatch, KeySet
+from megabeta.model.attention.backend import GroupBatch, KeySet, group_rows, group_runs
 
 History = list[tuple[Tensor, ...]]
 """Per source layer m, the finished K (or V) pieces covering tokens 0 … start(block)-1, in order."""
-
-
-def group_rows(window: int, layer: int, source: int, start: int) -> slice:
-    """Tokens of source layer `source`'s finished group that queries of `layer` in the block at
-    `start` read (spec §3): all before the block, or with deep_token_window w > 0 and a deeper
-    source, only the last w of them."""
-    return slice(max(0, start - window) if window > 0 and source > layer else 0, start)
 
 
 def _tail(pieces: tuple[Tensor, ...], keep: int) -> list[Tensor]:
@@ -117,8 +111,12 @@ class PieceHistory:
 class BufferedHistory:
     """The history of one forward pass in stacked buffers (module doc); one per forward call."""
 
-    def __init__(self, sources: list[list[int]], window: int, length: int) -> None:
+    def __init__(self, sources: list[list[int]], window: int, length: int, *,
+                 check_order: bool = True) -> None:
         self.sources, self.window, self.length = sources, window, length
+        self.check_order = check_order
+        """Whether `release` checks that every later reader ran backward (readers report it
+        through `done_reading`; a compiled block step cannot call back into Python)."""
         self.layers = len(sources)
         # Allocated at the first publish in the finished keys' shape and dtype (under autocast
         # whatever the projections and RoPE made of them, not necessarily the embedding's),
@@ -141,6 +139,27 @@ class BufferedHistory:
     def view(self, block_start: int) -> "BufferedView":
         return BufferedView(self, block_start, self._anchor)
 
+    def allocate(self, batch: int, heads: int, width: int, *, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """Allocate the buffers (and, under autograd, the gradient buffers) before the first
+        block, for `step_view`: a static block step reads the same tensors from block 0 on.
+        The first block's anchor is a leaf that asks for a gradient, like every later one."""
+        shape = (self.layers, batch, heads, self.length, width)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.positions = torch.arange(self.length, device=device)
+        if torch.is_grad_enabled():
+            self.gradient_buffers()
+        self._anchor = torch.zeros((), dtype=dtype, device=device,
+                                   requires_grad=torch.is_grad_enabled())
+
+    def step_view(self, block_start: int) -> "StepView":
+        """What the block at `block_start` reads, with its start as a tensor (`allocate` first)."""
+        grad_keys, grad_values = (self.gradient_buffers() if self.grad_keys is not None
+                                  else (self.keys.new_empty(0), self.keys.new_empty(0)))
+        return StepView(self.keys, self.values, grad_keys, grad_values,
+                        self.positions[block_start], self._anchor, self.sources, self.window)
+
     def publish(self, block_start: int, fin_k: list[Tensor], fin_v: list[Tensor]) -> None:
         """Make a finished block's KVs (one per layer) visible to every later block."""
         self._anchor = _Publish.apply(self, block_start, *fin_k, *fin_v)
@@ -151,16 +170,15 @@ class BufferedHistory:
         buffers and graph alive until a full garbage collection."""
         self._anchor = None
 
-    def groups(self, layer: int, start: int) -> list[tuple[int, slice]]:
-        """(source layer, history rows) of each finished group the block at `start` reads."""
-        return [(m, group_rows(self.window, layer, m, start)) for m in self.sources[layer]]
-
     # ---- used by the readers and the autograd functions -----------------------------------------
     def write_finished(self, start: int, fin_k: tuple[Tensor, ...],
                        fin_v: tuple[Tensor, ...]) -> None:
         if start != self.published:
             raise RuntimeError(f"finished KVs published out of order (block at {start}, "
                                f"expected {self.published})")
+        if self.keys is not None and fin_k[0].dtype != self.keys.dtype:
+            raise RuntimeError(f"finished keys in {fin_k[0].dtype}, history buffers allocated "
+                               f"in {self.keys.dtype}")
         if self.keys is None:
             batch, heads, _, width = fin_k[0].shape
             shape = (self.layers, batch, heads, self.length, width)
@@ -197,7 +215,7 @@ class BufferedHistory:
     def release(self, start: int, n: int) -> list[Tensor | None]:
         """Gradients of the finished KVs of the block at `start` (all later readers are done)."""
         later = [s for s in self.starts if s > start] + [self.published]
-        if any(self.read_back.get(s, 0) != self.layers for s in later):
+        if self.check_order and any(self.read_back.get(s, 0) != self.layers for s in later):
             raise RuntimeError("finished-KV gradients handed out before every later block's "
                                "attention ran backward (autograd ordering broken)")
         if self.grad_keys is None:
@@ -233,24 +251,18 @@ class BufferedView:
         """The finished groups of `layer` as stacked batches: runs of adjacent
         source layers that read the same rows, each one view of the buffers."""
         history = self.history
-        runs: list[list[tuple[int, slice]]] = []
-        for m, rows in history.groups(layer, self.block_start):
-            if runs and runs[-1][-1] == (m - 1, rows):
-                runs[-1].append((m, rows))
-            else:
-                runs.append([(m, rows)])
-        batches = []
-        for run in runs:
-            sources, rows = slice(run[0][0], run[-1][0] + 1), run[0][1]
-            batches.append(GroupBatch(
-                history.keys[sources, :, :, rows], history.values[sources, :, :, rows],
-                [m - layer for m, _ in run],
-                lambda sources=sources, rows=rows: history.grads(sources, rows)))
-        return batches
+        return [GroupBatch(history.keys[sources, :, :, rows], history.values[sources, :, :, rows],
+                           offsets, lambda sources=sources, rows=rows: history.grads(sources, rows))
+                for sources, rows, offsets in group_runs(history.sources[layer], layer,
+                                                         history.window, self.block_start)]
 
     @property
     def dtype(self) -> torch.dtype:
         return self.history.keys.dtype
+
+    @property
+    def done_reading(self) -> Callable[[], None]:
+        return functools.partial(self.history.read, self.block_start)
 
     @property
     def window(self) -> int:
@@ -268,8 +280,51 @@ class BufferedView:
     def start_index(self) -> Tensor:
         return self.history.positions[self.block_start]
 
-    def done_reading(self) -> None:
-        self.history.read(self.block_start)
+
+@dataclass
+class StepView:
+    """What one block reads in the static block step (`Beta12Transformer.compile_block_step`):
+    the history's tensors and the block's start as a 0-d tensor, and no Python number that
+    differs between blocks, so that one traced graph serves every block. Readers that take
+    the start from device memory read it (the `triton` backend, and `cpu_fused` through
+    `attention/merged_op.py`); nobody reports back (`done_reading` is None)."""
+
+    keys: Tensor
+    values: Tensor
+    grad_keys: Tensor
+    """Float32 gradient buffers shaped like `keys` (empty outside autograd)."""
+    grad_values: Tensor
+    start: Tensor
+    anchor: Tensor | None
+    layer_sources: list[list[int]]
+    window: int
+    block_start = None
+    """Not known to Python here (`StoredHistory.block_start`)."""
+    done_reading = None
+
+    def key_set(self, layer: int, k: Tensor, v: Tensor) -> KeySet:
+        # The first block too: it reads no rows (start 0), through the same graph.
+        return KeySet(k=k, v=v, stored=self)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    def sources(self, layer: int) -> list[int]:
+        return self.layer_sources[layer]
+
+    def batches(self, layer: int) -> list[GroupBatch]:
+        raise RuntimeError("a static block step has no Python start to slice groups at: its "
+                           "readers take the buffers and start_index()")
+
+    def buffers(self) -> tuple[Tensor, Tensor]:
+        return self.keys, self.values
+
+    def gradient_buffers(self) -> tuple[Tensor, Tensor]:
+        return self.grad_keys, self.grad_values
+
+    def start_index(self) -> Tensor:
+        return self.start
 
 
 class _Publish(torch.autograd.Function):

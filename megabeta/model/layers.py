@@ -85,7 +85,11 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x.split(half, dim=-1)
     c, s = cos[..., :half], sin[..., :half]
-    out = torch.empty(x.shape, dtype=torch.result_type(x, cos), device=x.device)
+    if torch.compiler.is_compiling():
+        # Traced (the compiled block step): the compiler fuses the elementwise work, and
+        # writing into the halves (`out=`) does not trace.
+        return torch.cat([x1 * c - sign * x2 * s, x2 * c + sign * x1 * s], dim=-1)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
     out1, out2 = out.split(half, dim=-1)
     torch.mul(x1, c, out=out1).addcmul_(x2, s, value=-sign)
     torch.mul(x2, c, out=out2).addcmul_(x1, s, value=sign)
@@ -157,11 +161,13 @@ class SharedWeight:
     where each call sees a cast copy, autograd sums as before.
     """
 
-    def __init__(self, weight: Tensor) -> None:
+    def __init__(self, weight: Tensor, *, accumulate: bool = True) -> None:
         self.weight = weight
         self.grad: Tensor | None = None
         self._ones: dict[int, Tensor] = {}
-        self.accumulates = weight.requires_grad and torch.is_grad_enabled()
+        # `accumulate=False`: plain autograd, for calls traced by torch.compile (whose graphs
+        # cannot hold the Python-side sum).
+        self.accumulates = accumulate and weight.requires_grad and torch.is_grad_enabled()
         self.tensor = _HandOut.apply(weight, self) if self.accumulates else weight
         """What the calls read: `weight`, through the node that hands the gradient out."""
 
@@ -266,16 +272,17 @@ class Projection:
     """
 
     def __init__(self, parts: list[Rows], head_dim: int,
-                 kernels: CellKernels = TORCH_KERNELS) -> None:
+                 kernels: CellKernels = TORCH_KERNELS, *, accumulate: bool = True) -> None:
         self.kernels = kernels
         rotary = [p for p in parts if p.rotary]
         plain = [p for p in parts if not p.rotary]
         order = rotary + plain
-        self.weight = SharedWeight(torch.cat([p.weight for p in order]))
+        self.weight = SharedWeight(torch.cat([p.weight for p in order]), accumulate=accumulate)
         self.bias = None
         if any(p.bias is not None for p in order):
             self.bias = SharedWeight(torch.cat([p.weight.new_zeros(len(p.weight))
-                                                if p.bias is None else p.bias for p in order]))
+                                                if p.bias is None else p.bias for p in order]),
+                                     accumulate=accumulate)
         self.head_dim = head_dim
         self.rotary_heads = sum(p.heads for p in rotary)
         self.head_norm = None
@@ -399,11 +406,12 @@ class TransformerLayer(nn.Module):
         self.feed_forward = FeedForward(config.d_model, config.hidden_dim)
         self.dropout = nn.Dropout(config.dropout)
 
-    def pass_weights(self) -> "BranchWeights":
-        """This layer's branch weights for one pass (fused, shared by the pass's calls)."""
-        return BranchWeights(SharedWeight(self.attention.wo.weight),
-                             SharedWeight(self.feed_forward.fused_weight(self.ffn_norm)),
-                             SharedWeight(self.feed_forward.w2.weight))
+    def pass_weights(self, *, accumulate: bool = True) -> "BranchWeights":
+        """This layer's branch weights for one pass (fused, shared by the pass's calls;
+        `accumulate` as in `SharedWeight`)."""
+        return BranchWeights(*(SharedWeight(w, accumulate=accumulate) for w in (
+            self.attention.wo.weight, self.feed_forward.fused_weight(self.ffn_norm),
+            self.feed_forward.w2.weight)))
 
     def attention_delta(self, o: Tensor, weights: "BranchWeights") -> Tensor:
         """The attention branch `W_O·o` (dropout applied) for per-head output `o [B, H, n, d_h]`

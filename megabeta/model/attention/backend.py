@@ -132,6 +132,29 @@ NO_BIAS = AttentionBias()
 """The control arms' scores: plain causal attention."""
 
 
+def group_rows(window: int, layer: int, source: int, start: int) -> slice:
+    """Tokens of source layer `source`'s finished group that queries of `layer` in the block at
+    `start` read (spec §3): all before the block, or with deep_token_window w > 0 and a deeper
+    source, only the last w of them."""
+    return slice(max(0, start - window) if window > 0 and source > layer else 0, start)
+
+
+def group_runs(sources: list[int], layer: int, window: int,
+               start: int) -> list[tuple[slice, slice, list[int]]]:
+    """The finished groups of `layer`'s queries in the block at `start`, as runs of adjacent
+    source layers that read the same history rows: (source layers, rows, depth offsets m - l)
+    per run, each run one stacked view of the history buffers `[L, B, H_kv, T, d_h]`."""
+    runs: list[list[tuple[int, slice]]] = []
+    for m in sources:
+        rows = group_rows(window, layer, m, start)
+        if runs and runs[-1][-1] == (m - 1, rows):
+            runs[-1].append((m, rows))
+        else:
+            runs.append([(m, rows)])
+    return [(slice(run[0][0], run[-1][0] + 1), run[0][1], [m - layer for m, _ in run])
+            for run in runs]
+
+
 @dataclass(eq=False)
 class GroupBatch:
     """Finished groups (or a decoding prefix) that a block's queries read in one kernel call.
@@ -179,8 +202,13 @@ class StoredHistory(Protocol):
         """The block's first position as a 0-d int64 tensor on the buffers' device: readers
         that take it from device memory launch the same shapes for every block."""
 
-    def done_reading(self) -> None:
-        """Called by each reader's backward once its gradients are in the buffers."""
+    block_start: int | None
+    """The block's first position, or None inside a static block step, whose readers take it
+    from `start_index()` (and `batches` is then not available)."""
+
+    done_reading: Callable[[], None] | None
+    """Called by each reader's backward once its gradients are in the buffers (None: nobody
+    is told; a static block step cannot call back into Python)."""
 
 
 @dataclass
@@ -243,3 +271,23 @@ def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float)
 def per_query_head(x: Tensor, heads: int) -> Tensor:
     """KV heads `[B, H_kv, …]` repeated for the query heads they serve (GQA); as is without GQA."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def after_backward(x: Tensor, callback: Callable[[], None] | None) -> Tensor:
+    """`x`, with `callback` called once its gradient is formed: for the queries of an attention
+    call, once that call's backward (which adds into the history's gradient buffers) is done."""
+    if callback is None or not torch.is_grad_enabled():
+        return x
+    return _AfterBackward.apply(x, callback)
+
+
+class _AfterBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, callback: Callable[[], None]) -> Tensor:
+        ctx.callback = callback
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        ctx.callback()
+        return grad, None

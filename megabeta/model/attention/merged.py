@@ -65,6 +65,7 @@ from megabeta.model.attention.backend import (
     GroupBatch,
     KeyLayout,
     KeySet,
+    StoredHistory,
     causal_sdpa,
     per_query_head,
 )
@@ -300,6 +301,9 @@ class _MergedAttention:
         if keys.stored is not None:
             # In the buffers' dtype: the kernels take one, and autocast does not reach them.
             stored, dtype = keys.stored, keys.stored.dtype
+            if stored.block_start is None:
+                return self._static(q.to(dtype), keys.k.to(dtype), keys.v.to(dtype), stored,
+                                    bias, layer=layer, scale=scale)
             return merged_attention(q.to(dtype), keys.k.to(dtype), keys.v.to(dtype),
                                     stored.batches(layer), bias, scale, kernels=self.kernels,
                                     anchor=stored.anchor, on_backward=stored.done_reading)
@@ -312,6 +316,19 @@ class _MergedAttention:
         # One dtype for the kernels (under autocast RoPE leaves q and k float32, v bf16).
         return merged_attention(q, keys.k.to(q.dtype), keys.v.to(q.dtype), _piece_batches(keys),
                                 bias, scale, kernels=self.kernels)
+
+
+    def _static(self, q: Tensor, k: Tensor, v: Tensor, stored: StoredHistory,
+                bias: AttentionBias, *, layer: int, scale: float) -> Tensor:
+        """A static block step's read (its start is a tensor): the operator of merged_op.py,
+        on the fused kernels."""
+        if not self.kernels.fuses_groups(q.dtype):
+            raise RuntimeError(f"{self.name} attention in a static block step needs the fused "
+                               f"kernels (cpu_fused, float32 or float64), not {q.dtype}")
+        grad_k, grad_v = stored.gradient_buffers()
+        return torch.ops.megabeta.merged_attention(
+            q, k, v, *stored.buffers(), grad_k, grad_v, stored.start_index(), bias.self_bias,
+            bias.slope, stored.anchor, stored.sources(layer), layer, stored.window, scale)[0]
 
 
 class CpuMergedAttention(_MergedAttention):
@@ -390,106 +407,134 @@ class _Merged(torch.autograd.Function):
                 slope: Tensor | None, anchor: Tensor | None, batches: list[GroupBatch],
                 on_backward: Callable[[], None] | None, scale: float, kernels: PartKernels,
                 fused: bool) -> Tensor:
-        # Merged in the kernels' lse precision (float32 for bf16 inputs).
-        acc = torch.promote_types(q.dtype, torch.float32)
-        mask = (None if self_bias is None
-                else _self_mask(q.shape[2], self_bias, kernels.mask_dtype(q.dtype)))
-        own, own_lse = kernels.own_forward(q, k, v, mask=mask, scale=scale)
-        out, lse, biases, weighted, weights = own, own_lse, [], None, None
-        # On the fused kernels the groups merge into the block's own output in place, and in
-        # backward the depth bias's row sums come from the kernel, so nothing per group is kept.
-        depth = slope is not None and any(o for b in batches for o in b.offsets)
-        if batches:
-            biases = [_bias(slope, b.offsets, acc) for b in batches]
-        if fused:
-            for b, bias in zip(batches, biases):
-                shift = (bias.view(len(b.offsets), -1) if isinstance(bias, Tensor)
-                         else lse.new_zeros(len(b.offsets), q.shape[1]))
-                finished_groups.forward(q, b.k, b.v, shift, scale, out, lse)
-        elif batches:
-            groups_out, groups_lse = _attend_groups(q, batches, biases, scale, kernels)
-            lse = torch.logaddexp(own_lse, torch.logsumexp(groups_lse, dim=0))
-            weights = torch.exp(groups_lse - lse)
-            weighted = weights.unsqueeze(-1) * groups_out
-            out = torch.exp(own_lse - lse).unsqueeze(-1) * own + weighted.sum(0)
-            if not depth:
-                # Only the depth bias's gradient reads the groups' weighted outputs.
-                weighted = weights = None
-        out = out.to(q.dtype)
-        ctx.scale, ctx.batches, ctx.biases, ctx.on_backward = scale, batches, biases, on_backward
-        ctx.kernels, ctx.fused, ctx.depth = kernels, fused, depth
+        out, lse, weighted, weights = merge_forward(q, k, v, self_bias, slope, batches,
+                                                    scale=scale, kernels=kernels, fused=fused)
+        ctx.scale, ctx.batches, ctx.on_backward = scale, batches, on_backward
+        ctx.kernels, ctx.fused = kernels, fused
         ctx.has_anchor = anchor is not None
-        # The mask is n x n: made again in backward rather than kept per layer.
         ctx.save_for_backward(q, k, v, out, lse, self_bias, slope, weighted, weights)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, self_bias, slope, weighted, weights = ctx.saved_tensors
-        scale, acc, kernels = ctx.scale, lse.dtype, ctx.kernels
-        mask = (None if self_bias is None
-                else _self_mask(q.shape[2], self_bias, kernels.mask_dtype(q.dtype)))
-        dq, dk, dv = kernels.own_backward(grad, q, k, v, out=out, lse=lse, mask=mask,
-                                          scale=scale)
-        fused, depth = ctx.fused, ctx.depth
-        if fused and grad.stride(-1) != 1:
-            grad = grad.contiguous()  # the kernel reads rows of d numbers
-        # D_i = dO_i·o_i, which the gradients of both learned biases and the fused kernel read.
-        delta = (_rowdot(grad, out, acc)
-                 if fused or ctx.needs_input_grad[3] or weighted is not None else None)
-        d_bias = None
-        if ctx.needs_input_grad[3]:
-            # b_σ is on the mask's diagonal: its gradient is the diagonal's score gradient
-            # p_ii·(dO_i·v_i - D_i), with p_ii = exp(q_i·k_i·scale + b_σ - lse_i) and b_σ as
-            # the kernel added it (rounded to the mask's dtype).
-            heads = q.shape[1]
-            self_score = _rowdot(q, per_query_head(k, heads), acc).mul_(scale)
-            p_self = self_score.add_(mask[0, 0].to(acc) - lse).exp_()
-            d_self = _rowdot(grad, per_query_head(v, heads), acc).sub_(delta)
-            d_bias = torch.linalg.vecdot(p_self.flatten(), d_self.flatten()).reshape(1)
-            d_bias = d_bias.to(self_bias.dtype)
-        row_sums = []
-        for b, bias in zip(ctx.batches, ctx.biases):
-            grad_k, grad_v = b.grads() if b.grads is not None else (None, None)
-            if fused:
-                # Each group's lse `[g, B, H, n]` (a broadcast view when no bias shifts it).
-                g = len(b.offsets)
-                lse_g = lse + bias if isinstance(bias, Tensor) else lse.expand(g, *lse.shape)
-                if grad_k is None:  # no key/value gradient wanted: the kernel forms dq only
-                    grad_k = grad_v = q.new_empty(0)
-                rows = lse.new_zeros(g, *lse.shape) if depth else lse.new_empty(0)
-                finished_groups.backward(grad, q, b.k, b.v, lse_g, delta, scale, dq, grad_k,
-                                         grad_v, rows)
-                row_sums.append(rows)
-                continue
-            # The kernel forms P = exp(S·scale - lse_i) with lse_i = lse + λ·offset: each
-            # group's exact share of the merged softmax, depth bias included.
-            # (`[g, B, H, n]`: each group's rows contiguous, as the kernels need them.)
-            shifted = (lse + bias).unbind() if isinstance(bias, Tensor) else [lse] * len(b.offsets)
-            for i, lse_g in enumerate(shifted):
-                dq_g, dk_g, dv_g = kernels.group_backward(grad, q, b.k[i], b.v[i], out=out,
-                                                          lse=lse_g, scale=scale)
-                dq += dq_g
-                if grad_k is not None:
-                    grad_k[i].add_(dk_g)
-                    grad_v[i].add_(dv_g)
-        d_slope = None if slope is None else torch.zeros_like(slope)
-        if depth:
-            # Score bias -λ·offset per group: dλ = -Σ offset · (row sums of the group's score
-            # gradient). The fused kernel sums them; otherwise that row sum is
-            # w_g·(dO·o_g - D) with o_g the group's own output.
-            d_shift = (torch.cat(row_sums) if fused
-                       else _rowdot(grad, weighted, acc) - weights * delta)
-            offsets = torch.tensor([o for b in ctx.batches for o in b.offsets], dtype=acc,
-                                   device=d_shift.device)
-            d_slope = -(d_shift * offsets.view(-1, 1, 1, 1)).sum((0, 1, 3)).to(slope.dtype)
+        dq, dk, dv, d_bias, d_slope = merge_backward(
+            grad, q, k, v, out, lse, self_bias, slope, weighted, weights, ctx.batches,
+            scale=ctx.scale, kernels=ctx.kernels, fused=ctx.fused,
+            bias_grad=ctx.needs_input_grad[3])
         if ctx.on_backward is not None:
             ctx.on_backward()
         # The batches are views of the history's buffers: the graph must not keep them alive
         # (with block checkpointing it lives on in a reference cycle until a collection).
-        ctx.batches = ctx.biases = ()
+        ctx.batches = ()
         d_anchor = grad.new_zeros(()) if ctx.has_anchor else None
         return dq, dk, dv, d_bias, d_slope, d_anchor, None, None, None, None, None
+
+
+def _has_depth(slope: Tensor | None, batches: list[GroupBatch]) -> bool:
+    """Whether a depth bias shifts any group (only then is its gradient formed)."""
+    return slope is not None and any(o for b in batches for o in b.offsets)
+
+
+def merge_forward(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
+                  slope: Tensor | None, batches: list[GroupBatch], *, scale: float,
+                  kernels: PartKernels, fused: bool
+                  ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """The merged attention's output (q's dtype) and lse, and, where the depth bias's gradient
+    will need them (ATen's kernels for the groups), each group's weighted output and merge
+    weight. `fused`: the groups on the fused kernels, merged in place."""
+    # Merged in the kernels' lse precision (float32 for bf16 inputs).
+    acc = torch.promote_types(q.dtype, torch.float32)
+    mask = (None if self_bias is None
+            else _self_mask(q.shape[2], self_bias, kernels.mask_dtype(q.dtype)))
+    out, lse = kernels.own_forward(q, k, v, mask=mask, scale=scale)
+    weighted = weights = None
+    # On the fused kernels the groups merge into the block's own output in place, and in
+    # backward the depth bias's row sums come from the kernel, so nothing per group is kept.
+    biases = [_bias(slope, b.offsets, acc) for b in batches]
+    if fused:
+        for b, bias in zip(batches, biases):
+            shift = (bias.view(len(b.offsets), -1) if isinstance(bias, Tensor)
+                     else lse.new_zeros(len(b.offsets), q.shape[1]))
+            finished_groups.forward(q, b.k, b.v, shift, scale, out, lse)
+    elif batches:
+        own, own_lse = out, lse
+        groups_out, groups_lse = _attend_groups(q, batches, biases, scale, kernels)
+        lse = torch.logaddexp(own_lse, torch.logsumexp(groups_lse, dim=0))
+        weights = torch.exp(groups_lse - lse)
+        weighted = weights.unsqueeze(-1) * groups_out
+        out = torch.exp(own_lse - lse).unsqueeze(-1) * own + weighted.sum(0)
+        if not _has_depth(slope, batches):
+            # Only the depth bias's gradient reads the groups' weighted outputs.
+            weighted = weights = None
+    return out.to(q.dtype), lse, weighted, weights
+
+
+def merge_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   self_bias: Tensor | None, slope: Tensor | None, weighted: Tensor | None,
+                   weights: Tensor | None, batches: list[GroupBatch], *, scale: float,
+                   kernels: PartKernels, fused: bool, bias_grad: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """dq, dk, dv (the own keys), d_self_bias (when `bias_grad`) and d_slope of `merge_forward`
+    for its `out, lse, weighted, weights`; the groups' key and value gradients are added into
+    their `GroupBatch.grads()` buffers."""
+    acc = lse.dtype
+    mask = (None if self_bias is None
+            else _self_mask(q.shape[2], self_bias, kernels.mask_dtype(q.dtype)))
+    dq, dk, dv = kernels.own_backward(grad, q, k, v, out=out, lse=lse, mask=mask, scale=scale)
+    depth = _has_depth(slope, batches)
+    if fused and grad.stride(-1) != 1:
+        grad = grad.contiguous()  # the kernel reads rows of d numbers
+    # D_i = dO_i·o_i, which the gradients of both learned biases and the fused kernel read.
+    delta = _rowdot(grad, out, acc) if fused or bias_grad or weighted is not None else None
+    d_bias = None
+    if bias_grad:
+        # b_σ is on the mask's diagonal: its gradient is the diagonal's score gradient
+        # p_ii·(dO_i·v_i - D_i), with p_ii = exp(q_i·k_i·scale + b_σ - lse_i) and b_σ as
+        # the kernel added it (rounded to the mask's dtype).
+        heads = q.shape[1]
+        self_score = _rowdot(q, per_query_head(k, heads), acc).mul_(scale)
+        p_self = self_score.add_(mask[0, 0].to(acc) - lse).exp_()
+        d_self = _rowdot(grad, per_query_head(v, heads), acc).sub_(delta)
+        d_bias = torch.linalg.vecdot(p_self.flatten(), d_self.flatten()).reshape(1)
+        d_bias = d_bias.to(self_bias.dtype)
+    row_sums = []
+    for b in batches:
+        bias = _bias(slope, b.offsets, acc)
+        grad_k, grad_v = b.grads() if b.grads is not None else (None, None)
+        if fused:
+            # Each group's lse `[g, B, H, n]` (a broadcast view when no bias shifts it).
+            g = len(b.offsets)
+            lse_g = lse + bias if isinstance(bias, Tensor) else lse.expand(g, *lse.shape)
+            if grad_k is None:  # no key/value gradient wanted: the kernel forms dq only
+                grad_k = grad_v = q.new_empty(0)
+            rows = lse.new_zeros(g, *lse.shape) if depth else lse.new_empty(0)
+            finished_groups.backward(grad, q, b.k, b.v, lse_g, delta, scale, dq, grad_k,
+                                     grad_v, rows)
+            row_sums.append(rows)
+            continue
+        # The kernel forms P = exp(S·scale - lse_i) with lse_i = lse + λ·offset: each
+        # group's exact share of the merged softmax, depth bias included.
+        # (`[g, B, H, n]`: each group's rows contiguous, as the kernels need them.)
+        shifted = (lse + bias).unbind() if isinstance(bias, Tensor) else [lse] * len(b.offsets)
+        for i, lse_g in enumerate(shifted):
+            dq_g, dk_g, dv_g = kernels.group_backward(grad, q, b.k[i], b.v[i], out=out,
+                                                      lse=lse_g, scale=scale)
+            dq += dq_g
+            if grad_k is not None:
+                grad_k[i].add_(dk_g)
+                grad_v[i].add_(dv_g)
+    d_slope = None if slope is None else torch.zeros_like(slope)
+    if depth:
+        # Score bias -λ·offset per group: dλ = -Σ offset · (row sums of the group's score
+        # gradient). The fused kernel sums them; otherwise that row sum is
+        # w_g·(dO·o_g - D) with o_g the group's own output.
+        d_shift = (torch.cat(row_sums) if fused
+                   else _rowdot(grad, weighted, acc) - weights * delta)
+        offsets = torch.tensor([o for b in batches for o in b.offsets], dtype=acc,
+                               device=d_shift.device)
+        d_slope = -(d_shift * offsets.view(-1, 1, 1, 1)).sum((0, 1, 3)).to(slope.dtype)
+    return dq, dk, dv, d_bias, d_slope
 
 
 def _rowdot(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:

@@ -10,6 +10,7 @@ from megabeta.kernels import finished_groups
 from megabeta.model.attention.backend import AttentionBackend
 from megabeta.model.attention.explicit import ExplicitAttention
 from megabeta.model.attention.merged import CpuMergedAttention, CudaMergedAttention
+from megabeta.model.attention import merged_op  # noqa: F401  (registers megabeta::merged_attention)
 from megabeta.model.attention.sdpa import SdpaAttention
 from megabeta.model.cell_kernels import require_triton, triton_runs_on
 from megabeta.model.config import ConfigError

@@ -19,13 +19,18 @@ function.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from megabeta.kernels import triton_attention
-from megabeta.model.attention.backend import AttentionBackend, AttentionBias, KeyLayout, KeySet
+from megabeta.model.attention.backend import (
+    AttentionBackend,
+    AttentionBias,
+    KeyLayout,
+    KeySet,
+    after_backward,
+)
 
 
 class TritonAttention:
@@ -59,7 +64,7 @@ class TritonAttention:
         hist_k, hist_v = stored.buffers()
         grad_k, grad_v = (stored.gradient_buffers() if torch.is_grad_enabled()
                           else (hist_k.new_empty(0), hist_k.new_empty(0)))
-        q = _after_backward(q.to(dtype), stored.done_reading)
+        q = after_backward(q.to(dtype), stored.done_reading)
         return triton_attention.block_attention(
             q, keys.k.to(dtype), keys.v.to(dtype), hist_k, hist_v, grad_k, grad_v,
             stored.start_index(), bias.group_shift, bias.self_bias, sources=sources, layer=layer,
@@ -75,20 +80,3 @@ def _rows(bias: AttentionBias, q: Tensor) -> dict[str, Tensor]:
     shift, diag = bias.rows.buffers(bias.group_shift.shape[0], q.shape[0], q.shape[1], q)
     return dict(shift_rows=shift, diag_rows=diag)
 
-
-def _after_backward(x: Tensor, callback: Callable[[], None]) -> Tensor:
-    """`x`, with `callback` called once its gradient is formed: for the queries of an attention
-    call, once that call's backward (which adds into the history's gradient buffers) is done."""
-    return _AfterBackward.apply(x, callback) if torch.is_grad_enabled() else x
-
-
-class _AfterBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, callback: Callable[[], None]) -> Tensor:
-        ctx.callback = callback
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        ctx.callback()
-        return grad, None

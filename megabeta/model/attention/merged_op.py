@@ -1,0 +1,149 @@
+"""`cpu_fused`'s merged attention as `torch.library` operators that read the history buffers at a
+start held in a tensor: what the static block step (beta12.py, `block_step`) calls on CPU.
+
+The eager block loop hands `merged.merge_forward` its groups as views sliced at a Python int
+(`history.BufferedView.batches`), which a traced graph would bake in: one graph per block. These
+operators take the whole buffers `[L, B, H_kv, T, d_h]` and the block's first position as a 0-d
+tensor, and slice inside, where no tracer looks, so every block of a sequence has the same
+graph, as with the Triton kernels (`megabeta/kernels/triton_attention.py`, same signature and
+the same contract: the gradient buffers are held and added to in backward, not saved). The work
+itself is `merged.merge_forward` / `merge_backward` on the fused kernels, so the result is the
+eager path's, bit for bit.
+
+`torch.ops.megabeta.merged_attention(q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start,
+self_bias, slope, anchor, sources, layer, window, scale)` returns `(out, lse)`: the output
+`[B, H, n, d_h]` of the block's queries at `layer` over its own keys and the finished groups of
+`sources` (history rows before `start`, a 0-d int64 tensor), with b_σ = `self_bias` and the depth
+slope λ = `slope` (either None); differentiable w.r.t. q, k, v and the biases. Its backward adds
+the groups' key and value gradients into `grad_hist_k, grad_hist_v` (shaped like the buffers).
+`anchor` is taken only so that autograd orders that backward before the anchor's producer's
+(history.py). Float32 or float64 (the fused kernels' dtypes). Registered on import (`select.py`
+imports this module).
+
+(No `from __future__ import annotations` here: `custom_op` infers the schemas from the
+annotations.)
+"""
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megabeta.kernels.ops import anchor_gradient, custom_op
+from megabeta.model.attention.backend import GroupBatch, group_runs
+from megabeta.model.attention.merged import CPU_FUSED, merge_backward, merge_forward
+
+
+def _batches(hist_k: Tensor, hist_v: Tensor, grad_k: Tensor | None, grad_v: Tensor | None,
+             start: Tensor, sources: list[int], layer: int, window: int) -> list[GroupBatch]:
+    """The groups the block at `start` reads, as views of the buffers (and of the gradient
+    buffers, when given)."""
+    first = int(start)
+    if first == 0:
+        return []
+    batches = []
+    for layers, rows, offsets in group_runs(sources, layer, window, first):
+        grads = None
+        if grad_k is not None:
+            grads = (lambda layers=layers, rows=rows:
+                     (grad_k[layers, :, :, rows], grad_v[layers, :, :, rows]))
+        batches.append(GroupBatch(hist_k[layers, :, :, rows], hist_v[layers, :, :, rows],
+                                  offsets, grads))
+    return batches
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty(0)
+
+
+@custom_op("merged_attention")
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
+                  grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor,
+                  self_bias: Tensor | None, slope: Tensor | None, anchor: Tensor | None,
+                  sources: list[int], layer: int, window: int,
+                  scale: float) -> tuple[Tensor, Tensor]:
+    out, lse, _, _ = merge_forward(q, k, v, self_bias, slope,
+                                   _batches(hist_k, hist_v, None, None, start, sources, layer,
+                                            window),
+                                   scale=scale, kernels=CPU_FUSED, fused=True)
+    # The layouts the fake implementation promises (ATen's CPU flash kernel makes these
+    # already: out `[B, n, H, d]` storage, lse `[B, n, H]`).
+    return _heads_last(out), lse.contiguous()
+
+
+def _heads_last(x: Tensor) -> Tensor:
+    """`x [B, H, n, d]` as a transposed view of a contiguous `[B, n, H, d]` (copied if not)."""
+    return x if x.transpose(1, 2).is_contiguous() else x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _heads_last_like(q: Tensor) -> Tensor:
+    batch, heads, n, width = q.shape
+    return q.new_empty(batch, n, heads, width).transpose(1, 2)
+
+
+@_attention_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, grad_hist_k: Tensor,
+      grad_hist_v: Tensor, start: Tensor, self_bias: Tensor | None, slope: Tensor | None,
+      anchor: Tensor | None, sources: list[int], layer: int, window: int,
+      scale: float) -> tuple[Tensor, Tensor]:
+    return _heads_last_like(q), q.new_empty(q.shape[:3])
+
+
+@custom_op("merged_attention_backward", mutates_args=("grad_hist_k", "grad_hist_v"))
+def _backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
+                 out: Tensor, lse: Tensor, start: Tensor, self_bias: Tensor | None,
+                 slope: Tensor | None, grad_hist_k: Tensor, grad_hist_v: Tensor,
+                 sources: list[int], layer: int, window: int,
+                 scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    batches = _batches(hist_k, hist_v, grad_hist_k, grad_hist_v, start, sources, layer, window)
+    dq, dk, dv, d_bias, d_slope = merge_backward(
+        grad, q, k, v, out, lse, self_bias, slope, None, None, batches, scale=scale,
+        kernels=CPU_FUSED, fused=True, bias_grad=self_bias is not None)
+    return (_like(dq, q), _like(dk, k), _like(dv, v), _empty(q) if d_bias is None else d_bias,
+            _empty(q) if d_slope is None else d_slope)
+
+
+def _like(grad: Tensor, x: Tensor) -> Tensor:
+    """`grad` in `x`'s strides (`torch.empty_like(x)`'s, what the fake implementation says)."""
+    return grad if grad.stride() == x.stride() else torch.empty_like(x).copy_(grad)
+
+
+@_backward_op.register_fake
+def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
+      out: Tensor, lse: Tensor, start: Tensor, self_bias: Tensor | None, slope: Tensor | None,
+      grad_hist_k: Tensor, grad_hist_v: Tensor, sources: list[int], layer: int, window: int,
+      scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            _empty(q) if self_bias is None else torch.empty_like(self_bias),
+            _empty(q) if slope is None else torch.empty_like(slope))
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+    (q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, self_bias, slope, _anchor,
+     sources, layer, window, scale) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, start, self_bias, slope, out, lse)
+    # Held, not saved (as the Triton operator's): later blocks write rows >= start of the
+    # history, which this call never reads, and this very backward writes the gradient buffers.
+    ctx.history = (hist_k, hist_v, grad_hist_k, grad_hist_v)
+    ctx.args = (list(sources), layer, window, scale)
+    ctx.anchor = None if _anchor is None else (_anchor.dtype, _anchor.device)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, grad: Tensor | None, _grad_lse: Tensor | None) -> tuple:
+    if grad is None:  # the output took no part in the loss
+        return (None,) * 15
+    q, k, v, start, self_bias, slope, out, lse = ctx.saved_tensors
+    hist_k, hist_v, grad_hist_k, grad_hist_v = ctx.history
+    dq, dk, dv, d_bias, d_slope = torch.ops.megabeta.merged_attention_backward(
+        grad, q, k, v, hist_k, hist_v, out, lse, start, self_bias, slope, grad_hist_k,
+        grad_hist_v, *ctx.args)
+    return (dq, dk, dv, None, None, None, None, None,
+            None if self_bias is None else d_bias, None if slope is None else d_slope,
+            anchor_gradient(ctx.anchor), None, None, None, None)
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
