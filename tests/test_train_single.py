@@ -160,8 +160,7 @@ def test_bad_checkpoints_and_configs_are_clear_errors(full_run: Path, tiny_data,
                          ids=["compile", "bf16"])
 def test_variant_trains_like_the_eager_fp32_run(flag: str, tolerance: float, full_run: Path,
                                                 tiny_data, tmp_path: Path) -> None:
-    """execution.compile compiles each layer's residual branches in place (same names): same
-    losses.
+    """execution.compile compiles the block step (tests/test_block_step.py): same losses.
     train.precision=bf16 (autocast; the GPU setting, the same code path on this CPU): losses
     follow the fp32 run's at bf16's precision, and are not its losses."""
     prefix, _ = tiny_data
@@ -173,18 +172,3 @@ def test_variant_trains_like_the_eager_fp32_run(flag: str, tolerance: float, ful
         assert variant[step] == pytest.approx(eager[step], abs=tolerance)
     if "bf16" in flag:
         assert any(variant[step] != eager[step] for step in variant)
-
-
-def test_compile_wraps_each_layers_residual_branches() -> None:
-    """apply_compile replaces what the block loop calls (not module forwards it never calls) and
-    leaves the loss and the state-dict names as they were."""
-    model = tiny_model(dtype=torch.float32)
-    x = tokens(length=20)
-    eager = model(x[:, :-1], x[:, 1:]).item()
-    names = list(model.state_dict())
-    apply_compile(model)
-    for layer in model.layers:
-        assert hasattr(layer.attention_delta, "_torchdynamo_orig_callable")
-        assert hasattr(layer.mlp_delta, "_torchdynamo_orig_callable")
-    assert model(x[:, :-1], x[:, 1:]).item() == pytest.approx(eager, rel=1e-5)
-    assert list(model.state_dict()) == names

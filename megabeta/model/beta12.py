@@ -236,28 +236,23 @@ class Beta12Transformer(DecoderLM):
     block_step: Callable[..., BlockOutput] | None = None
     """`_block` compiled once for every full block (`compile_block_step`); None: eager."""
 
-    def compile_block_step(self, *, cuda_graphs: bool = False) -> None:
+    def compile_block_step(self) -> None:
         """Run every full block of a sequence through ONE compiled graph of `_block`
-        (`torch.compile(fullgraph=True)`), forward and, under block checkpointing, recompute
-        and backward; with `cuda_graphs`, captured as CUDA graphs and replayed per block
-        (torch's CUDA-graph trees: mode "reduce-overhead").
+        (`torch.compile(fullgraph=True)`): forward, and backward (under block checkpointing,
+        recompute and backward).
 
         Nothing the graph sees differs between blocks but tensor contents: the history is read
         from fixed-size buffers, the block's start from a tensor (`history.StepView`), and the
         attention backend must read both (`triton`, or `cpu_fused` through
-        attention/merged_op.py). The history's publish stays outside, between blocks."""
+        attention/merged_op.py). The history's publish stays outside, between blocks; a ragged
+        last block runs eagerly (it would be a second graph)."""
         backend = self.attention_backend.name
         if backend not in STATIC_BACKENDS:
-            raise ConfigError(f"execution.compile / cuda_graphs on beta12 compile the block step, "
-                              f"which needs an attention backend that reads the history at a "
-                              f"start held in a tensor ({' or '.join(STATIC_BACKENDS)}), not "
+            raise ConfigError(f"execution.compile = true compiles the beta12 block step, which "
+                              f"needs an attention backend that reads the history at a start "
+                              f"held in a tensor ({' or '.join(STATIC_BACKENDS)}), not "
                               f"execution.attention = {backend!r}")
-        device = self.tok_embeddings.weight.device
-        if cuda_graphs and device.type != "cuda":
-            raise ConfigError(f"execution.cuda_graphs = true needs a CUDA device; this model is "
-                              f"on {device}")
-        self.block_step = torch.compile(self._block, fullgraph=True,
-                                        mode="reduce-overhead" if cuda_graphs else None)
+        self.block_step = torch.compile(self._block, fullgraph=True)
 
     # ---- decoding (spec §4.5) -------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:

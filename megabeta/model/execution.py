@@ -27,7 +27,7 @@ class ExecutionConfig:
     cell_kernels: str = "auto"
     """RMSNorm, RoPE and SwiGLU: `torch`, `triton` (fused kernels, megabeta[gpu]) or `auto` (triton on CUDA where installed)."""
     compile: bool = False
-    """torch.compile each layer's residual branches (applied by the engine)."""
+    """torch.compile: beta12's block step, one graph for every block (`cpu_fused` or `triton` attention); the other arms' residual branches (applied by the engine)."""
     cuda_graphs: bool = False
     """Capture the beta12 block step in CUDA graphs (not implemented yet: must stay false)."""
 

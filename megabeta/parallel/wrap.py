@@ -15,17 +15,23 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from megabeta.model.beta12 import Beta12Transformer
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def apply_compile(model: nn.Module) -> None:
-    """torch.compile every layer's residual branches in place: `attention_delta` (output
-    projection, dropout) and `mlp_delta` (SwiGLU, dropout), which every arm calls. The fused
-    input projections, norms and attention stay eager (they are built per pass and call custom
-    autograd functions or kernels); state-dict names are kept.
+    """torch.compile the model's repeated work in place (state-dict names are kept).
 
-    Block shapes vary (the last block may be ragged, decoding feeds one token), hence dynamic.
+    beta12: the block step, ONE graph for every full block of a sequence, forward, recompute
+    and backward (`Beta12Transformer.compile_block_step`; the history's publish and the loss
+    stay eager). The other arms: every layer's residual branches, `attention_delta` (output
+    projection, dropout) and `mlp_delta` (SwiGLU, dropout), with dynamic shapes (decoding feeds
+    one token at a time); their fused input projections and attention stay eager.
     """
+    if isinstance(model, Beta12Transformer):
+        model.compile_block_step()
+        return
     for layer in model.layers:
         layer.attention_delta = torch.compile(layer.attention_delta, dynamic=True)
         layer.mlp_delta = torch.compile(layer.mlp_delta, dynamic=True)
