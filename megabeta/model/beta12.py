@@ -16,14 +16,16 @@ history (spec §4.6). The LM head and loss run after the block loop, in chunks (
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from megabeta.model.attention import AttentionBias, BiasRows
+from megabeta.model.block_graphs import BlockGraphs, CudaCapture
 from megabeta.model.cache import DecodeCache
 from megabeta.model.config import ConfigError
 from megabeta.model.history import BufferedHistory, BufferedView, PieceHistory, PieceView
@@ -74,6 +76,31 @@ class CellWeights:
 
     def input(self, layer: int, finished: bool) -> Projection:
         return self._finished[layer] if finished and layer > 0 else self._plain[layer]
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor the block step reads of these weights, in a fixed order."""
+        projections = [*self._plain, *self._finished[1:], *filter(None, [self.last_finished])]
+        biases = [t for b in self.biases for t in (b.slope, b.self_bias, b.group_shift)
+                  if t is not None]
+        return [t for p in projections for t in p.tensors()] + [
+            t for b in self.branches for t in b.tensors()] + biases
+
+    def with_tensors(self, tensors: list[Tensor]) -> "CellWeights":
+        """These weights reading `tensors` (in `tensors()`'s order) instead, by plain autograd:
+        what a captured block step reads from fixed addresses (model/block_graphs.py)."""
+        it = iter(tensors)
+        other = copy.copy(self)
+        other._plain = [p.with_tensors(it) for p in self._plain]
+        other._finished = [None if p is None else p.with_tensors(it) for p in self._finished]
+        other.last_finished = (None if self.last_finished is None
+                               else self.last_finished.with_tensors(it))
+        other.branches = [b.with_tensors(it) for b in self.branches]
+        other.biases = [AttentionBias(*(None if t is None else next(it)
+                                        for t in (b.slope, b.self_bias, b.group_shift)))
+                        for b in self.biases]
+        if next(it, None) is not None:
+            raise ValueError("CellWeights.with_tensors: more tensors than the weights read")
+        return other
 
 
 def _biases(attention: Attention, sources: list[int], layer: int, depth_window: int
@@ -182,7 +209,11 @@ class Beta12Transformer(DecoderLM):
         self._check_length(length)
         c = self.config.block_size
         x = self.tok_embeddings(tokens)
-        static = self.block_step is not None and length > c
+        if self.execution.cuda_graphs and self.block_graphs is None:
+            raise ConfigError(f"execution.cuda_graphs = true needs a CUDA device; this model is "
+                              f"on {x.device}")
+        graphs = self.block_graphs
+        static = (self.block_step is not None or graphs is not None) and length > c
         # Built once per pass, outside the checkpointed blocks (which only read them).
         weights = CellWeights(self, finished=length > c, length=length, traced=static)
         dropout = self.config.dropout if self.training else 0.0
@@ -190,19 +221,37 @@ class Beta12Transformer(DecoderLM):
         cos, sin = self.rope(0, length, x)
         history = self._history(length, static=static)
         if static:
-            history.allocate(x.shape[0], self.config.num_kv_heads, self.config.head_dim,
-                             dtype=self._finished_dtype(x, cos), device=x.device)
+            heads, width, dtype = (self.config.num_kv_heads, self.config.head_dim,
+                                   self._finished_dtype(x, cos))
+            buffers = None
+            if graphs is not None:
+                buffers = graphs.history_buffers(history.shape(x.shape[0], heads, width),
+                                                 dtype, x.device)
+                graphs.begin_pass(weights, blocks=length // c)
+            history.allocate(x.shape[0], heads, width, dtype=dtype, device=x.device,
+                             buffers=buffers)
         hidden = []
         try:
             # Split, not sliced per block: one concatenation in backward instead of a zero-filled
             # [B, T, d] gradient per block.
             for s, block in zip(range(0, length, c), x.split(c, dim=1)):
                 e = min(s + c, length)
+                full = e - s == c
+                if static and graphs is not None and full:
+                    # Replayed; the graphs recompute in backward themselves (checkpointing).
+                    view = history.step_view(s)
+                    out = BlockOutput(*graphs.run(block, (cos[s:e], sin[s:e]), view,
+                                                  dropout=dropout, finished=True,
+                                                  construction=False))
+                    if e < length:
+                        history.publish(s, out.finished_k, out.finished_v)
+                    hidden.append(out.hidden)
+                    continue
                 if static:
                     # Every full block through the one compiled graph, finished KVs included
                     # (the last block's are not read); a ragged last block runs eagerly.
-                    step, view, finished = (self.block_step if e - s == c else self._block,
-                                            history.step_view(s), True)
+                    step, view, finished = (self.block_step or self._block if full
+                                            else self._block, history.step_view(s), True)
                 else:
                     step, view, finished = self._block, history.view(s), e < length
                 with _saved_unchecked() if static else contextlib.nullcontext():
@@ -235,6 +284,27 @@ class Beta12Transformer(DecoderLM):
     # ---- the static block step ------------------------------------------------------------------
     block_step: Callable[..., BlockOutput] | None = None
     """`_block` compiled once for every full block (`compile_block_step`); None: eager."""
+    block_graphs: BlockGraphs | None = None
+    """The block step captured in CUDA graphs (`execution.cuda_graphs`, on CUDA); None: not."""
+
+    def _select_kernels(self) -> None:
+        super()._select_kernels()
+        self.block_graphs = None
+        if self.execution.cuda_graphs and self.tok_embeddings.weight.device.type == "cuda":
+            self._check_static("execution.cuda_graphs = true")
+            self.block_graphs = BlockGraphs(self._graphed_step, CudaCapture())
+
+    def _graphed_step(self, *args: Any, **kwargs: Any) -> BlockOutput:
+        """What the CUDA graphs capture: the compiled step where there is one."""
+        return (self.block_step or self._block)(*args, **kwargs)
+
+    def _check_static(self, setting: str) -> None:
+        backend = self.attention_backend.name
+        if backend not in STATIC_BACKENDS:
+            raise ConfigError(f"{setting} runs the beta12 block step from fixed buffers, which "
+                              f"needs an attention backend that reads the history at a start "
+                              f"held in a tensor ({' or '.join(STATIC_BACKENDS)}), not "
+                              f"execution.attention = {backend!r}")
 
     def compile_block_step(self) -> None:
         """Run every full block of a sequence through ONE compiled graph of `_block`
@@ -246,12 +316,7 @@ class Beta12Transformer(DecoderLM):
         attention backend must read both (`triton`, or `cpu_fused` through
         attention/merged_op.py). The history's publish stays outside, between blocks; a ragged
         last block runs eagerly (it would be a second graph)."""
-        backend = self.attention_backend.name
-        if backend not in STATIC_BACKENDS:
-            raise ConfigError(f"execution.compile = true compiles the beta12 block step, which "
-                              f"needs an attention backend that reads the history at a start "
-                              f"held in a tensor ({' or '.join(STATIC_BACKENDS)}), not "
-                              f"execution.attention = {backend!r}")
+        self._check_static("execution.compile = true")
         self.block_step = torch.compile(self._block, fullgraph=True)
 
     # ---- decoding (spec §4.5) -------------------------------------------------------------------

@@ -29,7 +29,7 @@ class ExecutionConfig:
     compile: bool = False
     """torch.compile: beta12's block step, one graph for every block (`cpu_fused` or `triton` attention); the other arms' residual branches (applied by the engine)."""
     cuda_graphs: bool = False
-    """Capture the beta12 block step in CUDA graphs (not implemented yet: must stay false)."""
+    """Capture the beta12 block step in CUDA graphs, replayed per block (CUDA only; needs activation_checkpoint = block and triton or cpu_fused attention)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -46,9 +46,10 @@ class ExecutionConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"execution.{name} = {getattr(self, name)!r}: must be true or "
                                   "false")
-        if self.cuda_graphs:
-            raise ConfigError("execution.cuda_graphs = true: capturing the block step in CUDA "
-                              "graphs is not implemented yet; set it to false")
+        if self.cuda_graphs and self.activation_checkpoint != "block":
+            raise ConfigError("execution.cuda_graphs = true replays the forward, and the "
+                              "recompute and backward, of a checkpointed block: set "
+                              "execution.activation_checkpoint = block")
 
 
 __all__ = ["ExecutionConfig", "CHECKPOINT_MODES", "ATTENTION_BACKENDS", "CELL_KERNELS"]

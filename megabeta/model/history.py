@@ -139,17 +139,29 @@ class BufferedHistory:
     def view(self, block_start: int) -> "BufferedView":
         return BufferedView(self, block_start, self._anchor)
 
+    def shape(self, batch: int, heads: int, width: int) -> tuple[int, ...]:
+        """The buffers' shape for `batch` sequences of `heads` KV heads of `width`."""
+        return (self.layers, batch, heads, self.length, width)
+
     def allocate(self, batch: int, heads: int, width: int, *, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device,
+                 buffers: tuple[Tensor, Tensor, Tensor, Tensor] | None = None) -> None:
         """Allocate the buffers (and, under autograd, the gradient buffers) before the first
         block, for `step_view`: a static block step reads the same tensors from block 0 on.
-        The first block's anchor is a leaf that asks for a gradient, like every later one."""
-        shape = (self.layers, batch, heads, self.length, width)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
+        `buffers`: keys, values and zeroed gradient buffers to use instead (a captured step's,
+        at fixed addresses). The first block's anchor is a leaf that asks for a gradient, like
+        every later one."""
+        shape = self.shape(batch, heads, width)
+        if buffers is not None:
+            self.keys, self.values, grad_keys, grad_values = buffers
+            if torch.is_grad_enabled():
+                self.grad_keys, self.grad_values = grad_keys, grad_values
+        else:
+            self.keys = torch.empty(shape, dtype=dtype, device=device)
+            self.values = torch.empty(shape, dtype=dtype, device=device)
+            if torch.is_grad_enabled():
+                self.gradient_buffers()
         self.positions = torch.arange(self.length, device=device)
-        if torch.is_grad_enabled():
-            self.gradient_buffers()
         self._anchor = torch.zeros((), dtype=dtype, device=device,
                                    requires_grad=torch.is_grad_enabled())
 

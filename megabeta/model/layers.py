@@ -6,8 +6,9 @@ exporters and sharding plans rely on them. Nothing here knows about blocks or pa
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -296,6 +297,22 @@ class Projection:
         self._order = [order.index(p) for p in parts]
         """Where each part (in the order given) sits among the rotary-first heads."""
 
+    def tensors(self) -> list[Tensor]:
+        """What a call reads: the weight, the bias and the per-head norm (those it has)."""
+        bias = None if self.bias is None else self.bias.tensor
+        return [t for t in (self.weight.tensor, bias, self.head_norm) if t is not None]
+
+    def with_tensors(self, tensors: Iterator[Tensor]) -> "Projection":
+        """This projection reading the next of `tensors` (in `tensors()`'s order) instead, by
+        plain autograd."""
+        other = copy.copy(self)
+        other.weight = SharedWeight(next(tensors), accumulate=False)
+        if self.bias is not None:
+            other.bias = SharedWeight(next(tensors), accumulate=False)
+        if self.head_norm is not None:
+            other.head_norm = next(tensors)
+        return other
+
     def __call__(self, normalized: Tensor, cos: Tensor, sin: Tensor) -> list[Tensor]:
         """The parts of `normalized [B, n, d]` (already `rms_normalize`d), with RoPE at the
         positions of `cos/sin`."""
@@ -393,6 +410,13 @@ class BranchWeights:
     """`feed_forward.fused_weight(ffn_norm)`: gate and up with the norm's weight folded in."""
     down: SharedWeight
     """w2."""
+
+    def tensors(self) -> list[Tensor]:
+        return [self.out.tensor, self.gate_up.tensor, self.down.tensor]
+
+    def with_tensors(self, tensors: Iterator[Tensor]) -> "BranchWeights":
+        """These weights read from the next three of `tensors`, by plain autograd."""
+        return BranchWeights(*(SharedWeight(next(tensors), accumulate=False) for _ in range(3)))
 
 
 class TransformerLayer(nn.Module):
