@@ -179,3 +179,15 @@ def test_a_failing_section_is_recorded_and_the_rest_still_runs(
     assert report.summary()["errors"] == 1
     assert data["sections"]["speed"]["not_run"] == [dict(what="the whole section",
                                                          why="not in --sections")]
+
+
+def test_static_step_check_compares_with_eager_and_counts_graphs(tmp_path: Path) -> None:
+    """The device check's compiled-step row, on cpu_fused (the CPU's static backend): equal
+    to the eager loop, one compiled graph."""
+    run = _run(tmp_path)
+    fields, length, _ = gpu._exact_shape(quick=True)
+    gpu.check_static_step(run, "cpu_fused", "fp32", fields, length=length, case="mha",
+                          mode="compiled")
+    row, = run.report.sections["exactness"]["rows"]
+    assert row["verdict"] == "pass", row
+    assert row["case"].endswith("compiled graphs: 1")

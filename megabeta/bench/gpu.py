@@ -752,6 +752,52 @@ def check_against_explicit(run: Run, backend: str, dtype_name: str, fields: dict
                                                GRAD_TOL))
 
 
+def check_static_step(run: Run, backend: str, dtype_name: str, fields: dict[str, Any], *,
+                      length: int, case: str, mode: str) -> None:
+    """The static block step, compiled (`mode` "compiled": execution.compile) or captured in
+    CUDA graphs ("graphed": execution.cuda_graphs), against the eager block loop on the same
+    device and weights: loss and every parameter's gradient over two training steps with
+    block checkpointing; and how many graphs it took (one compiled graph; two CUDA graphs)."""
+    config = ModelConfig(**fields)
+    reference = _reference(config)
+    dtype = DTYPES[dtype_name]
+    execution = dict(attention=backend, activation_checkpoint="block")
+    eager = _on_device(run, reference, dtype, **execution)
+    model = _on_device(run, reference, dtype, cuda_graphs=mode == "graphed", **execution)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    if mode == "compiled":
+        apply_compile(model)
+    captures = count_graph_captures() if run.cuda else contextlib.nullcontext([0])
+    errors: dict[str, float] = {}
+    with captures as count:
+        for step in range(2):
+            x = _tokens(config.vocab_size, 2, length, 1 + step).to(run.device)
+            y = _tokens(config.vocab_size, 2, length, 3 + step).to(run.device)
+            results = []
+            for m in (eager, model):
+                m.zero_grad(set_to_none=True)
+                loss = m(x, y)
+                loss.backward()
+                results.append((loss.detach(), _grads(m)))
+            (want_loss, want), (got_loss, got) = results
+            floor = GRAD_FLOOR * max(g.abs().max().item() for g in want.values())
+            errors[f"step {step} loss"] = rel_err(got_loss, want_loss)
+            errors[f"step {step} gradients (worst)"] = max(rel_err(got[n], want[n], floor)
+                                                           for n in want)
+    graphs = (torch._dynamo.utils.counters["stats"]["unique_graphs"] if mode == "compiled"
+              else count[0])
+    label = (f"{case}, T {length}, c {config.block_size}{_runs(model)}; "
+             f"{'compiled graphs' if mode == 'compiled' else 'CUDA graphs captured'}: {graphs}")
+    row = _check_row(f"{backend}: {mode} block step equals eager", label, dtype_name, errors,
+                     GRAD_TOL)
+    want_graphs = 1 if mode == "compiled" else 2
+    if graphs != want_graphs:
+        row["verdict"] = "FAIL"
+        row["why"] = f"{graphs} graphs, expected {want_graphs}"
+    run.report.add("exactness", row)
+
+
 def section_exactness(run: Run) -> None:
     report, key = run.report, "exactness"
     report.note(key, f"error = max |device - reference| / max |reference|; tolerances fp32 "
@@ -785,6 +831,14 @@ def section_exactness(run: Run) -> None:
                                                         prompt=prompt),
                     "c = 8 equals explicit": functools.partial(check_against_explicit,
                                                                length=length)}
+                if backend == "triton" and dtype_name == "fp32":
+                    for mode in ("compiled", "graphed"):
+                        if mode == "graphed" and not run.cuda:
+                            report.not_run(key, f"{backend} graphed block step {case}",
+                                           "CUDA graphs need a CUDA device")
+                            continue
+                        checks[f"{mode} block step"] = functools.partial(
+                            check_static_step, length=length, mode=mode)
                 for what, check in checks.items():
                     label = f"{backend} {what} {case} {dtype_name}"
                     why = run.budget.why_not(estimate, run.reserve("exactness"))
