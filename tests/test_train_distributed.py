@@ -68,8 +68,8 @@ def test_resume_is_bitwise_exact_on_two_ranks(backend: str, tiny_data, tmp_path:
     assert losses(parts) == losses(full)
 
 
-@pytest.mark.parametrize("backend,first,second", [("fsdp", 2, 1), ("fsdp", 1, 2),
-                                                   ("deepspeed", 2, 1)])
+# 2 -> 1 on DeepSpeed and 1 -> 2 on FSDP: each direction once, each checkpoint format once.
+@pytest.mark.parametrize("backend,first,second", [("fsdp", 1, 2), ("deepspeed", 2, 1)])
 def test_resume_at_another_world_size(backend: str, first: int, second: int, fsdp_run: Path,
                                       tiny_data, tmp_path: Path) -> None:
     """The global batch is fixed, so the sample stream is the same whatever the world size:

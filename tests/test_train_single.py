@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from megabeta.config import load_config
-from megabeta.parallel.wrap import apply_compile
 from model_helpers import tiny_model, tokens
 from train_helpers import TINY, launch, losses, train_records
 
@@ -155,13 +154,22 @@ def test_bad_checkpoints_and_configs_are_clear_errors(full_run: Path, tiny_data,
     assert done.returncode == 2 and "tokenizer" in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("flag,tolerance", [("--execution.compile=true", 1e-4),
-                                             ("--train.precision=bf16", 5e-2)],
-                         ids=["compile", "bf16"])
+def test_engine_compiles_the_block_step_when_asked() -> None:
+    """execution.compile = true: the engine applies apply_compile (whose graphs and results
+    tests/test_block_step.py checks against the eager loop)."""
+    from megabeta.engine.torch_engine import TorchEngine
+
+    config = load_config(overrides=["--execution.compile=true", "--parallel.backend=single"])
+    model = tiny_model(dtype=torch.float32)
+    assert model.block_step is None
+    TorchEngine(model, config, torch.device("cpu"))
+    assert model.block_step is not None
+
+
+@pytest.mark.parametrize("flag,tolerance", [("--train.precision=bf16", 5e-2)], ids=["bf16"])
 def test_variant_trains_like_the_eager_fp32_run(flag: str, tolerance: float, full_run: Path,
                                                 tiny_data, tmp_path: Path) -> None:
-    """execution.compile compiles the block step (tests/test_block_step.py): same losses.
-    train.precision=bf16 (autocast; the GPU setting, the same code path on this CPU): losses
+    """train.precision=bf16 (autocast; the GPU setting, the same code path on this CPU): losses
     follow the fp32 run's at bf16's precision, and are not its losses."""
     prefix, _ = tiny_data
     launch([*TINY, f"--data.path={prefix}", f"--run_dir={tmp_path}", "--train.steps=12",
