@@ -28,7 +28,13 @@ from megabeta.model.attention import AttentionBias, BiasRows
 from megabeta.model.block_graphs import BlockGraphs, CudaCapture
 from megabeta.model.cache import DecodeCache
 from megabeta.model.config import ConfigError
-from megabeta.model.history import BufferedHistory, BufferedView, PieceHistory, PieceView
+from megabeta.model.history import (
+    BufferedHistory,
+    BufferedView,
+    PieceHistory,
+    PieceView,
+    StepView,
+)
 from megabeta.model.layers import Attention, Projection
 from megabeta.model.transformer import DecoderLM
 
@@ -212,8 +218,7 @@ class Beta12Transformer(DecoderLM):
         if self.execution.cuda_graphs and self.block_graphs is None:
             raise ConfigError(f"execution.cuda_graphs = true needs a CUDA device; this model is "
                               f"on {x.device}")
-        graphs = self.block_graphs
-        static = (self.block_step is not None or graphs is not None) and length > c
+        static = (self.block_step is not None or self.block_graphs is not None) and length > c
         # Built once per pass, outside the checkpointed blocks (which only read them).
         weights = CellWeights(self, finished=length > c, length=length, traced=static)
         dropout = self.config.dropout if self.training else 0.0
@@ -221,48 +226,53 @@ class Beta12Transformer(DecoderLM):
         cos, sin = self.rope(0, length, x)
         history = self._history(length, static=static)
         if static:
-            heads, width, dtype = (self.config.num_kv_heads, self.config.head_dim,
-                                   self._finished_dtype(x, cos))
-            buffers = None
-            if graphs is not None:
-                buffers = graphs.history_buffers(history.shape(x.shape[0], heads, width),
-                                                 dtype, x.device)
-                graphs.begin_pass(weights, blocks=length // c)
-            history.allocate(x.shape[0], heads, width, dtype=dtype, device=x.device,
-                             buffers=buffers)
+            self._prepare_static(history, weights, x, cos)
         hidden = []
         try:
             # Split, not sliced per block: one concatenation in backward instead of a zero-filled
             # [B, T, d] gradient per block.
             for s, block in zip(range(0, length, c), x.split(c, dim=1)):
                 e = min(s + c, length)
-                full = e - s == c
-                if static and graphs is not None and full:
-                    # Replayed; the graphs recompute in backward themselves (checkpointing).
-                    view = history.step_view(s)
-                    out = BlockOutput(*graphs.run(block, (cos[s:e], sin[s:e]), view,
-                                                  dropout=dropout, finished=True,
-                                                  construction=False))
-                    if e < length:
-                        history.publish(s, out.finished_k, out.finished_v)
-                    hidden.append(out.hidden)
-                    continue
+                rope = (cos[s:e], sin[s:e])
                 if static:
-                    # Every full block through the one compiled graph, finished KVs included
-                    # (the last block's are not read); a ragged last block runs eagerly.
-                    step, view, finished = (self.block_step or self._block if full
-                                            else self._block, history.step_view(s), True)
+                    out = self._static_block(block, rope, history.step_view(s), weights,
+                                             dropout=dropout)
                 else:
-                    step, view, finished = self._block, history.view(s), e < length
-                with _saved_unchecked() if static else contextlib.nullcontext():
-                    out = self._run(step, block, (cos[s:e], sin[s:e]), view, weights,
-                                    dropout=dropout, finished=finished, construction=False)
+                    out = self._run(self._block, block, rope, history.view(s), weights,
+                                    dropout=dropout, finished=e < length, construction=False)
                 if e < length:
                     history.publish(s, out.finished_k, out.finished_v)
                 hidden.append(out.hidden)
         finally:
             history.close()
         return self.head(torch.cat(hidden, dim=1), targets)
+
+    def _prepare_static(self, history: BufferedHistory, weights: CellWeights, x: Tensor,
+                        cos: Tensor) -> None:
+        """Allocate the history before block 0 (the captured step's own buffers with CUDA
+        graphs, which also take this pass's weights)."""
+        c, graphs = self.config, self.block_graphs
+        heads, width, dtype = c.num_kv_heads, c.head_dim, self._finished_dtype(x, cos)
+        buffers = None
+        if graphs is not None:
+            buffers = graphs.history_buffers(history.shape(x.shape[0], heads, width), dtype,
+                                             x.device)
+            graphs.begin_pass(weights, blocks=history.length // c.block_size)
+        history.allocate(x.shape[0], heads, width, dtype=dtype, device=x.device,
+                         buffers=buffers)
+
+    def _static_block(self, x: Tensor, rope: tuple[Tensor, Tensor], view: StepView,
+                      weights: CellWeights, *, dropout: float) -> BlockOutput:
+        """One block of a static pass: a full block replayed (CUDA graphs, which recompute in
+        backward themselves) or through the compiled step; a ragged last block eagerly (it
+        would be a second graph). Finished KVs always (the last block's are not read)."""
+        kwargs = dict(dropout=dropout, finished=True, construction=False)
+        full = x.shape[1] == self.config.block_size
+        if full and self.block_graphs is not None:
+            return BlockOutput(*self.block_graphs.run(x, rope, view, **kwargs))
+        step = (self.block_step or self._block) if full else self._block
+        with _saved_unchecked():
+            return self._run(step, x, rope, view, weights, **kwargs)
 
     def _history(self, length: int, *, static: bool) -> BufferedHistory | PieceHistory:
         """Zero-copy buffers for the backends that read them; per-block pieces for the others
