@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -47,3 +47,25 @@ def tiny_model(dtype: torch.dtype = torch.float64, seed: int = 0, attention: str
 
 def tokens(batch: int = 2, length: int = 19, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_trains_like(model: DecoderLM, reference: DecoderLM, *, steps: int, length: int,
+                       tolerance: dict[str, float],
+                       before_step: Callable[[int], None] = lambda step: None) -> None:
+    """`steps` training steps (batch 2 of `length` tokens) of `model` and `reference`: the same
+    losses and parameter gradients within `tolerance` (assert_close's rtol/atol), and no
+    gradient where the reference has none. `before_step(n)` runs before step n."""
+    for step in range(steps):
+        before_step(step)
+        x, y = tokens(2, length, seed=step), tokens(2, length, seed=10 + step)
+        model.zero_grad()
+        reference.zero_grad()
+        loss, want = model(x, y), reference(x, y)
+        loss.backward()
+        want.backward()
+        torch.testing.assert_close(loss, want, **tolerance)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            if q.grad is None:
+                assert p.grad is None, name
+            else:
+                torch.testing.assert_close(p.grad, q.grad, **tolerance, msg=name)

@@ -13,7 +13,7 @@ from megabeta.kernels import finished_groups
 from megabeta.model import ConfigError, ExecutionConfig, build_model
 from megabeta.model.block_graphs import BlockGraphs, EagerCapture
 
-from model_helpers import tiny_config, tiny_model, tokens
+from model_helpers import assert_trains_like, tiny_config, tiny_model, tokens
 
 
 @pytest.mark.skipif(not finished_groups.build(),
@@ -24,19 +24,8 @@ def test_replayed_steps_train_like_the_eager_loop() -> None:
     eager = copy.deepcopy(model)
     capture = EagerCapture()
     model.block_graphs = BlockGraphs(model._graphed_step, capture)
-    for step in range(2):
-        x, y = tokens(2, 22, seed=step), tokens(2, 22, seed=10 + step)
-        model.zero_grad()
-        eager.zero_grad()
-        loss, want = model(x, y), eager(x, y)
-        loss.backward()
-        want.backward()
-        torch.testing.assert_close(loss, want, rtol=1e-12, atol=0)
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            if q.grad is None:
-                assert p.grad is None, name
-            else:
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-13, msg=name)
+    assert_trains_like(model, eager, steps=2, length=22,
+                       tolerance=dict(rtol=1e-10, atol=1e-13))
     # One forward and one backward graph, captured at the first step and replayed since (the
     # second step's new weights were copied in, not captured again).
     assert capture.captured == 2

@@ -15,7 +15,7 @@ from megabeta.model.attention import merged_op  # noqa: F401  (registers the ope
 from megabeta.kernels import finished_groups
 from megabeta.parallel.wrap import apply_compile
 
-from model_helpers import randomise, tiny_config, tiny_model, tokens
+from model_helpers import assert_trains_like, randomise, tiny_config, tiny_model, tokens
 
 pytestmark = pytest.mark.skipif(not finished_groups.build(),
                                 reason="the fused C++ kernels do not build on this machine")
@@ -55,19 +55,8 @@ def test_one_graph_for_every_block(dtype: torch.dtype, checkpoint: str, flags: d
     model.block_step = step
     tolerance = dict(rtol=1e-11, atol=1e-13) if dtype == torch.float64 else dict(rtol=1e-4,
                                                                                  atol=1e-6)
-    for number in range(2):
-        steps.append(number)
-        x, y = tokens(2, 22, seed=number), tokens(2, 22, seed=10 + number)
-        model.zero_grad()
-        eager.zero_grad()
-        loss, want = model(x, y), eager(x, y)
-        loss.backward()
-        want.backward()
-        torch.testing.assert_close(loss, want, **tolerance)
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            assert p.grad is not None or q.grad is None, name
-            if q.grad is not None:
-                torch.testing.assert_close(p.grad, q.grad, **tolerance, msg=name)
+    assert_trains_like(model, eager, steps=2, length=22, tolerance=tolerance,
+                       before_step=steps.append)
     assert _graphs() == 1
     # The full blocks through the graph (again in backward, recomputed under checkpointing);
     # the ragged last one (2 tokens) eagerly.

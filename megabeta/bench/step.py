@@ -15,31 +15,15 @@ import argparse
 import contextlib
 import statistics
 import time
-from typing import Any, Callable, Iterator
+from typing import Callable
 
 import torch
 import torch._dynamo
 
+from megabeta.bench.gpu import count_graph_captures
 from megabeta.model import DecoderLM, ExecutionConfig, build_model, get_preset
 from megabeta.model.flops import training_flops
 from megabeta.parallel.wrap import apply_compile
-
-
-@contextlib.contextmanager
-def _captures() -> Iterator[list[int]]:
-    """CUDA graphs captured inside (each capture calls CUDAGraph.capture_begin)."""
-    counter = [0]
-    original = torch.cuda.CUDAGraph.capture_begin
-
-    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
-        counter[0] += 1
-        return original(self, *args, **kwargs)
-
-    torch.cuda.CUDAGraph.capture_begin = counting
-    try:
-        yield counter
-    finally:
-        torch.cuda.CUDAGraph.capture_begin = original
 
 
 def _model(args: argparse.Namespace, device: torch.device, mode: str) -> DecoderLM:
@@ -91,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         model = _model(args, device, mode)
         steps[mode] = _step(model, tokens, args.bf16)
         torch._dynamo.utils.counters.clear()
-        captures = _captures() if device.type == "cuda" else contextlib.nullcontext([0])
+        captures = count_graph_captures() if device.type == "cuda" else contextlib.nullcontext([0])
         with captures as count:
             begin = time.perf_counter()
             losses[mode] = steps[mode]()
