@@ -28,12 +28,16 @@ Instead:
   reader of block b+1 takes as input, so its backward runs after theirs; theirs run after
   `_Publish` of block b+1 (their outputs flow into block b+1's finished KVs), and so on: when
   block b's gradient is handed out, every later reader has added to it. `release` checks it.
+- The static block step (beta12 `compile_block_step`, CUDA graphs) reads a `StepView` instead:
+  the same buffers, allocated before block 0 (`allocate`), and the block's start as a 0-d
+  tensor, so that nothing a traced graph sees differs between blocks. Its readers cannot call
+  back into Python, so `release` does not check the order there (`check_order`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
