@@ -105,7 +105,8 @@ class BlockGraphs:
         self.step, self.capture = step, capture
         self._shapes: dict[tuple, _Shape] = {}
         self._current: _Shape | None = None
-        self._pass_weights: Any = None
+        self._weight_inputs: list[Tensor] = []
+        """The current pass's weight tensors (`CellWeights.tensors()`), inputs of every block."""
         self._pending = 0
         """Blocks of the current pass whose backward has not run yet."""
 
@@ -136,7 +137,9 @@ class BlockGraphs:
         """Copy this pass's weights (`CellWeights`) to the fixed ones; `blocks` graphed blocks
         will run."""
         current = self._current
-        tensors = [t.detach() for t in weights.tensors()]
+        # Listed once per pass: `run` hands them to every block's node (the hot path).
+        self._weight_inputs = weights.tensors()
+        tensors = [t.detach() for t in self._weight_inputs]
         if not current.weights:
             current.weights = [t.clone().requires_grad_() for t in tensors]
             current.weight_grads = [torch.zeros_like(t) for t in tensors]
@@ -147,16 +150,14 @@ class BlockGraphs:
             for grad in current.weight_grads:
                 grad.zero_()
         self._fixed_weights = weights.with_tensors(current.weights)
-        self._pass_weights = weights
         self._pending = blocks
 
     def run(self, x: Tensor, rope: tuple[Tensor, Tensor], view: StepView,
             **kwargs: Any) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         """One block: hidden states and finished K/V per layer, differentiable w.r.t. `x`
         and the pass's weights (through `_GraphedBlock`)."""
-        weights = self._pass_weights.tensors()
         outs = _GraphedBlock.apply(self, kwargs, view, x, rope[0], rope[1], view.anchor,
-                                   *weights)
+                                   *self._weight_inputs)
         layers = (len(outs) - 1) // 2
         return outs[0], list(outs[1:1 + layers]), list(outs[1 + layers:])
 
