@@ -111,19 +111,26 @@ def test_fused_gradient_matches_finite_differences(dropout: float) -> None:
 
 
 def test_buffered_history_checks_its_ordering() -> None:
-    """Block b's finished-KV gradient may only be handed out once every later block's attention
-    ran backward, and blocks publish in order: each violation is an error, not a silent wrong
-    gradient."""
-    from megabeta.model.history import BufferedHistory
+    """A finished KV's gradient may only be handed out once every reader created after its
+    publish ran backward, and each layer's blocks publish in order: each violation is an
+    error, not a silent wrong gradient."""
+    from megabeta.model.history import BufferedHistory, block_cells
 
     history = BufferedHistory([[0, 1], [1]], 0, 12)
     fin = [torch.randn(1, 1, 4, 8, dtype=torch.float64) for _ in range(2)]
-    history.publish(0, fin, fin)
+    history.publish(block_cells(0, 2), fin, fin)
     with pytest.raises(RuntimeError, match="out of order"):
-        history.publish(8, fin, fin)
-    history.publish(4, fin, fin)
-    history.read_back = {4: 2, 8: 1}  # block 8: one of its two layers has not run backward
+        history.publish([(8, 0)], fin[:1], fin[:1])
+    history.publish([(4, 0)], fin[:1], fin[:1])  # one layer at a time, as a wave publishes
+    history.publish([(4, 1)], fin[:1], fin[:1])
+    views = [history.view(4), history.view(8)]
+    for view in views:
+        for layer in (0, 1):
+            view.key_set(layer, fin[0], fin[0])
+    views[0].done_reading()
+    views[0].done_reading()
+    views[1].done_reading()  # the view at 8: one of its two layers has not run backward
     with pytest.raises(RuntimeError, match="ordering"):
         history.release(0, 4)
-    history.read_back[8] = 2
+    views[1].done_reading()
     assert history.release(0, 4) == [None] * 4  # no reader gradient yet: nothing to hand out

@@ -34,9 +34,11 @@ from megabeta.model.history import (
     PieceHistory,
     PieceView,
     StepView,
+    block_cells,
 )
 from megabeta.model.layers import Attention, Projection
 from megabeta.model.transformer import DecoderLM
+from megabeta.model.wavefront import run_wavefront
 
 
 STATIC_BACKENDS = ("cpu_fused", "triton")
@@ -218,10 +220,21 @@ class Beta12Transformer(DecoderLM):
         if self.execution.cuda_graphs and self.block_graphs is None:
             raise ConfigError(f"execution.cuda_graphs = true needs a CUDA device; this model is "
                               f"on {x.device}")
+        dropout = self.config.dropout if self.training else 0.0
+        if self.execution.schedule == "wavefront" and length > c:
+            # Padded to whole blocks (wavefront.py); the tables of the whole padded sequence.
+            padded = -(-length // c) * c
+            weights = CellWeights(self, finished=True, length=padded)
+            cos, sin = self.rope(0, padded, x)
+            history = self._history(length, static=False)
+            try:
+                hidden = run_wavefront(self, x, cos, sin, weights, history, dropout=dropout)
+            finally:
+                history.close()
+            return self.head(hidden, targets)
         static = (self.block_step is not None or self.block_graphs is not None) and length > c
         # Built once per pass, outside the checkpointed blocks (which only read them).
         weights = CellWeights(self, finished=length > c, length=length, traced=static)
-        dropout = self.config.dropout if self.training else 0.0
         # The tables of the whole sequence, once per pass; each block reads a slice (no copy).
         cos, sin = self.rope(0, length, x)
         history = self._history(length, static=static)
@@ -241,7 +254,8 @@ class Beta12Transformer(DecoderLM):
                     out = self._run(self._block, block, rope, history.view(s), weights,
                                     dropout=dropout, finished=e < length, construction=False)
                 if e < length:
-                    history.publish(s, out.finished_k, out.finished_v)
+                    history.publish(block_cells(s, len(self.layers)), out.finished_k,
+                                    out.finished_v)
                 hidden.append(out.hidden)
         finally:
             history.close()

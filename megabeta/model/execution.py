@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from megabeta.model.config import ConfigError
 
-CHECKPOINT_MODES = ("none", "block")
+CHECKPOINT_MODES = ("none", "block", "wave")
+SCHEDULES = ("block", "wavefront")
 ATTENTION_BACKENDS = ("auto", "explicit", "sdpa", "cpu_flash", "cpu_fused", "cuda_flash", "triton")
 CELL_KERNELS = ("auto", "torch", "triton")
 
@@ -21,7 +22,9 @@ class ExecutionConfig:
     """Execution settings of a model; validated at construction."""
 
     activation_checkpoint: str = "none"
-    """`none` or `block`: recompute one block through all layers in backward (beta12; per layer for the other arms)."""
+    """`none`, `block` (recompute one block through all layers in backward; per layer for the other arms) or `wave` (one wave of the wavefront schedule)."""
+    schedule: str = "block"
+    """beta12's order of (block, layer) cells: `block` (block by block) or `wavefront` (the cells of a wave b·(k+1) + l together, batched; docs/architecture.md)."""
     attention: str = "auto"
     """Attention backend: `auto`, `explicit`, `sdpa`, `cpu_flash`, `cpu_fused`, `cuda_flash` or `triton` (docs/architecture.md)."""
     cell_kernels: str = "auto"
@@ -38,6 +41,7 @@ class ExecutionConfig:
         """Raise `ConfigError` naming the first invalid field and its allowed values."""
         for name, allowed in (("activation_checkpoint", CHECKPOINT_MODES),
                               ("attention", ATTENTION_BACKENDS),
+                              ("schedule", SCHEDULES),
                               ("cell_kernels", CELL_KERNELS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"execution.{name} = {getattr(self, name)!r}: must be one of "
@@ -46,10 +50,24 @@ class ExecutionConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"execution.{name} = {getattr(self, name)!r}: must be true or "
                                   "false")
+        wavefront = self.schedule == "wavefront"
+        if wavefront and self.activation_checkpoint == "block":
+            raise ConfigError("execution.schedule = wavefront recomputes per wave, not per "
+                              "block: set execution.activation_checkpoint = wave (or none)")
+        if self.activation_checkpoint == "wave" and not wavefront:
+            raise ConfigError("execution.activation_checkpoint = wave needs the wavefront "
+                              "schedule: set execution.schedule = wavefront, or "
+                              "activation_checkpoint = block")
+        if wavefront and (self.compile or self.cuda_graphs):
+            raise ConfigError("execution.schedule = wavefront runs eagerly: the compiled and "
+                              "CUDA-graphed step is the block schedule's; set "
+                              "execution.compile = false and execution.cuda_graphs = false, or "
+                              "execution.schedule = block")
         if self.cuda_graphs and self.activation_checkpoint != "block":
             raise ConfigError("execution.cuda_graphs = true replays the forward, and the "
                               "recompute and backward, of a checkpointed block: set "
                               "execution.activation_checkpoint = block")
 
 
-__all__ = ["ExecutionConfig", "CHECKPOINT_MODES", "ATTENTION_BACKENDS", "CELL_KERNELS"]
+__all__ = ["ExecutionConfig", "CHECKPOINT_MODES", "SCHEDULES", "ATTENTION_BACKENDS",
+           "CELL_KERNELS"]

@@ -24,10 +24,12 @@ Instead:
   the finished-KV producers. Readers add each group's key/value gradient into one gradient
   buffer shaped like the storage; `_Publish` of block b hands block b's rows to the producers in
   its backward.
-- Ordering comes from autograd itself. `_Publish` of block b returns an anchor tensor that every
-  reader of block b+1 takes as input, so its backward runs after theirs; theirs run after
-  `_Publish` of block b+1 (their outputs flow into block b+1's finished KVs), and so on: when
-  block b's gradient is handed out, every later reader has added to it. `release` checks it.
+- Ordering comes from autograd itself. Each publish returns an anchor tensor; every reader
+  created after it takes the anchor as input, and the next publish takes it too. So a publish's
+  backward runs after every later reader's (directly, or through the chain of later publishes):
+  when a finished KV's gradient is handed out, every reader of it has added to it. `release`
+  checks it. A publish is a set of cells (block start, layer): all layers of one block in the
+  block schedule, one cell per layer of a wave in the wavefront (model/wavefront.py).
 - The static block step (beta12 `compile_block_step`, CUDA graphs) reads a `StepView` instead:
   the same buffers, allocated before block 0 (`allocate`), and the block's start as a 0-d
   tensor, so that nothing a traced graph sees differs between blocks. Its readers cannot call
@@ -36,8 +38,7 @@ Instead:
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -47,6 +48,14 @@ from megabeta.model.attention.backend import GroupBatch, KeySet, group_rows, gro
 
 History = list[tuple[Tensor, ...]]
 """Per source layer m, the finished K (or V) pieces covering tokens 0 … start(block)-1, in order."""
+
+Cell = tuple[int, int]
+"""(block start, layer): whose finished KVs one publish carries."""
+
+
+def block_cells(block_start: int, layers: int) -> list[Cell]:
+    """Every layer of the block at `block_start` (the block schedule's publish)."""
+    return [(block_start, m) for m in range(layers)]
 
 
 def _tail(pieces: tuple[Tensor, ...], keep: int) -> list[Tensor]:
@@ -102,11 +111,11 @@ class PieceHistory:
         return PieceView(self.sources, self.window, block_start,
                          [tuple(p) for p in self.keys], [tuple(p) for p in self.values])
 
-    def publish(self, block_start: int, fin_k: list[Tensor], fin_v: list[Tensor]) -> None:
-        """Add a finished block's KVs (one per layer) to the history."""
-        for pieces_k, pieces_v, k, v in zip(self.keys, self.values, fin_k, fin_v):
-            pieces_k.append(k)
-            pieces_v.append(v)
+    def publish(self, cells: list[Cell], fin_k: list[Tensor], fin_v: list[Tensor]) -> None:
+        """Add the finished KVs of `cells` (each layer's blocks in order) to the history."""
+        for (_, m), k, v in zip(cells, fin_k, fin_v):
+            self.keys[m].append(k)
+            self.values[m].append(v)
 
     def close(self) -> None:
         """End of the forward pass (nothing to release: the pieces are ordinary graph tensors)."""
@@ -130,18 +139,24 @@ class BufferedHistory:
         self.values: Tensor | None = None
         self.grad_keys: Tensor | None = None
         self.grad_values: Tensor | None = None
-        self.published = 0
-        """Tokens whose finished KVs have been written."""
-        self.starts: list[int] = []
-        """Start of every published block."""
-        self.read_back: dict[int, int] = {}
-        """Per block start, how many layers' readers have run backward."""
+        self.published = [0] * self.layers
+        """Per layer, the tokens whose finished KVs have been written."""
+        self.publishes: list[list[Cell]] = []
+        """The cells of every publish, in order (a publish's index is its epoch)."""
+        self.views: list[BufferedView] = []
+        """Every view handed out, in order; a view's epoch is the publishes before it."""
+        self._checked = 0
+        """`views[_checked:]` are known to have run backward (`release`)."""
         self.positions: Tensor | None = None
         """`arange(T)` on the buffers' device: a block's start as a 0-d tensor is a view of it."""
         self._anchor: Tensor | None = None
 
     def view(self, block_start: int) -> "BufferedView":
-        return BufferedView(self, block_start, self._anchor)
+        view = BufferedView(self, block_start, self._anchor, epoch=len(self.publishes))
+        if self.check_order:
+            self.views.append(view)
+            self._checked = len(self.views)
+        return view
 
     def shape(self, batch: int, heads: int, width: int) -> tuple[int, ...]:
         """The buffers' shape for `batch` sequences of `heads` KV heads of `width`."""
@@ -176,9 +191,10 @@ class BufferedHistory:
         return StepView(self.keys, self.values, grad_keys, grad_values,
                         self.positions[block_start], self._anchor, self.sources, self.window)
 
-    def publish(self, block_start: int, fin_k: list[Tensor], fin_v: list[Tensor]) -> None:
-        """Make a finished block's KVs (one per layer) visible to every later block."""
-        self._anchor = _Publish.apply(self, block_start, *fin_k, *fin_v)
+    def publish(self, cells: list[Cell], fin_k: list[Tensor], fin_v: list[Tensor]) -> None:
+        """Make the finished KVs of `cells` visible to every later reader (each layer's blocks
+        in order)."""
+        self._anchor = _Publish.apply(self, list(cells), self._anchor, *fin_k, *fin_v)
 
     def close(self) -> None:
         """End of the forward pass: drop the last anchor. The autograd nodes hold this history
@@ -187,11 +203,12 @@ class BufferedHistory:
         self._anchor = None
 
     # ---- used by the readers and the autograd functions -----------------------------------------
-    def write_finished(self, start: int, fin_k: tuple[Tensor, ...],
+    def write_finished(self, cells: list[Cell], fin_k: tuple[Tensor, ...],
                        fin_v: tuple[Tensor, ...]) -> None:
-        if start != self.published:
-            raise RuntimeError(f"finished KVs published out of order (block at {start}, "
-                               f"expected {self.published})")
+        for start, m in cells:
+            if start != self.published[m]:
+                raise RuntimeError(f"finished KVs published out of order (layer {m}, block at "
+                                   f"{start}, expected {self.published[m]})")
         if self.keys is not None and fin_k[0].dtype != self.keys.dtype:
             raise RuntimeError(f"finished keys in {fin_k[0].dtype}, history buffers allocated "
                                f"in {self.keys.dtype}")
@@ -203,11 +220,11 @@ class BufferedHistory:
             self.keys, self.values = fin_k[0].new_empty(shape), fin_k[0].new_empty(shape)
             self.positions = torch.arange(self.length, device=self.keys.device)
         n = fin_k[0].shape[2]
-        self.starts.append(start)
-        for m in range(self.layers):
-            self.keys[m, :, :, start:start + n] = fin_k[m]
-            self.values[m, :, :, start:start + n] = fin_v[m]
-        self.published = start + n
+        for (start, m), k, v in zip(cells, fin_k, fin_v):
+            self.keys[m, :, :, start:start + n] = k
+            self.values[m, :, :, start:start + n] = v
+            self.published[m] = start + n
+        self.publishes.append(cells)
 
     def gradient_buffers(self) -> tuple[Tensor, Tensor]:
         """The gradient buffers (K, V), shaped like the storage, that readers add to."""
@@ -224,25 +241,29 @@ class BufferedHistory:
         grad_keys, grad_values = self.gradient_buffers()
         return grad_keys[sources, :, :, rows], grad_values[sources, :, :, rows]
 
-    def read(self, start: int) -> None:
-        """One layer's readers of the block at `start` have run backward."""
-        self.read_back[start] = self.read_back.get(start, 0) + 1
-
-    def release(self, start: int, n: int) -> list[Tensor | None]:
-        """Gradients of the finished KVs of the block at `start` (all later readers are done)."""
-        later = [s for s in self.starts if s > start] + [self.published]
-        if self.check_order and any(self.read_back.get(s, 0) != self.layers for s in later):
-            raise RuntimeError("finished-KV gradients handed out before every later block's "
+    def release(self, epoch: int, n: int) -> list[Tensor | None]:
+        """Gradients (keys, then values) of the finished KVs of publish `epoch`'s cells, of `n`
+        tokens each: every reader created after that publish must have run backward."""
+        # Publishes are released in reverse order: only the views since the previous release
+        # are left to check.
+        views, first = self.views, self._checked
+        while first > 0 and views[first - 1].epoch > epoch:
+            first -= 1
+        if any(not view.all_read() for view in views[first:self._checked]):
+            raise RuntimeError("finished-KV gradients handed out before every later reader's "
                                "attention ran backward (autograd ordering broken)")
+        self._checked = first
+        cells = self.publishes[epoch]
         if self.grad_keys is None:
-            grads = [None] * (2 * self.layers)
+            grads = [None] * (2 * len(cells))
         else:
             # Views where no cast is needed: every reader of these rows is done, nothing
             # writes them again.
-            rows, dtype = slice(start, start + n), self.keys.dtype
-            grads = [g[:, :, rows].to(dtype) for g in (*self.grad_keys, *self.grad_values)]
-        if start == 0:
-            # The first block's gradients are the last to go: nobody reads the buffers again.
+            dtype = self.keys.dtype
+            grads = [g[m, :, :, start:start + n].to(dtype)
+                     for g in (self.grad_keys, self.grad_values) for start, m in cells]
+        if epoch == 0:
+            # The first publish's gradients are the last to go: nobody reads the buffers again.
             # Dropped here because torch's non-reentrant checkpoint keeps its inputs (our views)
             # in a reference cycle until the garbage collector runs: with block checkpointing,
             # this history would otherwise outlive the step.
@@ -257,11 +278,22 @@ class BufferedView:
     history: BufferedHistory
     block_start: int
     anchor: Tensor | None
+    epoch: int = 0
+    """The publishes before this view: its readers must run backward before theirs."""
+    readers: set[int] = field(default_factory=set)
+    """Layers whose queries read this view (a recompute reads again: a set)."""
+    done: int = 0
+    """Readers that ran backward."""
 
     def key_set(self, layer: int, k: Tensor, v: Tensor) -> KeySet:
         if self.block_start == 0:
             return KeySet(k=k, v=v)
+        self.readers.add(layer)
         return KeySet(k=k, v=v, stored=self)
+
+    def all_read(self) -> bool:
+        """Whether every reader of this view ran backward."""
+        return self.done == len(self.readers)
 
     def batches(self, layer: int) -> list[GroupBatch]:
         """The finished groups of `layer` as stacked batches: runs of adjacent
@@ -278,7 +310,10 @@ class BufferedView:
 
     @property
     def done_reading(self) -> Callable[[], None]:
-        return functools.partial(self.history.read, self.block_start)
+        return self._reader_done
+
+    def _reader_done(self) -> None:
+        self.done += 1
 
     @property
     def window(self) -> int:
@@ -348,14 +383,16 @@ class _Publish(torch.autograd.Function):
     Backward: return those KVs' gradients, accumulated by every later reader."""
 
     @staticmethod
-    def forward(ctx: Any, history: BufferedHistory, start: int, *kv: Tensor) -> Tensor:
-        layers = len(kv) // 2
-        history.write_finished(start, kv[:layers], kv[layers:])
-        ctx.history, ctx.start, ctx.n = history, start, kv[0].shape[2]
+    def forward(ctx: Any, history: BufferedHistory, cells: list[Cell], previous: Tensor | None,
+                *kv: Tensor) -> Tensor:
+        # `previous`, the anchor before this one, is taken only to chain the publishes: its
+        # publish's backward then runs after this one's.
+        history.write_finished(cells, kv[:len(cells)], kv[len(cells):])
+        ctx.history, ctx.epoch, ctx.n = history, len(history.publishes) - 1, kv[0].shape[2]
         # The anchor's gradient is never read: not zero-filled either (readers return none).
         ctx.set_materialize_grads(False)
         return kv[0].new_zeros(())
 
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:
-        return (None, None, *ctx.history.release(ctx.start, ctx.n))
+        return (None, None, None, *ctx.history.release(ctx.epoch, ctx.n))

@@ -316,17 +316,24 @@ class Projection:
     def __call__(self, normalized: Tensor, cos: Tensor, sin: Tensor) -> list[Tensor]:
         """The parts of `normalized [B, n, d]` (already `rms_normalize`d), with RoPE at the
         positions of `cos/sin`."""
-        y = linear(normalized, self.weight, self.bias)
+        return self.split(linear(normalized, self.weight, self.bias), cos, sin)
+
+    def split(self, y: Tensor, cos: Tensor, sin: Tensor,
+              head_norm: Tensor | None = None) -> list[Tensor]:
+        """The parts of this projection's output `y [B, n, W]`, with RoPE at the positions of
+        `cos/sin`; `head_norm`: the per-head norm weights broadcast to the rotary heads
+        `[heads, n, d_h]` (default: this projection's own, the same for every token)."""
         d = self.head_dim
         if self.head_norm is None:
             rot, plain = self.kernels.split_heads_rope(y, cos, sin,
                                                        rotary_heads=self.rotary_heads, head_dim=d)
         else:
             # qk_norm: the per-head norm sits between the split and RoPE (torch only).
+            head_norm = self.head_norm[:, None] if head_norm is None else head_norm
             width = self.rotary_heads * d
             rot, plain = y.split([width, y.shape[-1] - width], dim=-1)
             rot = rot.unflatten(-1, (self.rotary_heads, d)).transpose(1, 2)
-            rot = rms_normalize(rot, self.head_norm_eps) * self.head_norm[:, None]
+            rot = rms_normalize(rot, self.head_norm_eps) * head_norm
             rot = apply_rope(rot, cos, sin)
             plain = plain.unflatten(-1, (-1, d)).transpose(1, 2)
         heads = [*rot.split(self._rotary_heads, dim=1), *plain.split(self._plain_heads, dim=1)]

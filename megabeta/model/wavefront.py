@@ -1,0 +1,312 @@
+"""The wavefront schedule of a beta12 training pass (spec §5): the cells of a wave together.
+
+Cell (b, l), layer l on block b, needs cell (b, l-1) and the finished KVs of cells (b-1, m) for
+m ∈ M(l) ⊆ [l, top(l)]. So with period p = min(k, L-1) + 1 the cells of wave t = b·p + l are
+independent: (T/c - 1)·p + L waves instead of (T/c)·L cells, a wave holding up to ⌈L/p⌉ cells on
+consecutive blocks at layers that step down by p (`WavePlan`).
+
+Where a cell ends. In the block schedule layer m's finished K/V come out of layer m+1's input
+matmul (beta12.CellWeights). Here they are first read one wave after cell (b, m), by cell
+(b+1, m-k), which runs in the same wave as (b, m+1): so a cell is layer l's attention and MLP
+followed by layer l+1's fused input projection (layer l's finished K/V, layer l+1's queries and
+construction K/V): the same matmuls of the same numbers as the block schedule, done one wave
+earlier. A block enters at layer 0 with its plain input projection; its last layer's cell ends
+with `last_finished`.
+
+Batching. A wave's cells hold different layers' weights. Each kind of weight is stacked once
+per pass in reverse layer order (`WaveWeights`): a wave's cells, blocks ascending and layers
+descending by p, read one strided view of each stack, and each projection of the wave is one
+batched matmul (`wave_linear`, which adds the stacks' gradients in place, as
+layers.SharedWeight does, instead of a zero-filled stack gradient per wave). Norms, SwiGLU and
+the residual adds run once on the stacked cells, the split into heads and RoPE once on the
+cells' tokens laid end to end. Attention runs per cell, through the model's backend, each cell
+reading its layer's key set at its block's start.
+
+Finished KVs are published per wave, one cell per layer (history.py), except the last block's,
+which nobody reads. With `activation_checkpoint = wave` one wave is the recompute unit: backward
+keeps each wave's inputs (the cells' residual streams and next queries and construction KVs).
+
+A ragged last block is padded to c tokens with zero embeddings: causality keeps the padding out
+of every real token (it follows them in the block, and the last block publishes nothing) and its
+outputs are dropped, so its gradients are zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from megabeta.model.history import BufferedHistory, PieceHistory
+from megabeta.model.layers import Projection, SharedWeight, _autocast_dtype, _HandOut
+
+if TYPE_CHECKING:  # only for annotations: beta12 imports this module
+    from megabeta.model.beta12 import Beta12Transformer, CellWeights
+
+KV = tuple[Tensor, Tensor, Tensor]
+"""A cell's queries, construction keys and values `[B, heads, c, d_h]`."""
+
+
+@dataclass(frozen=True)
+class WavePlan:
+    """Which cells run in which wave, for `blocks` blocks of `layers` layers and period p."""
+
+    blocks: int
+    layers: int
+    period: int
+    """p = min(k, L-1) + 1: cell (b, l) runs in wave b·p + l."""
+
+    @property
+    def waves(self) -> int:
+        return (self.blocks - 1) * self.period + self.layers
+
+    def wave(self, t: int) -> "Wave":
+        p, top = self.period, self.layers - 1
+        low = max(t % p, t - (self.blocks - 1) * p)
+        high = min(top, t) - (min(top, t) - t) % p
+        first = (t - high) // p
+        layers = list(range(high, low - 1, -p))
+        return Wave(first, layers, top, entering=layers[-1] == 0, period=p)
+
+
+@dataclass(frozen=True)
+class Wave:
+    """One wave's cells: blocks `first`, `first + 1`, … at `layers` (descending by p)."""
+
+    first: int
+    """The first (oldest) cell's block."""
+    layers: list[int]
+    top: int
+    """L - 1."""
+    entering: bool
+    """Whether the newest cell is a block at layer 0 (its input projection runs first)."""
+    period: int
+
+    @property
+    def cells(self) -> list[tuple[int, int]]:
+        """(block, layer) per cell, oldest first."""
+        return [(self.first + i, l) for i, l in enumerate(self.layers)]
+
+    @property
+    def exits(self) -> bool:
+        """Whether the oldest cell is at the last layer (its block leaves after this wave)."""
+        return self.layers[0] == self.top
+
+    def stack(self) -> slice:
+        """The cells' layers in a stack of all L layers in reverse order."""
+        return slice(self.top - self.layers[0], self.top - self.layers[-1] + 1, self.period)
+
+    def next_stack(self) -> slice:
+        """The next input projections of the cells below the top (layers l+1 ≥ 1) in the stack
+        of layers L-1 … 1."""
+        below = self.layers[1:] if self.exits else self.layers
+        return slice(self.top - 1 - below[0], self.top - below[-1], self.period)
+
+
+class StackedWeight:
+    """Same-shaped weights of every layer, stacked `[L', …]` once per pass (reverse layer
+    order); `wave_linear` multiplies by a strided view of the stack and adds that view's
+    gradient into `grad`, handed to autograd once, when every wave's backward is done
+    (layers._HandOut)."""
+
+    def __init__(self, weights: list[Tensor]) -> None:
+        self.weight = torch.stack(weights)
+        self.grad: Tensor | None = None
+        self._ones: dict[int, Tensor] = {}
+        self.accumulates = self.weight.requires_grad and torch.is_grad_enabled()
+        self.tensor = _HandOut.apply(self.weight, self) if self.accumulates else self.weight
+
+    def add_rows(self, sel: slice, rows: Tensor) -> None:
+        """Add `rows [n, M, out]`, summed over M, to the gradient of the (bias) layers `sel`."""
+        self.zero_grad_buffer()[sel].add_(rows.sum(1))
+
+    def zero_grad_buffer(self) -> Tensor:
+        """`grad`, zero-filled on first use."""
+        if self.grad is None:
+            self.grad = torch.zeros_like(self.weight)
+        return self.grad
+
+
+def wave_linear(x: Tensor, weight: StackedWeight, sel: slice,
+                bias: StackedWeight | None = None) -> Tensor:
+    """`x [n, M, in]` times the transposed weights of the layers `sel` of `weight` (n of
+    them), plus their biases: `[n, M, out]`, one batched matmul."""
+    if weight.accumulates and (bias is None or bias.accumulates) and torch.is_grad_enabled():
+        return _WaveLinear.apply(x, weight.tensor, None if bias is None else bias.tensor, sel,
+                                 weight, bias)
+    w = weight.tensor[sel].transpose(1, 2)
+    if bias is None:
+        return torch.bmm(x, w)
+    return torch.baddbmm(bias.tensor[sel].unsqueeze(1), x, w)
+
+
+class _WaveLinear(torch.autograd.Function):
+    """`wave_linear` whose weight and bias gradients are added into their stacks' `grad`.
+    Under autocast it computes in the autocast dtype (as F.linear would), the stacks' gradients
+    staying in theirs."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, stack: Tensor, bias: Tensor | None, sel: slice,
+                weight: StackedWeight, shared_bias: StackedWeight | None) -> Tensor:
+        w = stack[sel]
+        cast = _autocast_dtype(x.device)
+        if cast is not None:
+            x, w = x.to(cast), w.to(cast)
+        ctx.sel, ctx.weight, ctx.bias = sel, weight, shared_bias
+        ctx.save_for_backward(x, w)
+        if bias is None:
+            return torch.bmm(x, w.transpose(1, 2))
+        b = bias[sel].unsqueeze(1)
+        return torch.baddbmm(b if cast is None else b.to(cast), x, w.transpose(1, 2))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None, None, None, None]:
+        x, w = ctx.saved_tensors
+        weight, sel = ctx.weight, ctx.sel
+        dy = dy.to(x.dtype)
+        grad = weight.zero_grad_buffer()[sel]
+        if grad.dtype == x.dtype:
+            grad.baddbmm_(dy.transpose(1, 2), x)
+        else:
+            grad.add_(torch.bmm(dy.transpose(1, 2), x))
+        if ctx.bias is not None:
+            ctx.bias.add_rows(sel, dy)
+        dx = torch.bmm(dy, w) if ctx.needs_input_grad[0] else None
+        return dx, None, None, None, None, None
+
+
+class WaveWeights:
+    """One pass's weights for the wavefront: the per-layer fused weights of `CellWeights`
+    (which the entering and leaving cells and the attention biases use as they are) and, for
+    the batched matmuls, each kind stacked in reverse layer order."""
+
+    def __init__(self, cell: "CellWeights") -> None:
+        self.cell = cell
+        branches = cell.branches[::-1]
+        self.out = StackedWeight([b.out.weight for b in branches])
+        self.gate_up = StackedWeight([b.gate_up.weight for b in branches])
+        self.down = StackedWeight([b.down.weight for b in branches])
+        # Layer l+1's input projection with layer l's finished K/V, l+1 = L-1 … 1.
+        nexts: list[Projection] = [cell.input(l, True) for l in range(len(branches) - 1, 0, -1)]
+        self.next_template = nexts[0] if nexts else None
+        self.next_input = StackedWeight([p.weight.weight for p in nexts]) if nexts else None
+        self.next_bias = (StackedWeight([p.bias.weight for p in nexts])
+                          if nexts and nexts[0].bias is not None else None)
+        self.next_head_norm = (torch.stack([p.head_norm for p in nexts])
+                               if nexts and nexts[0].head_norm is not None else None)
+
+
+@dataclass
+class WaveOutput:
+    """What one wave hands on (`run_wave`)."""
+
+    x: Tensor | None
+    """The continuing cells' residual streams `[n, B, c, d]` (None: none continue)."""
+    kv: list[KV]
+    """Their next layer's queries and construction K/V."""
+    finished: list[tuple[Tensor, Tensor]]
+    """Every cell's finished K, V (oldest cell first), in the backend's layout."""
+    hidden: Tensor | None
+    """The leaving block's final hidden states `[B, c, d]`."""
+
+
+def run_wave(model: "Beta12Transformer", x: Tensor | None, kv: list[KV], entering: Tensor | None,
+             views: list[Any], wave: Wave, weights: WaveWeights, cos: Tensor, sin: Tensor, *,
+             dropout: float) -> WaveOutput:
+    """One wave's cells (module doc). `x`, `kv`: the residual streams and next queries and
+    construction KVs of the cells carried over from the previous wave; `entering`: the
+    embeddings `[B, c, d]` of the block entering at layer 0; `views`: each cell's history
+    view; `cos/sin [blocks, c, d_h]`: RoPE tables per block."""
+    kernels, eps = model.cell_kernels, model.config.norm_eps
+    attention = model.attention_backend
+    layout = attention.layout
+    cell = weights.cell
+    if entering is not None:
+        b = wave.first + len(wave.layers) - 1
+        kv = [*kv, tuple(cell.input(0, False)(kernels.rms_normalize(entering, eps),
+                                               cos[b], sin[b]))]
+        x = entering[None] if x is None else torch.cat([x, entering[None]])
+    n, batch, c, d = x.shape
+    outputs = [attention.attend(q, view.key_set(l, k, v), cell.biases[l], layer=l,
+                                dropout_p=dropout).transpose(1, 2)
+               for (q, k, v), view, l in zip(kv, views, wave.layers)]
+    o = torch.stack(outputs).flatten(1, 2).flatten(2)
+    sel = wave.stack()
+    residual_dropout = model.config.dropout if model.training else 0.0
+
+    def branch(delta: Tensor) -> Tensor:
+        delta = delta.view(n, batch, c, d)
+        return F.dropout(delta, residual_dropout) if residual_dropout else delta
+
+    x, normalized = kernels.add_rms_normalize(x, branch(wave_linear(o, weights.out, sel)), eps)
+    gate_up = wave_linear(normalized.flatten(1, 2), weights.gate_up, sel)
+    mlp = branch(wave_linear(kernels.swiglu(gate_up), weights.down, sel))
+    x, normalized = kernels.add_rms_normalize(x, mlp, eps)
+    finished: list[tuple[Tensor, Tensor]] = []
+    hidden = None
+    if wave.exits:
+        fk, fv = cell.last_finished(normalized[0], cos[wave.first], sin[wave.first])
+        finished.append((layout.keys(fk, wave.top), layout.values(fv)))
+        hidden, x, normalized = x[0], x[1:], normalized[1:]
+    out_kv: list[KV] = []
+    if len(x):
+        first = wave.first + int(wave.exits)
+        below = wave.layers[int(wave.exits):]
+        out_kv, fin = _next_inputs(normalized, weights, wave.next_stack(),
+                                   cos[first:first + len(below)], sin[first:first + len(below)])
+        finished += [(layout.keys(fk, l), layout.values(fv)) for (fk, fv), l in zip(fin, below)]
+    return WaveOutput(x if len(x) else None, out_kv, finished, hidden)
+
+
+def _next_inputs(normalized: Tensor, weights: WaveWeights, sel: slice, cos: Tensor,
+                 sin: Tensor) -> tuple[list[KV], list[tuple[Tensor, Tensor]]]:
+    """The next layer's fused input projection of the cells `normalized [n, B, c, d]`: per cell
+    its next queries and construction K/V, and its own finished K/V."""
+    n, batch, c, d = normalized.shape
+    y = wave_linear(normalized.flatten(1, 2), weights.next_input, sel, weights.next_bias)
+    # The cells' tokens end to end, `[B, n·c, W]`: one split into heads and RoPE for all.
+    y = y.view(n, batch, c, -1).transpose(0, 1).flatten(1, 2)
+    head_norm = None
+    if weights.next_head_norm is not None:
+        norms = weights.next_head_norm[sel]  # [n, heads, d_h]
+        head_norm = norms.transpose(0, 1)[:, :, None].expand(-1, -1, c, -1).flatten(1, 2)
+    parts = weights.next_template.split(y, cos.flatten(0, 1), sin.flatten(0, 1), head_norm)
+    fk, q, k, v, fv = (p.unflatten(2, (n, c)).unbind(2) for p in parts)
+    return list(zip(q, k, v)), list(zip(fk, fv))
+
+
+def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tensor,
+                  cell: "CellWeights", history: BufferedHistory | PieceHistory, *,
+                  dropout: float) -> Tensor:
+    """The final hidden states `[B, T, d]` of the embeddings `x [B, T, d]` (T > c), wave by
+    wave; `cos/sin [T', d_h]` cover the padded length T' = ⌈T/c⌉·c."""
+    c, length = model.config.block_size, x.shape[1]
+    blocks = -(-length // c)
+    if blocks * c > length:
+        x = F.pad(x, (0, 0, 0, blocks * c - length))
+    cos, sin = cos.unflatten(0, (blocks, c)), sin.unflatten(0, (blocks, c))
+    layers = len(model.layers)
+    plan = WavePlan(blocks, layers, min(model.config.depth_window, layers - 1) + 1)
+    weights = WaveWeights(cell)
+    embeddings = x.split(c, dim=1)
+    hidden: list[Tensor] = []
+    state, kv = None, []
+    for t in range(plan.waves):
+        wave = plan.wave(t)
+        entering = embeddings[wave.first + len(wave.layers) - 1] if wave.entering else None
+        views = [history.view(b * c) for b, _ in wave.cells]
+        out = model._run(run_wave, model, state, kv, entering, views, wave, weights, cos, sin,
+                         dropout=dropout)
+        cells = [(b * c, l) for b, l in wave.cells if b < blocks - 1]
+        if cells:
+            history.publish(cells, [k for k, _ in out.finished[:len(cells)]],
+                            [v for _, v in out.finished[:len(cells)]])
+        if out.hidden is not None:
+            hidden.append(out.hidden)
+        state, kv = out.x, out.kv
+    return torch.cat(hidden, dim=1)[:, :length]
