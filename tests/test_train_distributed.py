@@ -59,6 +59,18 @@ def test_deepspeed_zero_matches_single_process(stage: int, single_run: Path, tin
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+def test_wavefront_trains_like_the_block_schedule(backend: str, single_run: Path, tiny_data,
+                                                  tmp_path: Path) -> None:
+    """The wavefront schedule with per-wave checkpointing, sharded (FSDP2; DeepSpeed ZeRO-1),
+    follows the single-process block schedule's losses."""
+    stage = ["--parallel.zero_stage=1"] if backend == "deepspeed" else []
+    launch(args_for(tiny_data, tmp_path, f"--parallel.backend={backend}", *stage,
+                    "--execution.schedule=wavefront", "--execution.activation_checkpoint=wave"),
+           nproc=2)
+    assert_close_losses(single_run, tmp_path, 1e-4)
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
 def test_resume_is_bitwise_exact_on_two_ranks(backend: str, tiny_data, tmp_path: Path) -> None:
     extra = [f"--parallel.backend={backend}", "--parallel.zero_stage=1"]
     full, parts = tmp_path / "full", tmp_path / "parts"
@@ -88,14 +100,19 @@ def test_resume_at_another_world_size(backend: str, first: int, second: int, fsd
     assert_close_losses(reference, tmp_path / "parts", 1e-4)
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "zero3"])
-def test_parameters_gathered_a_bounded_number_of_times(backend: str) -> None:
-    """8 blocks call each of 3 layers 8 times per step; still at most one all-gather per FSDP
-    unit (3 layers + root) per step and one reduce-scatter each (ZeRO-3: from the second step
-    on, after DeepSpeed has recorded the module trace)."""
+@pytest.mark.parametrize("backend,checkpoint,schedule", [
+    ("fsdp", "block", "block"), ("zero3", "block", "block"), ("fsdp", "wave", "wavefront"),
+    ("zero3", "wave", "wavefront")])
+def test_parameters_gathered_a_bounded_number_of_times(backend: str, checkpoint: str,
+                                                       schedule: str) -> None:
+    """8 blocks call each of 3 layers 8 times per step (the wavefront: its waves read per-pass
+    stacks of the layers' weights); still at most one all-gather per FSDP unit (3 layers +
+    root) per step and one reduce-scatter each (ZeRO-3: from the second step on, after
+    DeepSpeed has recorded the module trace)."""
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(REPO / "tests" / "dist_scripts" / "count_collectives.py"), backend, "block"],
+         str(REPO / "tests" / "dist_scripts" / "count_collectives.py"), backend, checkpoint,
+         schedule],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,5 +1,6 @@
 """Under torchrun: count parameter all-gathers and gradient reduce-scatters per training step
 of the real backends (FSDP2, DeepSpeed ZeRO-3) on a beta_1.2 whose layers run T/c times a step.
+Arguments: backend (fsdp, zero3), execution.activation_checkpoint, execution.schedule.
 Prints one JSON line (rank 0) with the counts of steps 2 and 3 (step 1 may warm up)."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main() -> None:
         "model.vocab_size": 64, "model.d_model": 32, "model.hidden_dim": 64,
         "model.num_heads": 2, "model.num_layers": 3, "model.block_size": 4,
         "model.max_seq_len": 32, "execution.activation_checkpoint": sys.argv[2],
+        "execution.schedule": sys.argv[3],
         "data.seq_len": 32, "train.global_batch": 4, "train.micro_batch": 2,
         "parallel.backend": "deepspeed" if backend == "zero3" else "fsdp",
         "parallel.zero_stage": 3})
