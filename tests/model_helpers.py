@@ -36,12 +36,12 @@ def randomise(model: DecoderLM, seed: int = 0) -> DecoderLM:
 
 def tiny_model(dtype: torch.dtype = torch.float64, seed: int = 0, attention: str = "auto",
                activation_checkpoint: str = "none", cell_kernels: str = "auto",
-               **overrides: Any) -> DecoderLM:
+               schedule: str = "block", **overrides: Any) -> DecoderLM:
     """`tiny_config(**overrides)` with randomised weights, run with the attention backend, cell
-    kernels and activation checkpointing given."""
+    kernels, schedule and activation checkpointing given."""
     torch.manual_seed(seed)
     execution = ExecutionConfig(attention=attention, activation_checkpoint=activation_checkpoint,
-                                cell_kernels=cell_kernels)
+                                cell_kernels=cell_kernels, schedule=schedule)
     return randomise(build_model(tiny_config(**overrides), execution).to(dtype), seed)
 
 

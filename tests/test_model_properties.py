@@ -137,8 +137,9 @@ def test_sequence_longer_than_max_seq_len_is_refused() -> None:
         model(tokens(length=9))
 
 
-@pytest.mark.parametrize("checkpoint", ["none", "block"])
-def test_a_training_step_frees_its_history(checkpoint: str, monkeypatch) -> None:
+@pytest.mark.parametrize("checkpoint,schedule", [("none", "block"), ("block", "block"),
+                                                 ("none", "wavefront"), ("wave", "wavefront")])
+def test_a_training_step_frees_its_history(checkpoint: str, schedule: str, monkeypatch) -> None:
     """After backward the step's finished-KV buffers are gone, and without checkpointing the
     whole history (buffers, gradient buffers, graph) is freed by reference counting once the loss
     is dropped, with no cycle left for the garbage collector: a cycle kept every step's buffers
@@ -153,7 +154,7 @@ def test_a_training_step_frees_its_history(checkpoint: str, monkeypatch) -> None
         return history
 
     monkeypatch.setattr(Beta12Transformer, "_history", recorded)
-    model = tiny_model(activation_checkpoint=checkpoint)
+    model = tiny_model(activation_checkpoint=checkpoint, schedule=schedule)
     x = tokens(length=T + 1)
     gc.disable()
     try:

@@ -32,9 +32,11 @@ def _pair(case: str, **execution: str) -> tuple[torch.nn.Module, torch.nn.Module
     return model.float(), reference
 
 
+@pytest.mark.parametrize("schedule,checkpoint", [("block", "block"), ("wavefront", "wave")])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_triton_path_matches_reference_and_explicit_gradients(case: str) -> None:
-    model, reference = _pair(case, activation_checkpoint="block")
+def test_triton_path_matches_reference_and_explicit_gradients(case: str, schedule: str,
+                                                              checkpoint: str) -> None:
+    model, reference = _pair(case, activation_checkpoint=checkpoint, schedule=schedule)
     assert (model.attention_backend.name, model.cell_kernels.name) == ("triton", "triton")
     x = tokens(batch=1, length=T)
     expected = reference_logits(reference.state_dict(), reference.config, x)

@@ -8,7 +8,7 @@ import sys
 BENCHMARKS = {"model": "megabeta.bench.model", "data": "megabeta.bench.data",
               "train": "megabeta.bench.train", "dispatch": "megabeta.bench.dispatch",
               "gpu": "megabeta.bench.gpu", "checkpoint": "megabeta.bench.checkpoint",
-              "step": "megabeta.bench.step"}
+              "step": "megabeta.bench.step", "wavefront": "megabeta.bench.wavefront"}
 PROG = "megabeta bench"
 
 
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
               "  gpu    the device check for one CUDA GPU: kernels, exactness, speed, MFU\n"
               "  checkpoint  what fsync (durable commits) adds to a checkpoint save\n"
               "  step   the block step eager, compiled once, CUDA-graphed (paired)\n"
+              "  wavefront  the wavefront schedule vs the block schedule and standard (paired)\n"
               f"Each takes --help ({PROG} model --help).", file=sys.stderr)
         if argv and argv[0] not in ("-h", "--help"):
             print(f"{PROG}: error: unknown benchmark {argv[0]!r}; choose one of "

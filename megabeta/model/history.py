@@ -143,20 +143,21 @@ class BufferedHistory:
         """Per layer, the tokens whose finished KVs have been written."""
         self.publishes: list[list[Cell]] = []
         """The cells of every publish, in order (a publish's index is its epoch)."""
-        self.views: list[BufferedView] = []
-        """Every view handed out, in order; a view's epoch is the publishes before it."""
+        self.reads: list[Reads] = []
+        """The readers of every view handed out, in order (not the views: they hold this
+        history, and a cycle would keep it alive until a garbage collection)."""
         self._checked = 0
-        """`views[_checked:]` are known to have run backward (`release`)."""
+        """`reads[_checked:]` are known to have run backward (`release`)."""
         self.positions: Tensor | None = None
         """`arange(T)` on the buffers' device: a block's start as a 0-d tensor is a view of it."""
         self._anchor: Tensor | None = None
 
     def view(self, block_start: int) -> "BufferedView":
-        view = BufferedView(self, block_start, self._anchor, epoch=len(self.publishes))
+        reads = Reads(len(self.publishes))
         if self.check_order:
-            self.views.append(view)
-            self._checked = len(self.views)
-        return view
+            self.reads.append(reads)
+            self._checked = len(self.reads)
+        return BufferedView(self, block_start, self._anchor, reads)
 
     def shape(self, batch: int, heads: int, width: int) -> tuple[int, ...]:
         """The buffers' shape for `batch` sequences of `heads` KV heads of `width`."""
@@ -246,10 +247,10 @@ class BufferedHistory:
         tokens each: every reader created after that publish must have run backward."""
         # Publishes are released in reverse order: only the views since the previous release
         # are left to check.
-        views, first = self.views, self._checked
-        while first > 0 and views[first - 1].epoch > epoch:
+        reads, first = self.reads, self._checked
+        while first > 0 and reads[first - 1].epoch > epoch:
             first -= 1
-        if any(not view.all_read() for view in views[first:self._checked]):
+        if any(not r.all_done() for r in reads[first:self._checked]):
             raise RuntimeError("finished-KV gradients handed out before every later reader's "
                                "attention ran backward (autograd ordering broken)")
         self._checked = first
@@ -271,6 +272,24 @@ class BufferedHistory:
         return grads
 
 
+@dataclass(eq=False)
+class Reads:
+    """Who read one view, for `BufferedHistory.release`'s check."""
+
+    epoch: int
+    """The publishes before the view: its readers must run backward before theirs."""
+    layers: set[int] = field(default_factory=set)
+    """Layers whose queries read the view (a recompute reads again: a set)."""
+    done: int = 0
+    """Readers that ran backward."""
+
+    def all_done(self) -> bool:
+        return self.done == len(self.layers)
+
+    def reader_done(self) -> None:
+        self.done += 1
+
+
 @dataclass
 class BufferedView:
     """What one block reads of a `BufferedHistory`."""
@@ -278,22 +297,13 @@ class BufferedView:
     history: BufferedHistory
     block_start: int
     anchor: Tensor | None
-    epoch: int = 0
-    """The publishes before this view: its readers must run backward before theirs."""
-    readers: set[int] = field(default_factory=set)
-    """Layers whose queries read this view (a recompute reads again: a set)."""
-    done: int = 0
-    """Readers that ran backward."""
+    reads: Reads
 
     def key_set(self, layer: int, k: Tensor, v: Tensor) -> KeySet:
         if self.block_start == 0:
             return KeySet(k=k, v=v)
-        self.readers.add(layer)
+        self.reads.layers.add(layer)
         return KeySet(k=k, v=v, stored=self)
-
-    def all_read(self) -> bool:
-        """Whether every reader of this view ran backward."""
-        return self.done == len(self.readers)
 
     def batches(self, layer: int) -> list[GroupBatch]:
         """The finished groups of `layer` as stacked batches: runs of adjacent
@@ -310,10 +320,7 @@ class BufferedView:
 
     @property
     def done_reading(self) -> Callable[[], None]:
-        return self._reader_done
-
-    def _reader_done(self) -> None:
-        self.done += 1
+        return self.reads.reader_done
 
     @property
     def window(self) -> int:
