@@ -130,3 +130,21 @@ def test_decoding_and_a_single_block_are_unchanged() -> None:
 def test_schedule_settings_are_checked(settings: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ExecutionConfig(**settings)
+
+
+def test_wavefront_under_bf16_autocast_trains_like_the_block_schedule() -> None:
+    """Under autocast the batched matmuls compute in bf16 as F.linear does, and the weight
+    stacks' gradients stay float32."""
+    model = tiny_model(dtype=torch.float32, block_size=3)
+    x, y = tokens(length=T), tokens(length=T, seed=2)
+    results = []
+    for m in (model, wavefront(model)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(x, y)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    (want_loss, want), (loss, got) = results
+    torch.testing.assert_close(loss, want_loss, rtol=1e-2, atol=1e-2)
+    for name in want:
+        assert got[name].dtype == torch.float32, name
+        torch.testing.assert_close(got[name], want[name], rtol=2e-2, atol=2e-3, msg=name)

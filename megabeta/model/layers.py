@@ -157,7 +157,7 @@ class SharedWeight:
     Under autograd each call's weight gradient would be one matmul plus one sum into the
     others (twice the launches a cell needs). `linear` instead accumulates it in place, one
     `addmm` per call, and the pass hands the sum to autograd once, when every call's backward
-    is done (`_HandOut`, which all of them take as input). Only where the inputs have the
+    is done (`HandOut`, which all of them take as input). Only where the inputs have the
     weight's dtype and autocast casts nothing (off, or bf16 parameters under bf16 autocast):
     where each call sees a cast copy, autograd sums as before.
     """
@@ -169,7 +169,7 @@ class SharedWeight:
         # `accumulate=False`: plain autograd, for calls traced by torch.compile (whose graphs
         # cannot hold the Python-side sum).
         self.accumulates = accumulate and weight.requires_grad and torch.is_grad_enabled()
-        self.tensor = _HandOut.apply(weight, self) if self.accumulates else weight
+        self.tensor = HandOut.apply(weight, self) if self.accumulates else weight
         """What the calls read: `weight`, through the node that hands the gradient out."""
 
     def add_row_sum(self, rows: Tensor) -> None:
@@ -184,7 +184,7 @@ class SharedWeight:
             self.grad.addmv_(rows.t(), ones)
 
 
-class _HandOut(torch.autograd.Function):
+class HandOut(torch.autograd.Function):
     """Forward: the shared weight as is (a view). Backward, after every reader's: its
     accumulated gradient."""
 
@@ -208,14 +208,14 @@ def linear(x: Tensor, weight: SharedWeight, bias: SharedWeight | None = None) ->
     w, b = weight.tensor, None if bias is None else bias.tensor
     # Under autocast only where it casts nothing (bf16 parameters, as FSDP2 with
     # fsdp_param_dtype = bf16 gathers them): backward must see the dtypes forward computed in.
-    cast = _autocast_dtype(x.device)
+    cast = autocast_dtype(x.device)
     if (weight.accumulates and (bias is None or bias.accumulates) and torch.is_grad_enabled()
             and x.dtype == w.dtype and cast in (None, w.dtype)):
         return _AccumulatingLinear.apply(x, w, b, weight, bias)
     return F.linear(x, w, b)
 
 
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype autocast computes matmuls in on `device`, or None when it is off."""
     kind = device.type
     if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
@@ -225,7 +225,7 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 class _AccumulatingLinear(torch.autograd.Function):
     """`F.linear` whose weight and bias gradients are added into their `SharedWeight.grad` (none
-    returned for them: `_HandOut` returns the sums)."""
+    returned for them: `HandOut` returns the sums)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None,

@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from megabeta.model.history import BufferedHistory, PieceHistory
-from megabeta.model.layers import Projection, SharedWeight, _autocast_dtype, _HandOut
+from megabeta.model.layers import HandOut, Projection, autocast_dtype
 
 if TYPE_CHECKING:  # only for annotations: beta12 imports this module
     from megabeta.model.beta12 import Beta12Transformer, CellWeights
@@ -111,14 +111,14 @@ class StackedWeight:
     """Same-shaped weights of every layer, stacked `[L', …]` once per pass (reverse layer
     order); `wave_linear` multiplies by a strided view of the stack and adds that view's
     gradient into `grad`, handed to autograd once, when every wave's backward is done
-    (layers._HandOut)."""
+    (layers.HandOut)."""
 
     def __init__(self, weights: list[Tensor]) -> None:
         self.weight = torch.stack(weights)
         self.grad: Tensor | None = None
         self._ones: dict[int, Tensor] = {}
         self.accumulates = self.weight.requires_grad and torch.is_grad_enabled()
-        self.tensor = _HandOut.apply(self.weight, self) if self.accumulates else self.weight
+        self.tensor = HandOut.apply(self.weight, self) if self.accumulates else self.weight
 
     def add_rows(self, sel: slice, rows: Tensor) -> None:
         """Add `rows [n, M, out]`, summed over M, to the gradient of the (bias) layers `sel`."""
@@ -153,7 +153,7 @@ class _WaveLinear(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, stack: Tensor, bias: Tensor | None, sel: slice,
                 weight: StackedWeight, shared_bias: StackedWeight | None) -> Tensor:
         w = stack[sel]
-        cast = _autocast_dtype(x.device)
+        cast = autocast_dtype(x.device)
         if cast is not None:
             x, w = x.to(cast), w.to(cast)
         ctx.sel, ctx.weight, ctx.bias = sel, weight, shared_bias
