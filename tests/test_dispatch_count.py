@@ -56,3 +56,28 @@ def test_step_count_grows_by_the_cell_count() -> None:
                                                 activation_checkpoint="block"))
     steps = [count_step(model, torch.zeros(1, n * 8, dtype=torch.long)).total for n in (2, 3, 4)]
     assert steps[2] - steps[1] == steps[1] - steps[0]
+
+
+def test_the_wavefront_launches_its_matmuls_per_wave_not_per_cell() -> None:
+    """6 layers, k = 1, 8 blocks: 20 waves of up to 3 cells instead of 48 cells. The wave's
+    projections are one batched matmul each (forward, recompute, backward: at most 12 per
+    wave), the per-cell matmuls only those of entering and leaving blocks; the step's
+    launches fall accordingly (attention still runs per cell)."""
+    from megabeta.bench.dispatch import counting_config
+    from megabeta.model import ExecutionConfig, build_model
+    from megabeta.model.wavefront import WavePlan
+
+    config = counting_config(num_layers=6, depth_window=1, **SMALL)
+    tokens = torch.randint(0, config.vocab_size, (1, 8 * config.block_size),
+                           generator=torch.Generator().manual_seed(0))
+    counts = {}
+    for schedule, checkpoint in (("block", "block"), ("wavefront", "wave")):
+        torch.manual_seed(0)
+        model = build_model(config, ExecutionConfig(schedule=schedule,
+                                                    activation_checkpoint=checkpoint))
+        counts[schedule] = count_step(model, tokens)
+    waves = WavePlan(8, 6, 2).waves
+    wave = counts["wavefront"].by_op
+    assert wave["bmm"] <= 12 * waves
+    assert wave["mm"] + wave.get("addmm", 0) <= counts["block"].by_op["mm"] / 10
+    assert counts["wavefront"].total <= 0.75 * counts["block"].total

@@ -17,7 +17,9 @@ from megabeta.model import ConfigError
 EPILOG = """overrides:
   --SECTION.KEY=VALUE   any config field, e.g. --optim.lr=3e-4 --train.steps=1000
                         (how the model runs: --execution.attention=auto|explicit|sdpa|
-                        cpu_flash|cpu_fused, --execution.activation_checkpoint=none|block)
+                        cpu_flash|cpu_fused|cuda_flash|triton,
+                        --execution.schedule=block|wavefront,
+                        --execution.activation_checkpoint=none|block|wave)
   --run_dir=DIR         where config, metrics.jsonl, tb/ and checkpoints/ go
   --resume=auto|PATH    continue from the newest checkpoint in run_dir, or from PATH
   --data.path=A,B --data.weights=0.7,0.3   blend several datasets
