@@ -191,3 +191,26 @@ def test_static_step_check_compares_with_eager_and_counts_graphs(tmp_path: Path)
     row, = run.report.sections["exactness"]["rows"]
     assert row["verdict"] == "pass", row
     assert row["case"].endswith("compiled graphs: 1")
+
+
+def test_wavefront_check_compares_with_the_block_schedule(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device check's wavefront row passes on sdpa, and fails when the wavefront's
+    attention loses the self bias (the block schedule's does not)."""
+    from megabeta.model import wavefront
+
+    run = _run(tmp_path)
+    fields, length, _ = gpu._exact_shape(quick=True)
+    gpu.check_wavefront(run, "sdpa", "fp32", fields, length=length, case="mha")
+    rows = run.report.sections["exactness"]["rows"]
+    assert rows[0]["verdict"] == "pass", rows[0]
+    cell_weights = wavefront.WaveWeights.__init__
+
+    def zero_self_bias(self, cell):
+        cell_weights(self, cell)
+        cell.biases = [AttentionBias(b.slope, torch.zeros_like(b.self_bias), b.group_shift)
+                       for b in cell.biases]
+
+    monkeypatch.setattr(wavefront.WaveWeights, "__init__", zero_self_bias)
+    gpu.check_wavefront(run, "sdpa", "fp32", fields, length=length, case="mha")
+    assert rows[1]["verdict"] == "FAIL", rows[1]

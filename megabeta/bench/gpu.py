@@ -798,6 +798,33 @@ def check_static_step(run: Run, backend: str, dtype_name: str, fields: dict[str,
     run.report.add("exactness", row)
 
 
+def check_wavefront(run: Run, backend: str, dtype_name: str, fields: dict[str, Any], *,
+                    length: int, case: str) -> None:
+    """The wavefront schedule with wave checkpointing against the block schedule on the same
+    device and weights: loss and every parameter's gradient of one training step."""
+    config = ModelConfig(**fields)
+    reference = _reference(config)
+    dtype = DTYPES[dtype_name]
+    models = [_on_device(run, reference, dtype, attention=backend, **execution)
+              for execution in (dict(activation_checkpoint="block"),
+                                dict(schedule="wavefront", activation_checkpoint="wave"))]
+    x = _tokens(config.vocab_size, 2, length, 1).to(run.device)
+    y = _tokens(config.vocab_size, 2, length, 3).to(run.device)
+    results = []
+    for m in models:
+        loss = m(x, y)
+        loss.backward()
+        results.append((loss.detach(), _grads(m)))
+    (want_loss, want), (got_loss, got) = results
+    floor = GRAD_FLOOR * max(g.abs().max().item() for g in want.values())
+    errors = {"loss": rel_err(got_loss, want_loss),
+              "gradients (worst)": max(rel_err(got[n], want[n], floor) for n in want)}
+    run.report.add("exactness", _check_row(
+        f"{backend}: wavefront equals block schedule",
+        f"{case}, T {length}, c {config.block_size}{_runs(models[1])}", dtype_name, errors,
+        GRAD_TOL))
+
+
 def section_exactness(run: Run) -> None:
     report, key = run.report, "exactness"
     report.note(key, f"error = max |device - reference| / max |reference|; tolerances fp32 "
@@ -830,7 +857,8 @@ def section_exactness(run: Run) -> None:
                     "prefill + step": functools.partial(check_decoding, length=length,
                                                         prompt=prompt),
                     "c = 8 equals explicit": functools.partial(check_against_explicit,
-                                                               length=length)}
+                                                               length=length),
+                    "wavefront": functools.partial(check_wavefront, length=length)}
                 # Compiling takes a minute: the first case only.
                 if backend == "triton" and dtype_name == "fp32" and case == "mha":
                     for mode in ("compiled", "graphed"):
