@@ -36,7 +36,7 @@ from megabeta.model.history import (
     StepView,
     block_cells,
 )
-from megabeta.model.layers import Attention, Projection
+from megabeta.model.layers import Attention, Projection, fused_input_rows
 from megabeta.model.transformer import DecoderLM
 from megabeta.model.wavefront import run_wavefront
 
@@ -60,23 +60,25 @@ class CellWeights:
     """
 
     def __init__(self, model: "Beta12Transformer", finished: bool, length: int, *,
-                 traced: bool = False) -> None:
+                 traced: bool = False, ends_only: bool = False) -> None:
         c, kernels = model.config, model.cell_kernels
         # Read by a compiled block step (`traced`): gradients by plain autograd, none of the
         # Python-side sums (SharedWeight, BiasRows) that a graph cannot hold.
         project = functools.partial(Projection, head_dim=c.head_dim, kernels=kernels,
                                     accumulate=not traced)
-        inputs = [layer.attention.input_rows(layer.attention_norm) for layer in model.layers]
+        # `ends_only` (the wavefront): layer 0's input, `last_finished` and the biases; the
+        # other layers' weights come stacked (wavefront.WaveWeights), not also one by one.
+        layers = model.layers[:1] if ends_only else model.layers
+        inputs = [layer.attention.input_rows(layer.attention_norm) for layer in layers]
         self._plain = [project(rows) for rows in inputs]
         self._finished: list[Projection | None] = []
         self.last_finished: Projection | None = None
         if finished:
-            outputs = [layer.attention.finished_rows(layer.attention_norm)
-                       for layer in model.layers]
-            self._finished = [None] + [project([fk] + rows + [fv])
-                                       for (fk, fv), rows in zip(outputs, inputs[1:])]
-            self.last_finished = project(outputs[-1])
-        self.branches = [layer.pass_weights(accumulate=not traced) for layer in model.layers]
+            self._finished = [None] + [project(fused_input_rows(below, above))
+                                       for below, above in zip(layers, layers[1:])]
+            top = model.layers[-1]
+            self.last_finished = project(top.attention.finished_rows(top.attention_norm))
+        self.branches = [layer.pass_weights(accumulate=not traced) for layer in layers]
         self.biases = [_biases(layer.attention, model.config.source_layers(l), l,
                                c.depth_window) for l, layer in enumerate(model.layers)]
         if not traced:
@@ -224,7 +226,7 @@ class Beta12Transformer(DecoderLM):
         if self.execution.schedule == "wavefront" and length > c:
             # Padded to whole blocks (wavefront.py); the tables of the whole padded sequence.
             padded = -(-length // c) * c
-            weights = CellWeights(self, finished=True, length=padded)
+            weights = CellWeights(self, finished=True, length=padded, ends_only=True)
             cos, sin = self.rope(0, padded, x)
             history = self._history(length, static=False)
             try:

@@ -426,6 +426,13 @@ class BranchWeights:
         return BranchWeights(*(SharedWeight(next(tensors), accumulate=False) for _ in range(3)))
 
 
+def fused_input_rows(below: "TransformerLayer", above: "TransformerLayer") -> list[Rows]:
+    """Rows of `above`'s input projection (queries, construction K/V) fused with `below`'s
+    finished K/V, whose output is `above`'s input (spec §2): finished K, Q, K, V, finished V."""
+    fk, fv = below.attention.finished_rows(below.attention_norm)
+    return [fk, *above.attention.input_rows(above.attention_norm), fv]
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm residual layer: `a = h + Attn(...)`, `h' = a + SwiGLU(RMSNorm(a))` (spec §1)."""
 

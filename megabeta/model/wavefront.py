@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from megabeta.model.history import BufferedHistory, PieceHistory
-from megabeta.model.layers import HandOut, Projection, autocast_dtype
+from megabeta.model.layers import HandOut, Projection, autocast_dtype, fused_input_rows
 
 if TYPE_CHECKING:  # only for annotations: beta12 imports this module
     from megabeta.model.beta12 import Beta12Transformer, CellWeights
@@ -181,24 +181,38 @@ class _WaveLinear(torch.autograd.Function):
 
 
 class WaveWeights:
-    """One pass's weights for the wavefront: the per-layer fused weights of `CellWeights`
-    (which the entering and leaving cells and the attention biases use as they are) and, for
-    the batched matmuls, each kind stacked in reverse layer order."""
+    """One pass's weights for the wavefront: `cell`, the per-layer fused weights of the
+    entering and leaving cells and the attention biases (`CellWeights(ends_only=True)`), and
+    for the batched matmuls each kind of weight stacked in reverse layer order, built from the
+    parameters (the per-layer fused copies are not kept next to the stacks)."""
 
-    def __init__(self, cell: "CellWeights") -> None:
+    def __init__(self, model: "Beta12Transformer", cell: "CellWeights") -> None:
         self.cell = cell
-        branches = cell.branches[::-1]
-        self.out = StackedWeight([b.out.weight for b in branches])
-        self.gate_up = StackedWeight([b.gate_up.weight for b in branches])
-        self.down = StackedWeight([b.down.weight for b in branches])
-        # Layer l+1's input projection with layer l's finished K/V, l+1 = L-1 … 1.
-        nexts: list[Projection] = [cell.input(l, True) for l in range(len(branches) - 1, 0, -1)]
-        self.next_template = nexts[0] if nexts else None
-        self.next_input = StackedWeight([p.weight.weight for p in nexts]) if nexts else None
-        self.next_bias = (StackedWeight([p.bias.weight for p in nexts])
-                          if nexts and nexts[0].bias is not None else None)
-        self.next_head_norm = (torch.stack([p.head_norm for p in nexts])
-                               if nexts and nexts[0].head_norm is not None else None)
+        layers = list(model.layers)[::-1]
+        self.out = StackedWeight([layer.attention.wo.weight for layer in layers])
+        self.gate_up = StackedWeight([layer.feed_forward.fused_weight(layer.ffn_norm)
+                                      for layer in layers])
+        self.down = StackedWeight([layer.feed_forward.w2.weight for layer in layers])
+        # Layer l+1's input projection with layer l's finished K/V, l+1 = L-1 … 1; one
+        # projection is kept to split the stacked ones' outputs into heads alike.
+        self.next_template: Projection | None = None
+        self.next_input = self.next_bias = None
+        self.next_head_norm: Tensor | None = None
+        if len(layers) > 1:
+            nexts = [_next_projection(model, l) for l in range(len(layers) - 1, 0, -1)]
+            self.next_template = nexts[0]
+            self.next_input = StackedWeight([p.weight.weight for p in nexts])
+            if nexts[0].bias is not None:
+                self.next_bias = StackedWeight([p.bias.weight for p in nexts])
+            if nexts[0].head_norm is not None:
+                self.next_head_norm = torch.stack([p.head_norm for p in nexts])
+
+
+def _next_projection(model: "Beta12Transformer", layer: int) -> Projection:
+    """Layer `layer`'s input projection fused with layer `layer - 1`'s finished K/V
+    (`CellWeights.input(layer, True)`)."""
+    rows = fused_input_rows(model.layers[layer - 1], model.layers[layer])
+    return Projection(rows, model.config.head_dim, model.cell_kernels)
 
 
 @dataclass
@@ -275,8 +289,14 @@ def _next_inputs(normalized: Tensor, weights: WaveWeights, sel: slice, cos: Tens
     if weights.next_head_norm is not None:
         norms = weights.next_head_norm[sel]  # [n, heads, d_h]
         head_norm = norms.transpose(0, 1)[:, :, None].expand(-1, -1, c, -1).flatten(1, 2)
-    parts = weights.next_template.split(y, cos.flatten(0, 1), sin.flatten(0, 1), head_norm)
-    fk, q, k, v, fv = (p.unflatten(2, (n, c)).unbind(2) for p in parts)
+    fk, q, k, v, fv = weights.next_template.split(y, cos.flatten(0, 1), sin.flatten(0, 1),
+                                                  head_norm)
+    # The split's parts are views of two tensors that also hold the finished K/V. Those are
+    # copied into the history; what the next wave keeps (and its checkpoint holds until
+    # backward) is copied out, so that their storage goes once they are published.
+    kept = (q.clone(), k.clone(), v.clone())
+    per_cell = [p.unflatten(2, (n, c)).unbind(2) for p in (fk, *kept, fv)]
+    fk, q, k, v, fv = per_cell
     return list(zip(q, k, v)), list(zip(fk, fv))
 
 
@@ -292,7 +312,7 @@ def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tenso
     cos, sin = cos.unflatten(0, (blocks, c)), sin.unflatten(0, (blocks, c))
     layers = len(model.layers)
     plan = WavePlan(blocks, layers, min(model.config.depth_window, layers - 1) + 1)
-    weights = WaveWeights(cell)
+    weights = WaveWeights(model, cell)
     embeddings = x.split(c, dim=1)
     hidden: list[Tensor] = []
     state, kv = None, []
