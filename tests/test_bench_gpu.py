@@ -206,8 +206,8 @@ def test_wavefront_check_compares_with_the_block_schedule(tmp_path: Path,
     assert rows[0]["verdict"] == "pass", rows[0]
     cell_weights = wavefront.WaveWeights.__init__
 
-    def zero_self_bias(self, cell):
-        cell_weights(self, cell)
+    def zero_self_bias(self, model, cell):
+        cell_weights(self, model, cell)
         cell.biases = [AttentionBias(b.slope, torch.zeros_like(b.self_bias), b.group_shift)
                        for b in cell.biases]
 

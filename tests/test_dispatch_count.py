@@ -58,11 +58,12 @@ def test_step_count_grows_by_the_cell_count() -> None:
     assert steps[2] - steps[1] == steps[1] - steps[0]
 
 
-def test_the_wavefront_launches_its_matmuls_per_wave_not_per_cell() -> None:
+def test_the_wavefront_launches_its_matmuls_and_attention_per_wave_not_per_cell() -> None:
     """6 layers, k = 1, 8 blocks: 20 waves of up to 3 cells instead of 48 cells. The wave's
     projections are one batched matmul each (forward, recompute, backward: at most 12 per
-    wave), the per-cell matmuls only those of entering and leaving blocks; the step's
-    launches fall accordingly (attention still runs per cell)."""
+    wave), the per-cell matmuls only those of entering and leaving blocks; its attention
+    (cpu_fused) is one own-keys kernel and one finished-groups kernel per wave in forward and
+    recompute, one of each in backward; the step's launches fall accordingly."""
     from megabeta.bench.dispatch import counting_config
     from megabeta.model import ExecutionConfig, build_model
     from megabeta.model.wavefront import WavePlan
@@ -73,11 +74,17 @@ def test_the_wavefront_launches_its_matmuls_per_wave_not_per_cell() -> None:
     counts = {}
     for schedule, checkpoint in (("block", "block"), ("wavefront", "wave")):
         torch.manual_seed(0)
-        model = build_model(config, ExecutionConfig(schedule=schedule,
+        model = build_model(config, ExecutionConfig(schedule=schedule, attention="cpu_fused",
                                                     activation_checkpoint=checkpoint))
         counts[schedule] = count_step(model, tokens)
     waves = WavePlan(8, 6, 2).waves
     wave = counts["wavefront"].by_op
     assert wave["bmm"] <= 12 * waves
     assert wave["mm"] + wave.get("addmm", 0) <= counts["block"].by_op["mm"] / 10
-    assert counts["wavefront"].total <= 0.75 * counts["block"].total
+    assert wave["_scaled_dot_product_flash_attention_for_cpu"] == 2 * waves
+    assert wave["_scaled_dot_product_flash_attention_for_cpu_backward"] == waves
+    # Every wave but the first p = 2 reads history (they hold block 0 alone).
+    assert wave["megabeta::finished_groups_forward"] == 2 * (waves - 2)
+    assert wave["megabeta::finished_groups_backward"] == waves - 2
+    assert counts["block"].by_op["megabeta::finished_groups_backward"] == 7 * 6
+    assert counts["wavefront"].total <= 0.6 * counts["block"].total

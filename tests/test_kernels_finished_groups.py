@@ -88,7 +88,8 @@ def test_kernels_match_explicit_attention(n: int, rows: int, dtype: torch.dtype,
     ref = _explicit(c, scale)
 
     out, lse = ref["own_out"].to(dtype), ref["own_lse"].to(dtype)
-    finished_groups.forward(c["q"], c["keys"], c["values"], c["shift"], scale, out, lse)
+    finished_groups.forward([c["q"]], [c["keys"]], [c["values"]], [c["shift"]], [0], scale,
+                            [out], [lse])
     torch.testing.assert_close(out.double(), ref["out"], rtol=tol, atol=tol)
     torch.testing.assert_close(lse.double(), ref["lse"], rtol=tol, atol=tol)
 
@@ -101,20 +102,64 @@ def test_kernels_match_explicit_attention(n: int, rows: int, dtype: torch.dtype,
     delta = (c["grad"].double() * ref["out"]).sum(-1).to(dtype)
     # Each group's lse: the merged one plus its shift (a stride-0 group dimension is fine).
     lse_g = ref["lse"].to(dtype).expand(G, B, H, n) + c["shift"].view(G, 1, H, 1)
-    finished_groups.backward(c["grad"], c["q"], c["keys"], c["values"], lse_g, delta, scale, dq,
-                             dk, dv, rows_sum)
+    finished_groups.backward([c["grad"]], [c["q"]], [c["keys"]], [c["values"]], [lse_g], [delta],
+                             [0], scale, [dq], [dk], [dv], [rows_sum])
     torch.testing.assert_close(dq.double() - 2.0, ref["dq"], rtol=tol, atol=tol)
     torch.testing.assert_close(dk.double() - 1.0, ref["dk"], rtol=tol, atol=tol)
     torch.testing.assert_close(dv.double(), ref["dv"], rtol=tol, atol=tol)
     torch.testing.assert_close(rows_sum.double(), ref["rows"], rtol=tol, atol=tol)
     # Without key/value gradient buffers the kernel forms dq alone, the same.
     dq_only, empty = torch.full_like(c["grad"], 2.0), torch.empty(0, dtype=dtype)
-    finished_groups.backward(c["grad"], c["q"], c["keys"], c["values"], lse_g, delta, scale,
-                             dq_only, empty, empty, empty)
+    finished_groups.backward([c["grad"]], [c["q"]], [c["keys"]], [c["values"]], [lse_g], [delta],
+                             [0], scale, [dq_only], [empty], [empty], [empty])
     torch.testing.assert_close(dq_only, dq, rtol=0, atol=0)
     # Rows outside the groups' slice are untouched.
     assert history_dk[0].abs().sum() == 0 and history_dk[:, :, :, rows:].abs().sum() == 0
     assert history_dv[G + 1].abs().sum() == 0
+
+
+def test_one_call_for_several_query_blocks_equals_one_call_per_stack() -> None:
+    """A wave's cells in one call: query blocks of different lengths, each with several stacks
+    of groups (of different row counts) or none, give bit for bit what one call per stack
+    gives, gradients included."""
+    dtype, scale = torch.float32, D ** -0.5
+    blocks = [(_case(5, 7, dtype, seed=1), 2), (_case(3, 70, dtype, seed=2), 0),
+              (_case(9, 600, dtype, seed=3), 3)]
+    items = [(i, c) for i, (c, stacks) in enumerate(blocks) for _ in range(stacks)]
+
+    def run(calls: list[list[int]]) -> list[torch.Tensor]:
+        q = [c["q"] for c, _ in blocks]
+        grad = [c["grad"] for c, _ in blocks]
+        keys = [c["keys"] for _, c in items]
+        values = [c["values"] * (1 + j) for j, (_, c) in enumerate(items)]  # stacks differ
+        shift = [c["shift"] * j for j, (_, c) in enumerate(items)]
+        out = [g.clone() for g in grad]  # stands for the own keys' output
+        lse = [torch.zeros(g.shape[:3], dtype=dtype) for g in grad]
+        for call in calls:
+            finished_groups.forward(q, [keys[j] for j in call], [values[j] for j in call],
+                                    [shift[j] for j in call], [items[j][0] for j in call],
+                                    scale, out, lse)
+        dq = [torch.zeros_like(g) for g in grad]
+        dk = [torch.zeros_like(k) for k in keys]
+        dv = [torch.zeros_like(k) for k in keys]
+        rows = [torch.zeros(G, *grad[i].shape[:3], dtype=dtype) for i, _ in items]
+        lse_g = [lse[i].expand(G, *lse[i].shape) + shift[j].view(G, 1, H, 1)
+                 for j, (i, _) in enumerate(items)]
+        delta = [(g * o).sum(-1) for g, o in zip(grad, out)]
+        for call in calls:
+            pick = lambda xs: [xs[j] for j in call]  # noqa: E731
+            finished_groups.backward(grad, q, pick(keys), pick(values), pick(lse_g), delta,
+                                     [items[j][0] for j in call], scale, dq, pick(dk), pick(dv),
+                                     pick(rows))
+        return out + lse + dq + dk + dv + rows
+
+    together = run([list(range(len(items)))])
+    apart = run([[j] for j in range(len(items))])
+    for a, b in zip(together, apart, strict=True):
+        assert torch.equal(a, b)
+    out, dq = together[:3], together[6:9]
+    assert torch.equal(out[1], blocks[1][0]["grad"]) and not dq[1].any()  # a block with none
+    assert dq[0].abs().sum() > 0 and dq[2].abs().sum() > 0
 
 
 def test_kernels_refuse_bad_shapes_and_layouts() -> None:
@@ -123,20 +168,24 @@ def test_kernels_refuse_bad_shapes_and_layouts() -> None:
                                                                           dtype=torch.float64)
     strided = torch.zeros(*c["keys"].shape[:-1], 2 * D, dtype=torch.float64)[..., ::2]
     with pytest.raises(RuntimeError, match="contiguous last dimension"):
-        finished_groups.forward(c["q"], strided, c["values"], c["shift"], 1.0, out, lse)
+        finished_groups.forward([c["q"]], [strided], [c["values"]], [c["shift"]], [0], 1.0,
+                                [out], [lse])
     with pytest.raises(RuntimeError, match="dtype"):
-        finished_groups.forward(c["q"], c["keys"].float(), c["values"], c["shift"], 1.0, out,
-                                lse)
+        finished_groups.forward([c["q"]], [c["keys"].float()], [c["values"]], [c["shift"]], [0],
+                                1.0, [out], [lse])
     with pytest.raises(RuntimeError, match="shift must be"):
-        finished_groups.forward(c["q"], c["keys"], c["values"], c["shift"][:, :2], 1.0, out,
-                                lse)
+        finished_groups.forward([c["q"]], [c["keys"]], [c["values"]], [c["shift"][:, :2]], [0],
+                                1.0, [out], [lse])
     with pytest.raises(RuntimeError, match="multiple of H_kv"):
-        finished_groups.forward(c["q"], c["keys"][:, :1], c["values"][:, :1], c["shift"], 1.0,
-                                out, lse)
+        finished_groups.forward([c["q"]], [c["keys"][:, :1]], [c["values"][:, :1]], [c["shift"]],
+                                [0], 1.0, [out], [lse])
     with pytest.raises(RuntimeError, match="lse must be"):
-        finished_groups.backward(c["grad"][:, :, :4], c["q"], c["keys"], c["values"], lse,
-                                 lse, 1.0, out, torch.zeros_like(c["keys"]),
-                                 torch.zeros_like(c["values"]), torch.empty(0, dtype=lse.dtype))
+        finished_groups.backward([c["grad"][:, :, :4]], [c["q"]], [c["keys"]], [c["values"]],
+                                 [lse], [lse], [0], 1.0, [out], [torch.zeros_like(c["keys"])],
+                                 [torch.zeros_like(c["values"])], [torch.empty(0, dtype=lse.dtype)])
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        finished_groups.forward([c["q"]], [c["keys"]], [c["values"]], [c["shift"]], [1], 1.0,
+                                [out], [lse])
 
 
 def test_unavailable_kernels_fall_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,

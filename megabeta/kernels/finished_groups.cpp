@@ -16,6 +16,9 @@
 // (rows_g: the gradient of group g's score shift, which the depth bias's gradient reads).
 // Given empty key/value gradient buffers (nobody wants them), only dQ and rows_g.
 // The tiles keep P and dS in cache, as the flash kernels do.
+//
+// One call serves several query blocks (a wave's cells, or one block), each with a list of
+// stacks of groups: the tasks of all blocks run in one parallel loop.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -117,89 +120,166 @@ std::vector<int64_t> row_strides(const at::Tensor& t) {
 constexpr int64_t kQueryTile = 64;
 constexpr int64_t kKeyTile = 512;
 
+// Scratch a thread's tasks reuse: grown to the largest tile a task needs.
 template <typename T>
-void run_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& keys,
-                  const at::Tensor& values, const at::Tensor& lse, const at::Tensor& delta,
-                  double scale, at::Tensor& dq, at::Tensor& grad_keys, at::Tensor& grad_values,
-                  at::Tensor& row_sums) {
-  const int64_t groups = keys.size(0), batch = keys.size(1), kv_heads = keys.size(2);
-  const int64_t rows = keys.size(3), dim = keys.size(4);
-  const int64_t heads = q.size(1), n = q.size(2), per_kv = heads / kv_heads;
-  const T sc = static_cast<T>(scale);
-  const T* q_ = q.data_ptr<T>();
-  const T* g_ = grad.data_ptr<T>();
-  const T* k_ = keys.data_ptr<T>();
-  const T* v_ = values.data_ptr<T>();
-  const T* lse_ = lse.data_ptr<T>();
-  const T* delta_ = delta.data_ptr<T>();
-  T* dq_ = dq.data_ptr<T>();
-  // Empty key/value gradient buffers: nobody wants those gradients, only dq.
-  T* gk_ = grad_keys.numel() ? grad_keys.data_ptr<T>() : nullptr;
-  T* gv_ = grad_values.numel() ? grad_values.data_ptr<T>() : nullptr;
-  T* rs_ = row_sums.numel() ? row_sums.data_ptr<T>() : nullptr;
-  auto rss = row_sums.strides();
-  // Strides: queries-like tensors [B, H, n, d], keys-like [G, B, H_kv, R, d]; the last
-  // dimension is contiguous (checked by the caller).
-  auto qs = row_strides(q), gs = row_strides(grad), dqs = row_strides(dq);
-  auto ks = row_strides(keys), vs = row_strides(values);
-  auto gks = gk_ ? row_strides(grad_keys) : ks, gvs = gv_ ? row_strides(grad_values) : vs;
-  auto ls = lse.strides(), ds = delta.strides();
-  const int64_t qt = std::min(n, kQueryTile), kt = std::min(rows, kKeyTile);
-  // One (batch, KV head) per task: its query heads and every group add to its own gradients.
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> p(qt * kt), ds_buf(qt * kt);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, hk = task % kv_heads;
-      for (int64_t h = hk * per_kv; h < (hk + 1) * per_kv; ++h) {
-        const T* qh = q_ + b * qs[0] + h * qs[1];
-        const T* gh = g_ + b * gs[0] + h * gs[1];
-        T* dqh = dq_ + b * dqs[0] + h * dqs[1];
-        const T* dh = delta_ + b * ds[0] + h * ds[1];
-        for (int64_t g = 0; g < groups; ++g) {
-          const T* kg = k_ + g * ks[0] + b * ks[1] + hk * ks[2];
-          const T* vg = v_ + g * vs[0] + b * vs[1] + hk * vs[2];
-          T* gkg = gk_ ? gk_ + g * gks[0] + b * gks[1] + hk * gks[2] : nullptr;
-          T* gvg = gv_ ? gv_ + g * gvs[0] + b * gvs[1] + hk * gvs[2] : nullptr;
-          const T* lh = lse_ + g * ls[0] + b * ls[1] + h * ls[2];
-          T* rh = rs_ ? rs_ + g * rss[0] + b * rss[1] + h * rss[2] : nullptr;
-          for (int64_t i0 = 0; i0 < n; i0 += qt) {
-            const int mi = static_cast<int>(std::min(qt, n - i0));
-            const T* qi = qh + i0 * qs[2];
-            const T* gi = gh + i0 * gs[2];
-            T* dqi = dqh + i0 * dqs[2];
-            for (int64_t j0 = 0; j0 < rows; j0 += kt) {
-              const int nj = static_cast<int>(std::min(kt, rows - j0));
-              const T* kj = kg + j0 * ks[3];
-              const T* vj = vg + j0 * vs[3];
-              const int ld = nj, d = static_cast<int>(dim);
-              gemm<T>(false, true, mi, nj, d, sc, qi, qs[2], kj, ks[3], T(0), p.data(), ld);
-              for (int i = 0; i < mi; ++i) {
-                exp_row<T>(p.data() + i * ld, nj, lh[(i0 + i) * ls[3]]);
-              }
-              gemm<T>(false, true, mi, nj, d, T(1), gi, gs[2], vj, vs[3], T(0), ds_buf.data(),
-                      ld);
-              for (int i = 0; i < mi; ++i) {
-                const T di = dh[(i0 + i) * ds[2]];
-                T* dsr = ds_buf.data() + i * ld;
-                const T* pr = p.data() + i * ld;
-                const T sum = score_grad_row<T>(dsr, pr, nj, di);
-                if (rh) rh[(i0 + i) * rss[3]] += sum;
-              }
-              if (gkg) {
-                gemm<T>(true, false, nj, d, mi, T(1), p.data(), ld, gi, gs[2], T(1),
-                        gvg + j0 * gvs[3], gvs[3]);
-                gemm<T>(true, false, nj, d, mi, sc, ds_buf.data(), ld, qi, qs[2], T(1),
-                        gkg + j0 * gks[3], gks[3]);
-              }
-              gemm<T>(false, false, mi, d, nj, sc, ds_buf.data(), ld, kj, ks[3], T(1), dqi,
-                      dqs[2]);
+struct Scratch {
+  std::vector<T> a, b, c, d;
+  void fit(size_t na, size_t nb, size_t nc, size_t nd) {
+    if (a.size() < na) a.resize(na);
+    if (b.size() < nb) b.resize(nb);
+    if (c.size() < nc) c.resize(nc);
+    if (d.size() < nd) d.resize(nd);
+  }
+};
+
+// One stack of groups `keys/values [g, B, H_kv, R, d]` read by one query block `q [B, H, n, d]`
+// (the caller's `cells` says which): pointers and strides, read as rows of d numbers.
+template <typename T>
+struct Groups {
+  int64_t groups, batch, kv_heads, rows, dim, heads, n, per_kv;
+  const T* q_;
+  const T* k_;
+  const T* v_;
+  std::vector<int64_t> qs, ks, vs;
+
+  Groups(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values)
+      : groups(keys.size(0)), batch(keys.size(1)), kv_heads(keys.size(2)), rows(keys.size(3)),
+        dim(keys.size(4)), heads(q.size(1)), n(q.size(2)), per_kv(q.size(1) / keys.size(2)),
+        q_(q.data_ptr<T>()), k_(keys.data_ptr<T>()), v_(values.data_ptr<T>()),
+        qs(row_strides(q)), ks(row_strides(keys)), vs(row_strides(values)) {}
+};
+
+template <typename T>
+struct ForwardItem : Groups<T> {
+  const T* shift_;
+  T* out_;
+  T* lse_;
+  std::vector<int64_t> os, ls, ss;
+
+  ForwardItem(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+              const at::Tensor& shift, const at::Tensor& out, const at::Tensor& lse)
+      : Groups<T>(q, keys, values), shift_(shift.data_ptr<T>()), out_(out.data_ptr<T>()),
+        lse_(lse.data_ptr<T>()), os(row_strides(out)), ls(lse.strides().vec()),
+        ss(shift.strides().vec()) {}
+
+  // Query head h of batch row b: every group merged into its output and lse.
+  void run(int64_t b, int64_t h, double scale, Scratch<T>& s) const {
+    const int64_t kt = std::min(this->rows, kKeyTile), n = this->n, dim = this->dim;
+    s.fit(n * kt, n * dim, n, n);
+    T *p = s.a.data(), *o = s.b.data(), *maxima = s.c.data(), *sums = s.d.data();
+    const int64_t hk = h / this->per_kv;
+    const T* qh = this->q_ + b * this->qs[0] + h * this->qs[1];
+    T* oh = out_ + b * os[0] + h * os[1];
+    T* lh = lse_ + b * ls[0] + h * ls[1];
+    const int d = static_cast<int>(dim), mi = static_cast<int>(n);
+    for (int64_t g = 0; g < this->groups; ++g) {
+      const T bias = shift_[g * ss[0] + h * ss[1]];
+      const T* kg = this->k_ + g * this->ks[0] + b * this->ks[1] + hk * this->ks[2];
+      const T* vg = this->v_ + g * this->vs[0] + b * this->vs[1] + hk * this->vs[2];
+      for (int64_t j0 = 0; j0 < this->rows; j0 += kt) {
+        const int nj = static_cast<int>(std::min(kt, this->rows - j0)), ld = nj;
+        gemm<T>(false, true, mi, nj, d, T(scale), qh, this->qs[2], kg + j0 * this->ks[3],
+                this->ks[3], T(0), p, ld);
+        for (int i = 0; i < mi; ++i) {
+          T* pr = p + i * ld;
+          maxima[i] = row_max<T>(pr, nj);
+          sums[i] = exp_row<T>(pr, nj, maxima[i]);
+        }
+        gemm<T>(false, false, mi, d, nj, T(1), p, ld, vg + j0 * this->vs[3], this->vs[3], T(0),
+                o, d);
+        // Merge the tile (unnormalized output o, log-sum m + log Σp - bias) into the
+        // running normalized output and lse.
+        for (int i = 0; i < mi; ++i) {
+          T* li = lh + i * ls[2];
+          const T tile = maxima[i] + std::log(sums[i]) - bias;
+          const T merged = std::max(*li, tile) + std::log1p(std::exp(-std::abs(*li - tile)));
+          const T keep = std::exp(*li - merged), add = std::exp(maxima[i] - bias - merged);
+          T* oi = oh + i * os[2];
+          const T* ti = o + i * d;
+          for (int c = 0; c < d; ++c) oi[c] = oi[c] * keep + ti[c] * add;
+          *li = merged;
+        }
+      }
+    }
+  }
+};
+
+template <typename T>
+struct BackwardItem : Groups<T> {
+  const T* g_;
+  const T* lse_;
+  const T* delta_;
+  T* dq_;
+  T* gk_;
+  T* gv_;
+  T* rs_;
+  std::vector<int64_t> gs, dqs, gks, gvs, ls, ds, rss;
+
+  BackwardItem(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& keys,
+               const at::Tensor& values, const at::Tensor& lse, const at::Tensor& delta,
+               const at::Tensor& dq, const at::Tensor& grad_keys, const at::Tensor& grad_values,
+               const at::Tensor& row_sums)
+      : Groups<T>(q, keys, values), g_(grad.data_ptr<T>()), lse_(lse.data_ptr<T>()),
+        delta_(delta.data_ptr<T>()), dq_(dq.data_ptr<T>()),
+        // Empty key/value gradient buffers: nobody wants those gradients, only dq.
+        gk_(grad_keys.numel() ? grad_keys.data_ptr<T>() : nullptr),
+        gv_(grad_values.numel() ? grad_values.data_ptr<T>() : nullptr),
+        rs_(row_sums.numel() ? row_sums.data_ptr<T>() : nullptr), gs(row_strides(grad)),
+        dqs(row_strides(dq)), gks(gk_ ? row_strides(grad_keys) : this->ks),
+        gvs(gv_ ? row_strides(grad_values) : this->vs), ls(lse.strides().vec()),
+        ds(delta.strides().vec()), rss(row_sums.strides().vec()) {}
+
+  // KV head hk of batch row b: its query heads and every group add to its own gradients.
+  void run(int64_t b, int64_t hk, double scale, Scratch<T>& s) const {
+    const int64_t n = this->n, rows = this->rows;
+    const int64_t qt = std::min(n, kQueryTile), kt = std::min(rows, kKeyTile);
+    s.fit(qt * kt, qt * kt, 0, 0);
+    T *p = s.a.data(), *ds_buf = s.b.data();
+    const T sc = static_cast<T>(scale);
+    const auto &qs = this->qs, &ks = this->ks, &vs = this->vs;
+    for (int64_t h = hk * this->per_kv; h < (hk + 1) * this->per_kv; ++h) {
+      const T* qh = this->q_ + b * qs[0] + h * qs[1];
+      const T* gh = g_ + b * gs[0] + h * gs[1];
+      T* dqh = dq_ + b * dqs[0] + h * dqs[1];
+      const T* dh = delta_ + b * ds[0] + h * ds[1];
+      for (int64_t g = 0; g < this->groups; ++g) {
+        const T* kg = this->k_ + g * ks[0] + b * ks[1] + hk * ks[2];
+        const T* vg = this->v_ + g * vs[0] + b * vs[1] + hk * vs[2];
+        T* gkg = gk_ ? gk_ + g * gks[0] + b * gks[1] + hk * gks[2] : nullptr;
+        T* gvg = gv_ ? gv_ + g * gvs[0] + b * gvs[1] + hk * gvs[2] : nullptr;
+        const T* lh = lse_ + g * ls[0] + b * ls[1] + h * ls[2];
+        T* rh = rs_ ? rs_ + g * rss[0] + b * rss[1] + h * rss[2] : nullptr;
+        for (int64_t i0 = 0; i0 < n; i0 += qt) {
+          const int mi = static_cast<int>(std::min(qt, n - i0));
+          const T* qi = qh + i0 * qs[2];
+          const T* gi = gh + i0 * gs[2];
+          T* dqi = dqh + i0 * dqs[2];
+          for (int64_t j0 = 0; j0 < rows; j0 += kt) {
+            const int nj = static_cast<int>(std::min(kt, rows - j0));
+            const T* kj = kg + j0 * ks[3];
+            const T* vj = vg + j0 * vs[3];
+            const int ld = nj, d = static_cast<int>(this->dim);
+            gemm<T>(false, true, mi, nj, d, sc, qi, qs[2], kj, ks[3], T(0), p, ld);
+            for (int i = 0; i < mi; ++i) exp_row<T>(p + i * ld, nj, lh[(i0 + i) * ls[3]]);
+            gemm<T>(false, true, mi, nj, d, T(1), gi, gs[2], vj, vs[3], T(0), ds_buf, ld);
+            for (int i = 0; i < mi; ++i) {
+              const T sum = score_grad_row<T>(ds_buf + i * ld, p + i * ld, nj,
+                                              dh[(i0 + i) * ds[2]]);
+              if (rh) rh[(i0 + i) * rss[3]] += sum;
             }
+            if (gkg) {
+              gemm<T>(true, false, nj, d, mi, T(1), p, ld, gi, gs[2], T(1), gvg + j0 * gvs[3],
+                      gvs[3]);
+              gemm<T>(true, false, nj, d, mi, sc, ds_buf, ld, qi, qs[2], T(1),
+                      gkg + j0 * gks[3], gks[3]);
+            }
+            gemm<T>(false, false, mi, d, nj, sc, ds_buf, ld, kj, ks[3], T(1), dqi, dqs[2]);
           }
         }
       }
     }
-  });
-}
+  }
+};
 
 // Shapes (q [B, H, n, d], keys [g, B, H_kv, R, d]), dtypes and layouts. `rows`: tensors read
 // as rows of d numbers (a contiguous last dimension); `other`: tensors indexed element by
@@ -232,109 +312,133 @@ void check_shape(const at::Tensor& t, at::IntArrayRef expected, const char* name
               t.sizes());
 }
 
-template <typename T>
-void run_forward(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                 const at::Tensor& shift, double scale, at::Tensor& out, at::Tensor& lse) {
-  const int64_t groups = keys.size(0), batch = keys.size(1), kv_heads = keys.size(2);
-  const int64_t rows = keys.size(3), dim = keys.size(4);
-  const int64_t heads = q.size(1), n = q.size(2), per_kv = heads / kv_heads;
-  const T* q_ = q.data_ptr<T>();
-  const T* k_ = keys.data_ptr<T>();
-  const T* v_ = values.data_ptr<T>();
-  const T* shift_ = shift.data_ptr<T>();
-  T* out_ = out.data_ptr<T>();
-  T* lse_ = lse.data_ptr<T>();
-  auto qs = row_strides(q), ks = row_strides(keys), vs = row_strides(values),
-       os = row_strides(out);
-  auto ls = lse.strides(), ss = shift.strides();
-  const int64_t kt = std::min(rows, kKeyTile);
-  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> p(n * kt), o(n * dim), maxima(n), sums(n);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / heads, h = task % heads, hk = h / per_kv;
-      const T* qh = q_ + b * qs[0] + h * qs[1];
-      T* oh = out_ + b * os[0] + h * os[1];
-      T* lh = lse_ + b * ls[0] + h * ls[1];
-      const int d = static_cast<int>(dim), mi = static_cast<int>(n);
-      for (int64_t g = 0; g < groups; ++g) {
-        const T bias = shift_[g * ss[0] + h * ss[1]];
-        const T* kg = k_ + g * ks[0] + b * ks[1] + hk * ks[2];
-        const T* vg = v_ + g * vs[0] + b * vs[1] + hk * vs[2];
-        for (int64_t j0 = 0; j0 < rows; j0 += kt) {
-          const int nj = static_cast<int>(std::min(kt, rows - j0)), ld = nj;
-          gemm<T>(false, true, mi, nj, d, T(scale), qh, qs[2], kg + j0 * ks[3], ks[3], T(0),
-                  p.data(), ld);
-          for (int i = 0; i < mi; ++i) {
-            T* pr = p.data() + i * ld;
-            maxima[i] = row_max<T>(pr, nj);
-            sums[i] = exp_row<T>(pr, nj, maxima[i]);
-          }
-          gemm<T>(false, false, mi, d, nj, T(1), p.data(), ld, vg + j0 * vs[3], vs[3], T(0),
-                  o.data(), d);
-          // Merge the tile (unnormalized output o, log-sum m + log Σp - bias) into the
-          // running normalized output and lse.
-          for (int i = 0; i < mi; ++i) {
-            T* li = lh + i * ls[2];
-            const T tile = maxima[i] + std::log(sums[i]) - bias;
-            const T merged = std::max(*li, tile) +
-                             std::log1p(std::exp(-std::abs(*li - tile)));
-            const T keep = std::exp(*li - merged), add = std::exp(maxima[i] - bias - merged);
-            T* oi = oh + i * os[2];
-            const T* ti = o.data() + i * d;
-            for (int c = 0; c < d; ++c) oi[c] = oi[c] * keep + ti[c] * add;
-            *li = merged;
-          }
-        }
-      }
+// `cells[j]`: the query block that stack j of groups belongs to, non-decreasing, < blocks.
+void check_cells(at::IntArrayRef cells, size_t stacks, size_t blocks) {
+  TORCH_CHECK(cells.size() == stacks, "finished groups: one cell index per stack of groups, got ",
+              cells.size(), " for ", stacks);
+  for (size_t j = 0; j < cells.size(); ++j) {
+    TORCH_CHECK(cells[j] >= 0 && static_cast<size_t>(cells[j]) < blocks &&
+                    (j == 0 || cells[j] >= cells[j - 1]),
+                "finished groups: cell indices must be non-decreasing query block indices");
+  }
+}
+
+// Runs `task(stack, b, head)` for every query block's (batch row, head) pair, `heads_of(block)`
+// heads each, in parallel; a task runs the block's stacks in order, so each output is formed
+// as by one call per stack. Different query blocks must write disjoint gradients (a wave's
+// cells read different source layers).
+template <typename Heads, typename Task>
+void for_each_head(at::IntArrayRef cells, size_t blocks, const std::vector<int64_t>& batch,
+                   Heads heads_of, Task task) {
+  std::vector<int64_t> first(blocks + 1, static_cast<int64_t>(cells.size()));
+  for (int64_t j = static_cast<int64_t>(cells.size()) - 1; j >= 0; --j) first[cells[j]] = j;
+  for (int64_t i = static_cast<int64_t>(blocks) - 1; i >= 0; --i) {
+    first[i] = std::min(first[i], first[i + 1]);
+  }
+  std::vector<int64_t> offset(blocks + 1, 0);
+  for (size_t i = 0; i < blocks; ++i) offset[i + 1] = offset[i] + batch[i] * heads_of(i);
+  at::parallel_for(0, offset[blocks], 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const size_t i = std::upper_bound(offset.begin(), offset.end(), t) - offset.begin() - 1;
+      const int64_t local = t - offset[i], heads = heads_of(i);
+      for (int64_t j = first[i]; j < first[i + 1]; ++j) task(j, local / heads, local % heads);
     }
   });
 }
 
-void finished_groups_forward(const at::Tensor& q, const at::Tensor& keys,
-                             const at::Tensor& values, const at::Tensor& shift, double scale,
-                             at::Tensor out, at::Tensor lse) {
-  check(q, keys, values, {&q, &keys, &values, &out}, {&shift, &lse});
-  check_shape(out, q.sizes(), "out");
-  check_shape(lse, q.sizes().slice(0, 3), "lse");
-  check_shape(shift, {keys.size(0), q.size(1)}, "shift");
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "finished_groups_forward", [&] {
-    run_forward<scalar_t>(q, keys, values, shift, scale, out, lse);
+void finished_groups_forward(at::TensorList q, at::TensorList keys, at::TensorList values,
+                             at::TensorList shift, at::IntArrayRef cells, double scale,
+                             at::TensorList out, at::TensorList lse) {
+  TORCH_CHECK(out.size() == q.size() && lse.size() == q.size() && keys.size() == values.size() &&
+                  shift.size() == keys.size(),
+              "finished groups: q, out, lse one per query block; keys, values, shift one per "
+              "stack of groups");
+  check_cells(cells, keys.size(), q.size());
+  std::vector<int64_t> batch;
+  for (size_t i = 0; i < q.size(); ++i) batch.push_back(q[i].dim() == 4 ? q[i].size(0) : 0);
+  for (size_t j = 0; j < keys.size(); ++j) {
+    const at::Tensor& qi = q[cells[j]];
+    check(qi, keys[j], values[j], {&qi, &keys[j], &values[j], &out[cells[j]]},
+          {&shift[j], &lse[cells[j]]});
+    check_shape(out[cells[j]], qi.sizes(), "out");
+    check_shape(lse[cells[j]], qi.sizes().slice(0, 3), "lse");
+    check_shape(shift[j], {keys[j].size(0), qi.size(1)}, "shift");
+  }
+  if (keys.empty()) return;
+  AT_DISPATCH_FLOATING_TYPES(q[0].scalar_type(), "finished_groups_forward", [&] {
+    std::vector<ForwardItem<scalar_t>> items;
+    for (size_t j = 0; j < keys.size(); ++j) {
+      items.emplace_back(q[cells[j]], keys[j], values[j], shift[j], out[cells[j]],
+                         lse[cells[j]]);
+    }
+    auto heads = [&](size_t i) { return q[i].size(1); };
+    for_each_head(cells, q.size(), batch, heads, [&](int64_t j, int64_t b, int64_t h) {
+      thread_local Scratch<scalar_t> scratch;
+      items[j].run(b, h, scale, scratch);
+    });
   });
 }
 
-void finished_groups_backward(const at::Tensor& grad, const at::Tensor& q,
-                              const at::Tensor& keys, const at::Tensor& values,
-                              const at::Tensor& lse, const at::Tensor& delta, double scale,
-                              at::Tensor dq, at::Tensor grad_keys, at::Tensor grad_values,
-                              at::Tensor row_sums) {
-  TORCH_CHECK(grad_keys.numel() == grad_values.numel(),
-              "finished groups: grad_keys and grad_values both given or both empty");
-  check(q, keys, values, {&q, &grad, &keys, &values, &dq}, {&lse, &delta, &row_sums});
-  check_shape(grad, q.sizes(), "grad");
-  check_shape(dq, q.sizes(), "dq");
-  if (grad_keys.numel()) {
-    check(q, keys, values, {&grad_keys, &grad_values}, {});
-    check_shape(grad_keys, keys.sizes(), "grad_keys");
-    check_shape(grad_values, keys.sizes(), "grad_values");
+void finished_groups_backward(at::TensorList grad, at::TensorList q, at::TensorList keys,
+                              at::TensorList values, at::TensorList lse, at::TensorList delta,
+                              at::IntArrayRef cells, double scale, at::TensorList dq,
+                              at::TensorList grad_keys, at::TensorList grad_values,
+                              at::TensorList row_sums) {
+  TORCH_CHECK(grad.size() == q.size() && delta.size() == q.size() && dq.size() == q.size() &&
+                  values.size() == keys.size() && lse.size() == keys.size() &&
+                  grad_keys.size() == keys.size() && grad_values.size() == keys.size() &&
+                  row_sums.size() == keys.size(),
+              "finished groups: grad, q, delta, dq one per query block; keys, values, lse, "
+              "grad_keys, grad_values, row_sums one per stack of groups");
+  check_cells(cells, keys.size(), q.size());
+  std::vector<int64_t> batch;
+  for (size_t i = 0; i < q.size(); ++i) batch.push_back(q[i].dim() == 4 ? q[i].size(0) : 0);
+  std::vector<int64_t> kv_heads(q.size(), 1);
+  for (size_t j = 0; j < keys.size(); ++j) {
+    const at::Tensor& qi = q[cells[j]];
+    TORCH_CHECK(grad_keys[j].numel() == grad_values[j].numel(),
+                "finished groups: grad_keys and grad_values both given or both empty");
+    check(qi, keys[j], values[j], {&qi, &grad[cells[j]], &keys[j], &values[j], &dq[cells[j]]},
+          {&lse[j], &delta[cells[j]], &row_sums[j]});
+    check_shape(grad[cells[j]], qi.sizes(), "grad");
+    check_shape(dq[cells[j]], qi.sizes(), "dq");
+    if (grad_keys[j].numel()) {
+      check(qi, keys[j], values[j], {&grad_keys[j], &grad_values[j]}, {});
+      check_shape(grad_keys[j], keys[j].sizes(), "grad_keys");
+      check_shape(grad_values[j], keys[j].sizes(), "grad_values");
+    }
+    check_shape(delta[cells[j]], qi.sizes().slice(0, 3), "delta");
+    const std::vector<int64_t> per_group{keys[j].size(0), qi.size(0), qi.size(1), qi.size(2)};
+    check_shape(lse[j], per_group, "lse");
+    if (row_sums[j].numel()) check_shape(row_sums[j], per_group, "row_sums");
+    TORCH_CHECK(j == 0 || cells[j] != cells[j - 1] || keys[j].size(2) == keys[j - 1].size(2),
+                "finished groups: one query block's stacks have the same KV heads");
+    kv_heads[cells[j]] = keys[j].size(2);
   }
-  check_shape(delta, q.sizes().slice(0, 3), "delta");
-  const std::vector<int64_t> per_group{keys.size(0), q.size(0), q.size(1), q.size(2)};
-  check_shape(lse, per_group, "lse");
-  if (row_sums.numel()) check_shape(row_sums, per_group, "row_sums");
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "finished_groups_backward", [&] {
-    run_backward<scalar_t>(grad, q, keys, values, lse, delta, scale, dq, grad_keys, grad_values,
-                           row_sums);
+  if (keys.empty()) return;
+  AT_DISPATCH_FLOATING_TYPES(q[0].scalar_type(), "finished_groups_backward", [&] {
+    std::vector<BackwardItem<scalar_t>> items;
+    for (size_t j = 0; j < keys.size(); ++j) {
+      items.emplace_back(grad[cells[j]], q[cells[j]], keys[j], values[j], lse[j],
+                         delta[cells[j]], dq[cells[j]], grad_keys[j], grad_values[j],
+                         row_sums[j]);
+    }
+    auto heads = [&](size_t i) { return kv_heads[i]; };
+    for_each_head(cells, q.size(), batch, heads, [&](int64_t j, int64_t b, int64_t hk) {
+      thread_local Scratch<scalar_t> scratch;
+      items[j].run(b, hk, scale, scratch);
+    });
   });
 }
 
 }  // namespace
 
 TORCH_LIBRARY(megabeta, m) {
-  m.def("finished_groups_forward(Tensor q, Tensor keys, Tensor values, Tensor shift, "
-        "float scale, Tensor(a!) out, Tensor(b!) lse) -> ()");
+  m.def("finished_groups_forward(Tensor[] q, Tensor[] keys, Tensor[] values, Tensor[] shift, "
+        "int[] cells, float scale, Tensor(a!)[] out, Tensor(b!)[] lse) -> ()");
   m.impl("finished_groups_forward", c10::DispatchKey::CPU, &finished_groups_forward);
-  m.def("finished_groups_backward(Tensor grad, Tensor q, Tensor keys, Tensor values, "
-        "Tensor lse, Tensor delta, float scale, Tensor(a!) dq, Tensor(b!) grad_keys, "
-        "Tensor(c!) grad_values, Tensor(d!) row_sums) -> ()");
+  m.def("finished_groups_backward(Tensor[] grad, Tensor[] q, Tensor[] keys, Tensor[] values, "
+        "Tensor[] lse, Tensor[] delta, int[] cells, float scale, Tensor(a!)[] dq, "
+        "Tensor(b!)[] grad_keys, Tensor(c!)[] grad_values, Tensor(d!)[] row_sums) -> ()");
   m.impl("finished_groups_backward", c10::DispatchKey::CPU, &finished_groups_backward);
 }

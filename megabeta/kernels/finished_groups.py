@@ -79,30 +79,37 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in DTYPES
 
 
-def forward(q: Tensor, keys: Tensor, values: Tensor, shift: Tensor, scale: float, out: Tensor,
-            lse: Tensor) -> None:
-    """Merge attention over stacked finished groups into `out` and `lse` (in place).
+def forward(q: list[Tensor], keys: list[Tensor], values: list[Tensor], shift: list[Tensor],
+            cells: list[int], scale: float, out: list[Tensor], lse: list[Tensor]) -> None:
+    """Merge attention over stacks of finished groups into `out` and `lse` (in place), for
+    several query blocks in one call.
 
-    `q, out [B, H, n, d]`: queries and, on entry, the output over the block's own keys
-    (normalized); `lse [B, H, n]`: its log-sum-exp; `keys, values [g, B, H_kv, R, d]`: the
-    groups; `shift [g, H]`: subtracted from group g's scores for head h (the depth bias).
-    On return `out`/`lse` are those of the merged key set. Query head h reads KV head
-    h // (H / H_kv). One dtype (`supports`), contiguous last dimensions, any other strides.
+    Per query block i: `q[i], out[i] [B, H, n, d]`: queries and, on entry, the output over the
+    block's own keys (normalized); `lse[i] [B, H, n]`: its log-sum-exp. Per stack j:
+    `keys[j], values[j] [g, B, H_kv, R, d]`: the groups that query block `cells[j]` reads
+    (non-decreasing); `shift[j] [g, H]`: subtracted from group g's scores for head h (the depth
+    bias). On return `out`/`lse` are those of the merged key sets, each block's stacks merged
+    in their order. Query head h reads KV head h // (H / H_kv). One dtype (`supports`),
+    contiguous last dimensions, any other strides.
     """
-    torch.ops.megabeta.finished_groups_forward(q, keys, values, shift, scale, out, lse)
+    torch.ops.megabeta.finished_groups_forward(q, keys, values, shift, cells, scale, out, lse)
 
 
-def backward(grad: Tensor, q: Tensor, keys: Tensor, values: Tensor, lse: Tensor, delta: Tensor,
-             scale: float, dq: Tensor, grad_keys: Tensor, grad_values: Tensor,
-             row_sums: Tensor) -> None:
-    """Add the gradients of attention over stacked finished groups to `dq`, `grad_keys`,
-    `grad_values`, and each group's per-row score-gradient sums to `row_sums` (in place).
+def backward(grad: list[Tensor], q: list[Tensor], keys: list[Tensor], values: list[Tensor],
+             lse: list[Tensor], delta: list[Tensor], cells: list[int], scale: float,
+             dq: list[Tensor], grad_keys: list[Tensor], grad_values: list[Tensor],
+             row_sums: list[Tensor]) -> None:
+    """Add the gradients of attention over stacks of finished groups to `dq`, `grad_keys`,
+    `grad_values`, and each group's per-row score-gradient sums to `row_sums` (in place), for
+    several query blocks in one call.
 
-    `q, grad, dq [B, H, n, d]`: queries, the merged output's gradient, the queries' gradient;
-    `keys, values, grad_keys, grad_values [g, B, H_kv, R, d]`: the groups and their gradient
-    buffers (both empty: only `dq` is wanted); `lse [g, B, H, n]`: the merged lse plus each
-    group's shift; `delta [B, H, n]`: rowsum(grad ∘ merged output); `row_sums [g, B, H, n]`,
-    or empty when not wanted. Layouts as in `forward`.
+    Per query block i: `q[i], grad[i], dq[i] [B, H, n, d]`: queries, the merged output's
+    gradient, the queries' gradient; `delta[i] [B, H, n]`: rowsum(grad ∘ merged output). Per
+    stack j (of query block `cells[j]`): `keys[j], values[j], grad_keys[j], grad_values[j]
+    [g, B, H_kv, R, d]`: the groups and their gradient buffers (both empty: only `dq` is
+    wanted); `lse[j] [g, B, H, n]`: the merged lse plus each group's shift; `row_sums[j]
+    [g, B, H, n]`, or empty when not wanted. Different query blocks' stacks must not share
+    gradient buffers (they run in parallel). Layouts as in `forward`.
     """
-    torch.ops.megabeta.finished_groups_backward(grad, q, keys, values, lse, delta, scale, dq,
-                                                grad_keys, grad_values, row_sums)
+    torch.ops.megabeta.finished_groups_backward(grad, q, keys, values, lse, delta, cells, scale,
+                                                dq, grad_keys, grad_values, row_sums)

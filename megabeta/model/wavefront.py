@@ -246,10 +246,9 @@ def run_wave(model: "Beta12Transformer", x: Tensor | None, kv: list[KV], enterin
                                                cos[b], sin[b]))]
         x = entering[None] if x is None else torch.cat([x, entering[None]])
     n, batch, c, d = x.shape
-    outputs = [attention.attend(q, view.key_set(l, k, v), cell.biases[l], layer=l,
-                                dropout_p=dropout).transpose(1, 2)
-               for (q, k, v), view, l in zip(kv, views, wave.layers)]
-    o = torch.stack(outputs).flatten(1, 2).flatten(2)
+    keys = [view.key_set(l, k, v) for (_, k, v), view, l in zip(kv, views, wave.layers)]
+    o = attention.attend_wave([q for q, _, _ in kv], keys, [cell.biases[l] for l in wave.layers],
+                              layers=wave.layers, dropout_p=dropout).reshape(n, batch * c, -1)
     sel = wave.stack()
     residual_dropout = model.config.dropout if model.training else 0.0
 

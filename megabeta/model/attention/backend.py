@@ -255,6 +255,22 @@ class AttentionBackend(Protocol):
                dropout_p: float) -> Tensor:
         """Output `[B, H, n, d_h]` of queries `q [B, H, n, d_h]` of `layer` over `keys`."""
 
+    def attend_wave(self, q: list[Tensor], keys: list[KeySet], biases: list[AttentionBias], *,
+                    layers: list[int], dropout_p: float) -> Tensor:
+        """A wave's cells (spec §5, model/wavefront.py), equal-shaped: cell i's queries
+        `q[i] [B, H, c, d_h]` of `layers[i]` over `keys[i]` with `biases[i]`. Outputs
+        `[n, B, c, H, d_h]` (heads last, as the output projection reads them)."""
+
+
+class CellByCell:
+    """`attend_wave` as one `attend` per cell, for backends without a batched wave."""
+
+    def attend_wave(self: AttentionBackend, q: list[Tensor], keys: list[KeySet],
+                    biases: list[AttentionBias], *, layers: list[int],
+                    dropout_p: float) -> Tensor:
+        return torch.stack([self.attend(q_i, k_i, b_i, layer=l, dropout_p=dropout_p)
+                            .transpose(1, 2) for q_i, k_i, b_i, l in zip(q, keys, biases, layers)])
+
 
 def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float) -> Tensor:
     """SDPA with query r seeing keys `j <= (S - n) + r` (bottom-right causal)."""

@@ -12,10 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megabeta.model.attention.backend import AttentionBias, KeyLayout, KeySet, per_query_head
+from megabeta.model.attention.backend import (
+    AttentionBias,
+    CellByCell,
+    KeyLayout,
+    KeySet,
+    per_query_head,
+)
 
 
-class ExplicitAttention:
+class ExplicitAttention(CellByCell):
     name = "explicit"
     reads_buffers = False
 

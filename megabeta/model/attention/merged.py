@@ -58,10 +58,12 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from megabeta.kernels import finished_groups
 from megabeta.model.attention.backend import (
     AttentionBias,
+    CellByCell,
     GroupBatch,
     KeyLayout,
     KeySet,
@@ -282,7 +284,7 @@ def _sum_heads(grad: Tensor, kv_heads: int, rows: int) -> Tensor:
     return grad.reshape(grad.shape[0], kv_heads, -1, rows, grad.shape[-1]).sum(2)
 
 
-class _MergedAttention:
+class _MergedAttention(CellByCell):
     """A backend of the merged parts on `kernels`."""
 
     reads_buffers = True
@@ -317,6 +319,26 @@ class _MergedAttention:
         return merged_attention(q, keys.k.to(q.dtype), keys.v.to(q.dtype), _piece_batches(keys),
                                 bias, scale, kernels=self.kernels)
 
+
+    def attend_wave(self, q: list[Tensor], keys: list[KeySet], biases: list[AttentionBias], *,
+                    layers: list[int], dropout_p: float) -> Tensor:
+        """On the fused kernels, a wave of several cells in one `fused_cells` call; otherwise
+        cell by cell."""
+        stored = [k.stored for k in keys]
+        dtype = next((s.dtype for s in stored if s is not None), q[0].dtype)
+        if (len(q) == 1 or dropout_p or not self.kernels.fuses_groups(dtype)
+                or any(s is not None and s.block_start is None for s in stored)):
+            return super().attend_wave(q, keys, biases, layers=layers, dropout_p=dropout_p)
+        self_bias = (None if biases[0].self_bias is None
+                     else torch.cat([b.self_bias for b in biases]))
+        slope = None if biases[0].slope is None else torch.stack([b.slope for b in biases])
+        batches = [s.batches(layer) if s is not None else [] for s, layer in zip(stored, layers)]
+        out = fused_cells(torch.stack(q).to(dtype), torch.stack([k.k for k in keys]).to(dtype),
+                          torch.stack([k.v for k in keys]).to(dtype), self_bias, slope, batches,
+                          1.0 / math.sqrt(q[0].shape[-1]),
+                          anchors=[s.anchor for s in stored if s is not None],
+                          on_backward=[s.done_reading for s in stored if s is not None])
+        return out.transpose(2, 3)
 
     def _static(self, q: Tensor, k: Tensor, v: Tensor, stored: StoredHistory,
                 bias: AttentionBias, *, layer: int, scale: float) -> Tensor:
@@ -394,23 +416,27 @@ def merged_attention(q: Tensor, k: Tensor, v: Tensor, batches: list[GroupBatch],
                                        for b in batches):
         raise RuntimeError("merged_attention: key groups that require grad need a gradient "
                            "buffer (GroupBatch.grads)")
-    fused = bool(batches) and kernels.fuses_groups(q.dtype)
+    if batches and kernels.fuses_groups(q.dtype):
+        return fused_cells(q[None], k[None], v[None], bias.self_bias, one_cell(bias.slope),
+                           [batches], scale, anchors=[anchor],
+                           on_backward=[on_backward]).squeeze(0)
     return _Merged.apply(q, k, v, bias.self_bias, bias.slope, anchor, batches, on_backward,
-                         scale, kernels, fused)
+                         scale, kernels)
 
 
 class _Merged(torch.autograd.Function):
-    """See the module doc; `self_bias`/`slope` may be None (no self slot / no depth bias)."""
+    """See the module doc; `self_bias`/`slope` may be None (no self slot / no depth bias).
+    The groups on ATen's kernels (on the fused kernels: `fused_cells`)."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
                 slope: Tensor | None, anchor: Tensor | None, batches: list[GroupBatch],
-                on_backward: Callable[[], None] | None, scale: float, kernels: PartKernels,
-                fused: bool) -> Tensor:
+                on_backward: Callable[[], None] | None, scale: float,
+                kernels: PartKernels) -> Tensor:
         out, lse, weighted, weights = merge_forward(q, k, v, self_bias, slope, batches,
-                                                    scale=scale, kernels=kernels, fused=fused)
+                                                    scale=scale, kernels=kernels)
         ctx.scale, ctx.batches, ctx.on_backward = scale, batches, on_backward
-        ctx.kernels, ctx.fused = kernels, fused
+        ctx.kernels = kernels
         ctx.has_anchor = anchor is not None
         ctx.save_for_backward(q, k, v, out, lse, self_bias, slope, weighted, weights)
         return out
@@ -420,15 +446,190 @@ class _Merged(torch.autograd.Function):
         q, k, v, out, lse, self_bias, slope, weighted, weights = ctx.saved_tensors
         dq, dk, dv, d_bias, d_slope = merge_backward(
             grad, q, k, v, out, lse, self_bias, slope, weighted, weights, ctx.batches,
-            scale=ctx.scale, kernels=ctx.kernels, fused=ctx.fused,
-            bias_grad=ctx.needs_input_grad[3])
+            scale=ctx.scale, kernels=ctx.kernels, bias_grad=ctx.needs_input_grad[3])
         if ctx.on_backward is not None:
             ctx.on_backward()
         # The batches are views of the history's buffers: the graph must not keep them alive
         # (with block checkpointing it lives on in a reference cycle until a collection).
         ctx.batches = ()
         d_anchor = grad.new_zeros(()) if ctx.has_anchor else None
-        return dq, dk, dv, d_bias, d_slope, d_anchor, None, None, None, None, None
+        return dq, dk, dv, d_bias, d_slope, d_anchor, None, None, None, None
+
+
+def one_cell(x: Tensor | None) -> Tensor | None:
+    """One cell's `x` as a stack of one (`fused_cells`' layout)."""
+    return None if x is None else x[None]
+
+
+def fused_cells(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None, slope: Tensor | None,
+                batches: list[list[GroupBatch]], scale: float, *, anchors: list[Tensor | None],
+                on_backward: list[Callable[[], None] | None]) -> Tensor:
+    """The merged attention of n cells on the fused kernels (`cpu_fused`, float32/float64):
+    queries `q [n, B, H, c, d_h]` over their own keys `k/v [n, B, H_kv, c, d_h]` and their
+    finished groups `batches[i]`, with b_σ `self_bias [n]` and λ `slope [n, H]` (either
+    None): outputs `[n, B, H, c, d_h]`. A wave's cells (spec §5) read different source layers,
+    so their groups' gradients never meet; one cell is a block of the block schedule. Each
+    `anchors` entry orders this backward before its producer's, each `on_backward` entry is
+    called once it is done (history.py)."""
+    if torch.is_grad_enabled() and any(b.grads is None and (b.k.requires_grad or b.v.requires_grad)
+                                       for cell in batches for b in cell):
+        raise RuntimeError("merged attention: key groups that require grad need a gradient "
+                           "buffer (GroupBatch.grads)")
+    held = list({id(a): a for a in anchors if a is not None}.values())
+    return _FusedCells.apply(q, k, v, self_bias, slope, batches, on_backward, scale, *held)
+
+
+class _FusedCells(torch.autograd.Function):
+    """`fused_cells`: forward and backward in `fused_cells_forward/backward`."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
+                slope: Tensor | None, batches: list[list[GroupBatch]],
+                on_backward: list[Callable[[], None] | None], scale: float,
+                *anchors: Tensor) -> Tensor:
+        out, lse = fused_cells_forward(q, k, v, self_bias, slope, batches, scale=scale)
+        ctx.scale, ctx.batches, ctx.on_backward = scale, batches, on_backward
+        ctx.anchors = len(anchors)
+        ctx.save_for_backward(q, k, v, out, lse, self_bias, slope)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, self_bias, slope = ctx.saved_tensors
+        dq, dk, dv, d_bias, d_slope = fused_cells_backward(
+            grad, q, k, v, out, lse, self_bias, slope, ctx.batches, scale=ctx.scale,
+            bias_grad=ctx.needs_input_grad[3])
+        for done in ctx.on_backward:
+            if done is not None:
+                done()
+        # The batches are views of the history's buffers: the graph must not keep them alive.
+        ctx.batches = ()
+        anchors = [grad.new_zeros(()) for _ in range(ctx.anchors)]
+        return dq, dk, dv, d_bias, d_slope, None, None, None, *anchors
+
+
+def _fold_cells(x: Tensor) -> Tensor:
+    """Cells `[n, B, H, …]` as the own keys' kernel takes them: one cell as `[B, H, …]`, several
+    as `[n, B·H, …]` (a batch per cell, its rows' heads one after another: GQA's query head
+    b·H + h reads KV head b·H_kv + h // (H / H_kv) as it should), copied if need be."""
+    return x[0] if x.shape[0] == 1 else x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def _unfold_cells(x: Tensor, cells: int, batch: int) -> Tensor:
+    """`_fold_cells`'s inverse (a view)."""
+    return x[None] if cells == 1 else x.unflatten(1, (batch, -1))
+
+
+@dataclass
+class _Stacks:
+    """The cells' stacks of groups as the fused kernels take them (one call for all cells)."""
+
+    stacks: list[GroupBatch]
+    cells: list[int]
+    """Each stack's cell."""
+    rows: list[slice]
+    """Each stack's groups among its cell's, rows of the `[n, G, …]` tables below."""
+    width: int
+    """G: the most groups one cell reads."""
+    offsets: Tensor | None
+    """Each group's depth offset m - l `[n, G]` (padding 0); None: no depth bias shifts one."""
+
+    @staticmethod
+    def of(batches: list[list[GroupBatch]], slope: Tensor | None, like: Tensor) -> "_Stacks":
+        stacks, cells, rows, offsets = [], [], [], []
+        for i, cell in enumerate(batches):
+            row: list[int] = []
+            for b in cell:
+                stacks.append(b)
+                cells.append(i)
+                rows.append(slice(len(row), len(row) + len(b.offsets)))
+                row += b.offsets
+            offsets.append(row)
+        width = max(map(len, offsets))
+        table = None
+        if slope is not None and any(o for row in offsets for o in row):
+            table = torch.tensor([row + [0] * (width - len(row)) for row in offsets],
+                                 dtype=like.dtype, device=like.device)
+        return _Stacks(stacks, cells, rows, width, table)
+
+    def shift(self, slope: Tensor | None, like: Tensor) -> Tensor:
+        """λ_h·(m - l) per cell, group and head `[n, G, H]` (what the kernels subtract)."""
+        if self.offsets is None:
+            return like.new_zeros(like.shape[0], self.width, like.shape[2])
+        return self.offsets[:, :, None] * slope.to(like.dtype)[:, None, :]
+
+    def per_stack(self, table: Tensor) -> list[Tensor]:
+        """A `[n, G, …]` table's rows of each stack."""
+        return [table[i, r] for i, r in zip(self.cells, self.rows)]
+
+
+def fused_cells_forward(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
+                        slope: Tensor | None, batches: list[list[GroupBatch]], *,
+                        scale: float) -> tuple[Tensor, Tensor]:
+    """`fused_cells`' output `[n, B, H, c, d_h]` and lse `[n, B, H, c]`: the own keys in one
+    kernel call for all cells (the cells' masks `[n, 1, c, c]`), then every cell's groups
+    merged in by one call of the fused kernels."""
+    n, batch, c = q.shape[0], q.shape[1], q.shape[3]
+    mask = (None if self_bias is None
+            else _self_masks(c, self_bias, CPU_FUSED.mask_dtype(q.dtype)))
+    out, lse = CPU_FUSED.own_forward(_fold_cells(q), _fold_cells(k), _fold_cells(v), mask=mask,
+                                     scale=scale)
+    out, lse = _unfold_cells(out, n, batch), _unfold_cells(lse, n, batch)
+    groups = _Stacks.of(batches, slope, q)
+    if groups.stacks:
+        finished_groups.forward(list(q.unbind()), [b.k for b in groups.stacks],
+                                [b.v for b in groups.stacks],
+                                groups.per_stack(groups.shift(slope, q)), groups.cells, scale,
+                                list(out.unbind()), list(lse.unbind()))
+    return out, lse
+
+
+def fused_cells_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                         lse: Tensor, self_bias: Tensor | None, slope: Tensor | None,
+                         batches: list[list[GroupBatch]], *, scale: float, bias_grad: bool
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """dq, dk, dv (the own keys), d_self_bias `[n]` (when `bias_grad`) and d_slope `[n, H]`
+    (None: no group's depth offset is non-zero) of `fused_cells_forward`; the groups' key and
+    value gradients are added into their `GroupBatch.grads()` buffers."""
+    n, batch, c = q.shape[0], q.shape[1], q.shape[3]
+    mask = (None if self_bias is None
+            else _self_masks(c, self_bias, CPU_FUSED.mask_dtype(q.dtype)))
+    grad = _fold_cells(grad)
+    if grad.stride(-1) != 1:
+        grad = grad.contiguous()  # the kernels read rows of d numbers
+    fq, fk, fv, f_out, f_lse = (_fold_cells(x) for x in (q, k, v, out, lse))
+    dq, dk, dv = CPU_FUSED.own_backward(grad, fq, fk, fv, out=f_out, lse=f_lse, mask=mask,
+                                        scale=scale)
+    # D_i = dO_i·o_i, which the fused kernel and b_σ's gradient read.
+    delta = _rowdot(grad, f_out, lse.dtype)
+    d_bias = (_self_bias_grad(grad, fq, fk, fv, f_lse, delta, mask, scale=scale, cells=n)
+              .to(self_bias.dtype) if bias_grad else None)
+    dq = _unfold_cells(dq, n, batch)
+    groups, d_slope = _Stacks.of(batches, slope, q), None
+    if groups.stacks:
+        # Each group's lse: the merged one plus its shift, `[n, G, B, H, c]` (a broadcast view
+        # when no bias shifts one).
+        table = (n, groups.width, *lse.shape[1:])
+        lse_g = (lse[:, None].expand(table) if groups.offsets is None
+                 else lse[:, None] + groups.shift(slope, q)[:, :, None, :, None])
+        rows = lse.new_zeros(table) if groups.offsets is not None else None
+        empty = q.new_empty(0)
+        # No key/value gradient wanted (decoding): the kernel forms dq only.
+        grads = [b.grads() if b.grads is not None else (empty, empty) for b in groups.stacks]
+        finished_groups.backward(
+            list(_unfold_cells(grad, n, batch).unbind()), list(q.unbind()),
+            [b.k for b in groups.stacks], [b.v for b in groups.stacks], groups.per_stack(lse_g),
+            list(_unfold_cells(delta, n, batch).unbind()), groups.cells, scale,
+            list(dq.unbind()),
+            [g for g, _ in grads], [g for _, g in grads],
+            [empty] * len(grads) if rows is None else groups.per_stack(rows))
+        if rows is not None:
+            # Score bias -λ·offset per group: dλ = -Σ offset · (row sums of the group's score
+            # gradient), which the kernel summed.
+            d_slope = -(rows * groups.offsets.view(n, groups.width, 1, 1, 1)).sum((1, 2, 4))
+            d_slope = d_slope.to(slope.dtype)
+    return dq, _unfold_cells(dk, n, batch), _unfold_cells(dv, n, batch), d_bias, d_slope
 
 
 def _has_depth(slope: Tensor | None, batches: list[GroupBatch]) -> bool:
@@ -438,27 +639,19 @@ def _has_depth(slope: Tensor | None, batches: list[GroupBatch]) -> bool:
 
 def merge_forward(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
                   slope: Tensor | None, batches: list[GroupBatch], *, scale: float,
-                  kernels: PartKernels, fused: bool
-                  ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+                  kernels: PartKernels) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """The merged attention's output (q's dtype) and lse, and, where the depth bias's gradient
-    will need them (ATen's kernels for the groups), each group's weighted output and merge
-    weight. `fused`: the groups on the fused kernels, merged in place."""
+    will need them, each group's weighted output and merge weight; the groups on the kernels'
+    `group_forward`."""
     # Merged in the kernels' lse precision (float32 for bf16 inputs).
     acc = torch.promote_types(q.dtype, torch.float32)
     mask = (None if self_bias is None
             else _self_mask(q.shape[2], self_bias, kernels.mask_dtype(q.dtype)))
     out, lse = kernels.own_forward(q, k, v, mask=mask, scale=scale)
     weighted = weights = None
-    # On the fused kernels the groups merge into the block's own output in place, and in
-    # backward the depth bias's row sums come from the kernel, so nothing per group is kept.
-    biases = [_bias(slope, b.offsets, acc) for b in batches]
-    if fused:
-        for b, bias in zip(batches, biases):
-            shift = (bias.view(len(b.offsets), -1) if isinstance(bias, Tensor)
-                     else lse.new_zeros(len(b.offsets), q.shape[1]))
-            finished_groups.forward(q, b.k, b.v, shift, scale, out, lse)
-    elif batches:
+    if batches:
         own, own_lse = out, lse
+        biases = [_bias(slope, b.offsets, acc) for b in batches]
         groups_out, groups_lse = _attend_groups(q, batches, biases, scale, kernels)
         lse = torch.logaddexp(own_lse, torch.logsumexp(groups_lse, dim=0))
         weights = torch.exp(groups_lse - lse)
@@ -473,7 +666,7 @@ def merge_forward(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
 def merge_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    self_bias: Tensor | None, slope: Tensor | None, weighted: Tensor | None,
                    weights: Tensor | None, batches: list[GroupBatch], *, scale: float,
-                   kernels: PartKernels, fused: bool, bias_grad: bool
+                   kernels: PartKernels, bias_grad: bool
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """dq, dk, dv (the own keys), d_self_bias (when `bias_grad`) and d_slope of `merge_forward`
     for its `out, lse, weighted, weights`; the groups' key and value gradients are added into
@@ -482,37 +675,13 @@ def merge_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     mask = (None if self_bias is None
             else _self_mask(q.shape[2], self_bias, kernels.mask_dtype(q.dtype)))
     dq, dk, dv = kernels.own_backward(grad, q, k, v, out=out, lse=lse, mask=mask, scale=scale)
-    depth = _has_depth(slope, batches)
-    if fused and grad.stride(-1) != 1:
-        grad = grad.contiguous()  # the kernel reads rows of d numbers
-    # D_i = dO_i·o_i, which the gradients of both learned biases and the fused kernel read.
-    delta = _rowdot(grad, out, acc) if fused or bias_grad or weighted is not None else None
-    d_bias = None
-    if bias_grad:
-        # b_σ is on the mask's diagonal: its gradient is the diagonal's score gradient
-        # p_ii·(dO_i·v_i - D_i), with p_ii = exp(q_i·k_i·scale + b_σ - lse_i) and b_σ as
-        # the kernel added it (rounded to the mask's dtype).
-        heads = q.shape[1]
-        self_score = _rowdot(q, per_query_head(k, heads), acc).mul_(scale)
-        p_self = self_score.add_(mask[0, 0].to(acc) - lse).exp_()
-        d_self = _rowdot(grad, per_query_head(v, heads), acc).sub_(delta)
-        d_bias = torch.linalg.vecdot(p_self.flatten(), d_self.flatten()).reshape(1)
-        d_bias = d_bias.to(self_bias.dtype)
-    row_sums = []
+    # D_i = dO_i·o_i, which the gradients of both learned biases read.
+    delta = _rowdot(grad, out, acc) if bias_grad or weighted is not None else None
+    d_bias = (_self_bias_grad(grad, q, k, v, lse, delta, mask, scale=scale, cells=1)
+              .to(self_bias.dtype) if bias_grad else None)
     for b in batches:
         bias = _bias(slope, b.offsets, acc)
         grad_k, grad_v = b.grads() if b.grads is not None else (None, None)
-        if fused:
-            # Each group's lse `[g, B, H, n]` (a broadcast view when no bias shifts it).
-            g = len(b.offsets)
-            lse_g = lse + bias if isinstance(bias, Tensor) else lse.expand(g, *lse.shape)
-            if grad_k is None:  # no key/value gradient wanted: the kernel forms dq only
-                grad_k = grad_v = q.new_empty(0)
-            rows = lse.new_zeros(g, *lse.shape) if depth else lse.new_empty(0)
-            finished_groups.backward(grad, q, b.k, b.v, lse_g, delta, scale, dq, grad_k,
-                                     grad_v, rows)
-            row_sums.append(rows)
-            continue
         # The kernel forms P = exp(S·scale - lse_i) with lse_i = lse + λ·offset: each
         # group's exact share of the merged softmax, depth bias included.
         # (`[g, B, H, n]`: each group's rows contiguous, as the kernels need them.)
@@ -525,16 +694,28 @@ def merge_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                 grad_k[i].add_(dk_g)
                 grad_v[i].add_(dv_g)
     d_slope = None if slope is None else torch.zeros_like(slope)
-    if depth:
+    if _has_depth(slope, batches):
         # Score bias -λ·offset per group: dλ = -Σ offset · (row sums of the group's score
-        # gradient). The fused kernel sums them; otherwise that row sum is
-        # w_g·(dO·o_g - D) with o_g the group's own output.
-        d_shift = (torch.cat(row_sums) if fused
-                   else _rowdot(grad, weighted, acc) - weights * delta)
+        # gradient), the row sum being w_g·(dO·o_g - D) with o_g the group's own output.
+        d_shift = _rowdot(grad, weighted, acc) - weights * delta
         offsets = torch.tensor([o for b in batches for o in b.offsets], dtype=acc,
                                device=d_shift.device)
         d_slope = -(d_shift * offsets.view(-1, 1, 1, 1)).sum((0, 1, 3)).to(slope.dtype)
     return dq, dk, dv, d_bias, d_slope
+
+
+def _self_bias_grad(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
+                    mask: Tensor, *, scale: float, cells: int) -> Tensor:
+    """b_σ's gradient `[cells]`, for queries laid out as `cells` equal runs of their batch
+    dimension: b_σ is on the mask's diagonal, so its gradient is the diagonal's score gradient
+    p_ii·(dO_i·v_i - D_i), with p_ii = exp(q_i·k_i·scale + b_σ - lse_i) and b_σ as the kernel
+    added it (rounded to the mask's dtype; `mask` `[cells or 1, 1, n, n]` or `[n, n]`)."""
+    acc, heads = lse.dtype, q.shape[1]
+    diagonal = mask.diagonal(0, -2, -1).to(acc)
+    self_score = _rowdot(q, per_query_head(k, heads), acc).mul_(scale)
+    p_self = self_score.add_(diagonal - lse).exp_()
+    d_self = _rowdot(grad, per_query_head(v, heads), acc).sub_(delta)
+    return torch.linalg.vecdot(p_self.reshape(cells, -1), d_self.reshape(cells, -1))
 
 
 def _rowdot(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
@@ -563,8 +744,15 @@ def _self_mask(n: int, self_bias: Tensor, dtype: torch.dtype) -> Tensor:
     below it (in-block keys), -inf above. Detached: the kernels take it as a constant, and
     `_Merged` writes b_σ's gradient out. Quadratic in the block: 1 MiB at c = 512, 1 GiB for
     one block of 16K tokens (float32), alive only during one kernel call."""
-    mask = torch.full((n, n), float("-inf"), dtype=dtype, device=self_bias.device).triu_(1)
-    mask.diagonal().copy_(self_bias.detach().to(dtype).expand(n))
+    return _self_masks(n, self_bias, dtype)[0, 0]
+
+
+def _self_masks(n: int, self_bias: Tensor, dtype: torch.dtype) -> Tensor:
+    """`_self_mask` per cell `[cells, 1, n, n]`, for the cells' b_σ `self_bias [cells]`."""
+    cells = self_bias.shape[0]
+    mask = torch.full((cells, 1, n, n), float("-inf"), dtype=dtype,
+                      device=self_bias.device).triu_(1)
+    mask.diagonal(0, -2, -1).copy_(self_bias.detach().to(dtype).view(cells, 1, 1).expand(-1, -1, n))
     return mask
 
 

@@ -1,14 +1,14 @@
 """`cpu_fused`'s merged attention as `torch.library` operators that read the history buffers at a
 start held in a tensor: what the static block step (beta12.py, `block_step`) calls on CPU.
 
-The eager block loop hands `merged.merge_forward` its groups as views sliced at a Python int
+The eager block loop hands `merged.fused_cells` its groups as views sliced at a Python int
 (`history.BufferedView.batches`), which a traced graph would bake in: one graph per block. These
 operators take the whole buffers `[L, B, H_kv, T, d_h]` and the block's first position as a 0-d
 tensor, and slice inside, where no tracer looks, so every block of a sequence has the same
 graph, as with the Triton kernels (`megabeta/kernels/triton_attention.py`, same signature and
 the same contract: the gradient buffers are held and added to in backward, not saved). The work
-itself is `merged.merge_forward` / `merge_backward` on the fused kernels, so the result is the
-eager path's, bit for bit.
+itself is `merged.fused_cells_forward` / `fused_cells_backward` (one cell), so the result is
+the eager path's, bit for bit.
 
 `torch.ops.megabeta.merged_attention(q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start,
 self_bias, slope, anchor, sources, layer, window, scale)` returns `(out, lse)`: the output
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from megabeta.kernels.ops import anchor_gradient, custom_op
 from megabeta.model.attention.backend import GroupBatch, group_runs
-from megabeta.model.attention.merged import CPU_FUSED, merge_backward, merge_forward
+from megabeta.model.attention.merged import fused_cells_backward, fused_cells_forward, one_cell
 
 
 def _batches(hist_k: Tensor, hist_v: Tensor, grad_k: Tensor | None, grad_v: Tensor | None,
@@ -62,13 +62,12 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tenso
                   self_bias: Tensor | None, slope: Tensor | None, anchor: Tensor | None,
                   sources: list[int], layer: int, window: int,
                   scale: float) -> tuple[Tensor, Tensor]:
-    out, lse, _, _ = merge_forward(q, k, v, self_bias, slope,
-                                   _batches(hist_k, hist_v, None, None, start, sources, layer,
-                                            window),
-                                   scale=scale, kernels=CPU_FUSED, fused=True)
+    batches = _batches(hist_k, hist_v, None, None, start, sources, layer, window)
+    out, lse = fused_cells_forward(q[None], k[None], v[None], self_bias, one_cell(slope),
+                                   [batches], scale=scale)
     # The layouts the fake implementation promises (ATen's CPU flash kernel makes these
     # already: out `[B, n, H, d]` storage, lse `[B, n, H]`).
-    return _heads_last(out), lse.contiguous()
+    return _heads_last(out[0]), lse[0].contiguous()
 
 
 def _heads_last(x: Tensor) -> Tensor:
@@ -96,11 +95,13 @@ def _backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, 
                  sources: list[int], layer: int, window: int,
                  scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     batches = _batches(hist_k, hist_v, grad_hist_k, grad_hist_v, start, sources, layer, window)
-    dq, dk, dv, d_bias, d_slope = merge_backward(
-        grad, q, k, v, out, lse, self_bias, slope, None, None, batches, scale=scale,
-        kernels=CPU_FUSED, fused=True, bias_grad=self_bias is not None)
-    return (_like(dq, q), _like(dk, k), _like(dv, v), _empty(q) if d_bias is None else d_bias,
-            _empty(q) if d_slope is None else d_slope)
+    dq, dk, dv, d_bias, d_slope = fused_cells_backward(
+        grad[None], q[None], k[None], v[None], out[None], lse[None], self_bias,
+        one_cell(slope), [batches], scale=scale, bias_grad=self_bias is not None)
+    if slope is not None:  # no group shifted by a non-zero offset: no gradient
+        d_slope = torch.zeros_like(slope) if d_slope is None else d_slope[0]
+    return (_like(dq[0], q), _like(dk[0], k), _like(dv[0], v),
+            _empty(q) if d_bias is None else d_bias, _empty(q) if d_slope is None else d_slope)
 
 
 def _like(grad: Tensor, x: Tensor) -> Tensor:

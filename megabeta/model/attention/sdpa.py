@@ -32,6 +32,7 @@ from torch import Tensor
 
 from megabeta.model.attention.backend import (
     AttentionBias,
+    CellByCell,
     KeyLayout,
     KeySet,
     StoredHistory,
@@ -40,7 +41,7 @@ from megabeta.model.attention.backend import (
 )
 
 
-class SdpaAttention:
+class SdpaAttention(CellByCell):
     name = "sdpa"
     reads_buffers = True
 

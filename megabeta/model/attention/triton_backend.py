@@ -27,13 +27,14 @@ from megabeta.kernels import triton_attention
 from megabeta.model.attention.backend import (
     AttentionBackend,
     AttentionBias,
+    CellByCell,
     KeyLayout,
     KeySet,
     after_backward,
 )
 
 
-class TritonAttention:
+class TritonAttention(CellByCell):
     """The `triton` backend; `pieces` serves the calls that come with the history as pieces."""
 
     name = "triton"
