@@ -326,22 +326,46 @@ void check_cells(at::IntArrayRef cells, size_t stacks, size_t blocks) {
 // Runs `task(stack, b, head)` for every query block's (batch row, head) pair, `heads_of(block)`
 // heads each, in parallel; a task runs the block's stacks in order, so each output is formed
 // as by one call per stack. Different query blocks must write disjoint gradients (a wave's
-// cells read different source layers).
+// cells read different source layers). The tasks are split among the threads by their work
+// (queries x groups x rows): a wave's cells read different numbers of groups.
 template <typename Heads, typename Task>
-void for_each_head(at::IntArrayRef cells, size_t blocks, const std::vector<int64_t>& batch,
-                   Heads heads_of, Task task) {
+void for_each_head(at::IntArrayRef cells, at::TensorList q, at::TensorList keys, Heads heads_of,
+                   Task task) {
+  const size_t blocks = q.size();
   std::vector<int64_t> first(blocks + 1, static_cast<int64_t>(cells.size()));
-  for (int64_t j = static_cast<int64_t>(cells.size()) - 1; j >= 0; --j) first[cells[j]] = j;
+  std::vector<double> work(blocks, 0.0);
+  for (int64_t j = static_cast<int64_t>(cells.size()) - 1; j >= 0; --j) {
+    first[cells[j]] = j;
+    work[cells[j]] += static_cast<double>(keys[j].size(0) * keys[j].size(3));
+  }
   for (int64_t i = static_cast<int64_t>(blocks) - 1; i >= 0; --i) {
     first[i] = std::min(first[i], first[i + 1]);
   }
+  // Tasks in order (block, batch row, head); `before[t]`: the work of the tasks before t.
   std::vector<int64_t> offset(blocks + 1, 0);
-  for (size_t i = 0; i < blocks; ++i) offset[i + 1] = offset[i] + batch[i] * heads_of(i);
-  at::parallel_for(0, offset[blocks], 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const size_t i = std::upper_bound(offset.begin(), offset.end(), t) - offset.begin() - 1;
-      const int64_t local = t - offset[i], heads = heads_of(i);
-      for (int64_t j = first[i]; j < first[i + 1]; ++j) task(j, local / heads, local % heads);
+  for (size_t i = 0; i < blocks; ++i) {
+    offset[i + 1] = offset[i] + (q[i].dim() == 4 ? q[i].size(0) * heads_of(i) : 0);
+  }
+  const int64_t tasks = offset[blocks];
+  std::vector<double> before(tasks + 1, 0.0);
+  for (size_t i = 0, t = 0; i < blocks; ++i) {
+    const double each = work[i] * (q[i].dim() == 4 ? q[i].size(2) : 0);
+    for (; static_cast<int64_t>(t) < offset[i + 1]; ++t) before[t + 1] = before[t] + each;
+  }
+  if (tasks == 0 || before[tasks] == 0) return;
+  const int64_t parts = std::min<int64_t>(tasks, at::get_num_threads());
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part) {
+      // This part's tasks: those whose preceding work falls in its share.
+      const double lo = before[tasks] * part / parts, hi = before[tasks] * (part + 1) / parts;
+      const int64_t t0 = std::lower_bound(before.begin(), before.end() - 1, lo) - before.begin();
+      const int64_t t1 = part + 1 == parts ? tasks
+          : std::lower_bound(before.begin(), before.end() - 1, hi) - before.begin();
+      for (int64_t t = t0; t < t1; ++t) {
+        const size_t i = std::upper_bound(offset.begin(), offset.end(), t) - offset.begin() - 1;
+        const int64_t local = t - offset[i], heads = heads_of(i);
+        for (int64_t j = first[i]; j < first[i + 1]; ++j) task(j, local / heads, local % heads);
+      }
     }
   });
 }
@@ -354,8 +378,6 @@ void finished_groups_forward(at::TensorList q, at::TensorList keys, at::TensorLi
               "finished groups: q, out, lse one per query block; keys, values, shift one per "
               "stack of groups");
   check_cells(cells, keys.size(), q.size());
-  std::vector<int64_t> batch;
-  for (size_t i = 0; i < q.size(); ++i) batch.push_back(q[i].dim() == 4 ? q[i].size(0) : 0);
   for (size_t j = 0; j < keys.size(); ++j) {
     const at::Tensor& qi = q[cells[j]];
     check(qi, keys[j], values[j], {&qi, &keys[j], &values[j], &out[cells[j]]},
@@ -372,7 +394,7 @@ void finished_groups_forward(at::TensorList q, at::TensorList keys, at::TensorLi
                          lse[cells[j]]);
     }
     auto heads = [&](size_t i) { return q[i].size(1); };
-    for_each_head(cells, q.size(), batch, heads, [&](int64_t j, int64_t b, int64_t h) {
+    for_each_head(cells, q, keys, heads, [&](int64_t j, int64_t b, int64_t h) {
       thread_local Scratch<scalar_t> scratch;
       items[j].run(b, h, scale, scratch);
     });
@@ -391,8 +413,6 @@ void finished_groups_backward(at::TensorList grad, at::TensorList q, at::TensorL
               "finished groups: grad, q, delta, dq one per query block; keys, values, lse, "
               "grad_keys, grad_values, row_sums one per stack of groups");
   check_cells(cells, keys.size(), q.size());
-  std::vector<int64_t> batch;
-  for (size_t i = 0; i < q.size(); ++i) batch.push_back(q[i].dim() == 4 ? q[i].size(0) : 0);
   std::vector<int64_t> kv_heads(q.size(), 1);
   for (size_t j = 0; j < keys.size(); ++j) {
     const at::Tensor& qi = q[cells[j]];
@@ -424,7 +444,7 @@ void finished_groups_backward(at::TensorList grad, at::TensorList q, at::TensorL
                          row_sums[j]);
     }
     auto heads = [&](size_t i) { return kv_heads[i]; };
-    for_each_head(cells, q.size(), batch, heads, [&](int64_t j, int64_t b, int64_t hk) {
+    for_each_head(cells, q, keys, heads, [&](int64_t j, int64_t b, int64_t hk) {
       thread_local Scratch<scalar_t> scratch;
       items[j].run(b, hk, scale, scratch);
     });

@@ -19,8 +19,10 @@ descending by p, read one strided view of each stack, and each projection of the
 batched matmul (`wave_linear`, which adds the stacks' gradients in place, as
 layers.SharedWeight does, instead of a zero-filled stack gradient per wave). Norms, SwiGLU and
 the residual adds run once on the stacked cells, the split into heads and RoPE once on the
-cells' tokens laid end to end. Attention runs per cell, through the model's backend, each cell
-reading its layer's key set at its block's start.
+cells' tokens laid end to end. The wave's attention is one `attend_wave` call of the model's
+backend, each cell reading its layer's key set at its block's start: on `cpu_fused` one
+own-keys kernel and one finished-groups kernel for the whole wave (attention/merged.py,
+`fused_cells`); the other backends attend cell by cell.
 
 Finished KVs are published per wave, one cell per layer (history.py), except the last block's,
 which nobody reads. With `activation_checkpoint = wave` one wave is the recompute unit: backward

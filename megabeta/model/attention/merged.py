@@ -33,7 +33,9 @@ gradient (as torch's context-parallel ring attention does).
   every group into the own keys' output and lse in place; backward adds the keys' and values'
   gradients straight into the history's gradient buffers. Measured at c = 32 (one layer's 15
   blocks with history, batch 8, 3 heads, forward and backward of this whole function): 50 ms
-  with the fused kernels against 86-90 ms on ATen's.
+  with the fused kernels against 86-90 ms on ATen's. `fused_cells` runs several cells at once
+  (a wave of the wavefront schedule; one block of the block schedule is a wave of one): the
+  own keys of all cells in one flash call, every cell's groups in one fused-kernel call.
 - `CUDA_KERNELS` (`cuda_flash`): ATen's CUDA kernels. Flash
   (`_scaled_dot_product_flash_attention[_backward]`, bf16/fp16 only, takes GQA's fewer key heads
   as they are) has no mask, only `is_causal`: it serves the groups and the own keys when there is
@@ -471,10 +473,6 @@ def fused_cells(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None, slope
     so their groups' gradients never meet; one cell is a block of the block schedule. Each
     `anchors` entry orders this backward before its producer's, each `on_backward` entry is
     called once it is done (history.py)."""
-    if torch.is_grad_enabled() and any(b.grads is None and (b.k.requires_grad or b.v.requires_grad)
-                                       for cell in batches for b in cell):
-        raise RuntimeError("merged attention: key groups that require grad need a gradient "
-                           "buffer (GroupBatch.grads)")
     held = list({id(a): a for a in anchors if a is not None}.values())
     return _FusedCells.apply(q, k, v, self_bias, slope, batches, on_backward, scale, *held)
 
