@@ -136,8 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     for preset in (args.preset, "t19_flash"):
         counts = dispatches(preset, args.attention)
         r = counts["wavefront"] / counts["block"]
-        print(f"- {preset}: block {counts['block']}, wavefront {counts['wavefront']}: {r:.2f}x "
-              f"({'meets' if r <= 0.35 else 'MISSES'} the 0.35x target)")
+        # The 0.35x target is the batched shape's; t19_flash (about 4/3 cells a wave) has none.
+        verdict = (f" ({'meets' if r <= 0.35 else 'MISSES'} the 0.35x target)"
+                   if preset == args.preset else "")
+        print(f"- {preset}: block {counts['block']}, wavefront {counts['wavefront']}: "
+              f"{r:.2f}x{verdict}")
 
     if args.t19_len:
         t19 = dict(vocab_size=args.vocab, max_seq_len=args.t19_len)
