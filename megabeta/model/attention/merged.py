@@ -328,8 +328,7 @@ class _MergedAttention(CellByCell):
         cell by cell."""
         stored = [k.stored for k in keys]
         dtype = next((s.dtype for s in stored if s is not None), q[0].dtype)
-        if (len(q) == 1 or dropout_p or not self.kernels.fuses_groups(dtype)
-                or any(s is not None and s.block_start is None for s in stored)):
+        if len(q) == 1 or dropout_p or not self.kernels.fuses_groups(dtype):
             return super().attend_wave(q, keys, biases, layers=layers, dropout_p=dropout_p)
         self_bias = (None if biases[0].self_bias is None
                      else torch.cat([b.self_bias for b in biases]))
@@ -485,8 +484,9 @@ class _FusedCells(torch.autograd.Function):
                 slope: Tensor | None, batches: list[list[GroupBatch]],
                 on_backward: list[Callable[[], None] | None], scale: float,
                 *anchors: Tensor) -> Tensor:
-        out, lse = fused_cells_forward(q, k, v, self_bias, slope, batches, scale=scale)
-        ctx.scale, ctx.batches, ctx.on_backward = scale, batches, on_backward
+        groups = CellStacks.of(batches, slope, q)
+        out, lse = fused_cells_forward(q, k, v, self_bias, slope, groups, scale=scale)
+        ctx.scale, ctx.groups, ctx.on_backward = scale, groups, on_backward
         ctx.anchors = len(anchors)
         ctx.save_for_backward(q, k, v, out, lse, self_bias, slope)
         return out
@@ -496,13 +496,13 @@ class _FusedCells(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, self_bias, slope = ctx.saved_tensors
         dq, dk, dv, d_bias, d_slope = fused_cells_backward(
-            grad, q, k, v, out, lse, self_bias, slope, ctx.batches, scale=ctx.scale,
+            grad, q, k, v, out, lse, self_bias, slope, ctx.groups, scale=ctx.scale,
             bias_grad=ctx.needs_input_grad[3])
         for done in ctx.on_backward:
             if done is not None:
                 done()
         # The batches are views of the history's buffers: the graph must not keep them alive.
-        ctx.batches = ()
+        ctx.groups = None
         anchors = [grad.new_zeros(()) for _ in range(ctx.anchors)]
         return dq, dk, dv, d_bias, d_slope, None, None, None, *anchors
 
@@ -520,8 +520,9 @@ def _unfold_cells(x: Tensor, cells: int, batch: int) -> Tensor:
 
 
 @dataclass
-class _Stacks:
-    """The cells' stacks of groups as the fused kernels take them (one call for all cells)."""
+class CellStacks:
+    """The cells' stacks of groups as the fused kernels take them (one call for all cells),
+    built once per `fused_cells` call for its forward and backward (`of`)."""
 
     stacks: list[GroupBatch]
     cells: list[int]
@@ -534,7 +535,7 @@ class _Stacks:
     """Each group's depth offset m - l `[n, G]` (padding 0); None: no depth bias shifts one."""
 
     @staticmethod
-    def of(batches: list[list[GroupBatch]], slope: Tensor | None, like: Tensor) -> "_Stacks":
+    def of(batches: list[list[GroupBatch]], slope: Tensor | None, like: Tensor) -> "CellStacks":
         stacks, cells, rows, offsets = [], [], [], []
         for i, cell in enumerate(batches):
             row: list[int] = []
@@ -549,7 +550,7 @@ class _Stacks:
         if slope is not None and any(o for row in offsets for o in row):
             table = torch.tensor([row + [0] * (width - len(row)) for row in offsets],
                                  dtype=like.dtype, device=like.device)
-        return _Stacks(stacks, cells, rows, width, table)
+        return CellStacks(stacks, cells, rows, width, table)
 
     def shift(self, slope: Tensor | None, like: Tensor) -> Tensor:
         """λ_h·(m - l) per cell, group and head `[n, G, H]` (what the kernels subtract)."""
@@ -563,7 +564,7 @@ class _Stacks:
 
 
 def fused_cells_forward(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
-                        slope: Tensor | None, batches: list[list[GroupBatch]], *,
+                        slope: Tensor | None, groups: "CellStacks", *,
                         scale: float) -> tuple[Tensor, Tensor]:
     """`fused_cells`' output `[n, B, H, c, d_h]` and lse `[n, B, H, c]`: the own keys in one
     kernel call for all cells (the cells' masks `[n, 1, c, c]`), then every cell's groups
@@ -574,7 +575,6 @@ def fused_cells_forward(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | Non
     out, lse = CPU_FUSED.own_forward(_fold_cells(q), _fold_cells(k), _fold_cells(v), mask=mask,
                                      scale=scale)
     out, lse = _unfold_cells(out, n, batch), _unfold_cells(lse, n, batch)
-    groups = _Stacks.of(batches, slope, q)
     if groups.stacks:
         finished_groups.forward(list(q.unbind()), [b.k for b in groups.stacks],
                                 [b.v for b in groups.stacks],
@@ -585,7 +585,7 @@ def fused_cells_forward(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | Non
 
 def fused_cells_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                          lse: Tensor, self_bias: Tensor | None, slope: Tensor | None,
-                         batches: list[list[GroupBatch]], *, scale: float, bias_grad: bool
+                         groups: "CellStacks", *, scale: float, bias_grad: bool
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """dq, dk, dv (the own keys), d_self_bias `[n]` (when `bias_grad`) and d_slope `[n, H]`
     (None: no group's depth offset is non-zero) of `fused_cells_forward`; the groups' key and
@@ -604,7 +604,7 @@ def fused_cells_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     d_bias = (_self_bias_grad(grad, fq, fk, fv, f_lse, delta, mask, scale=scale, cells=n)
               .to(self_bias.dtype) if bias_grad else None)
     dq = _unfold_cells(dq, n, batch)
-    groups, d_slope = _Stacks.of(batches, slope, q), None
+    d_slope = None
     if groups.stacks:
         # Each group's lse: the merged one plus its shift, `[n, G, B, H, c]` (a broadcast view
         # when no bias shifts one).

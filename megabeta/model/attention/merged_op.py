@@ -31,7 +31,12 @@ from torch import Tensor
 
 from megabeta.kernels.ops import anchor_gradient, custom_op
 from megabeta.model.attention.backend import GroupBatch, group_runs
-from megabeta.model.attention.merged import fused_cells_backward, fused_cells_forward, one_cell
+from megabeta.model.attention.merged import (
+    CellStacks,
+    fused_cells_backward,
+    fused_cells_forward,
+    one_cell,
+)
 
 
 def _batches(hist_k: Tensor, hist_v: Tensor, grad_k: Tensor | None, grad_v: Tensor | None,
@@ -63,8 +68,9 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tenso
                   sources: list[int], layer: int, window: int,
                   scale: float) -> tuple[Tensor, Tensor]:
     batches = _batches(hist_k, hist_v, None, None, start, sources, layer, window)
-    out, lse = fused_cells_forward(q[None], k[None], v[None], self_bias, one_cell(slope),
-                                   [batches], scale=scale)
+    groups = CellStacks.of([batches], one_cell(slope), q)
+    out, lse = fused_cells_forward(q[None], k[None], v[None], self_bias, one_cell(slope), groups,
+                                   scale=scale)
     # The layouts the fake implementation promises (ATen's CPU flash kernel makes these
     # already: out `[B, n, H, d]` storage, lse `[B, n, H]`).
     return _heads_last(out[0]), lse[0].contiguous()
@@ -97,7 +103,8 @@ def _backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, 
     batches = _batches(hist_k, hist_v, grad_hist_k, grad_hist_v, start, sources, layer, window)
     dq, dk, dv, d_bias, d_slope = fused_cells_backward(
         grad[None], q[None], k[None], v[None], out[None], lse[None], self_bias,
-        one_cell(slope), [batches], scale=scale, bias_grad=self_bias is not None)
+        one_cell(slope), CellStacks.of([batches], one_cell(slope), q), scale=scale,
+        bias_grad=self_bias is not None)
     if slope is not None:  # no group shifted by a non-zero offset: no gradient
         d_slope = torch.zeros_like(slope) if d_slope is None else d_slope[0]
     return (_like(dq[0], q), _like(dk[0], k), _like(dv[0], v),
