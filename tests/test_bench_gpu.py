@@ -30,9 +30,9 @@ def test_quick_cpu_run_reports_every_section_and_says_what_did_not_run(
     monkeypatch.delenv("OUT", raising=False)
     # Section 3 (model checks of the Triton backend under the interpreter: minutes) is tested
     # on its own below.
-    gpu.main(["--device", "cpu", "--quick", "--out", str(tmp_path), "--modes", "eager,graphed",
-              "--speed-lengths", "64", "--max-batch", "2",
-              "--sections", "versions,kernels,speed,article"])
+    gpu.main(["--device", "cpu", "--quick", "--out", str(tmp_path), "--modes",
+              "eager,graphed,wavefront", "--speed-lengths", "64", "--max-batch", "2",
+              "--sections", "versions,kernels,wavefront,speed,article"])
     data = json.loads((tmp_path / "gpu.json").read_text())
     markdown = (tmp_path / "gpu.md").read_text()
     assert list(data["sections"]) == list(gpu.SECTIONS)
@@ -59,6 +59,12 @@ def test_quick_cpu_run_reports_every_section_and_says_what_did_not_run(
     speed = data["sections"]["speed"]["rows"]
     beta = [r for r in speed if r["arm"].startswith("beta")]
     assert beta and all(r["s_per_step"] > 0 and "time_vs_standard" in r for r in beta)
+    assert [r["time_vs_block"] > 0 for r in beta if r["mode"] == "wavefront"] == [True, True]
+    # The wavefront section: the paired arms, and the dispatch counts (deterministic) of the
+    # batched shape within the 0.35x of the block schedule's.
+    wave = {r["figure"]: r for r in data["sections"]["wavefront"]["rows"]}
+    assert {"standard s/step", "block s/step", "wavefront s/step"} <= set(wave)
+    assert wave["dispatches per step, beta_1.2_test"]["wavefront_vs_block"] <= 0.35
     assert all({"tokens_per_s", "MFU", "peak_GiB"} <= set(r) for r in speed)
     article = {r["arm"]: r for r in data["sections"]["article"]["rows"]}
     assert set(article) == set(gpu.ARTICLE_S_PER_BATCH)
@@ -208,8 +214,8 @@ def test_wavefront_check_compares_with_the_block_schedule(tmp_path: Path,
 
     def zero_self_bias(self, model, cell):
         cell_weights(self, model, cell)
-        cell.biases = [AttentionBias(b.slope, torch.zeros_like(b.self_bias), b.group_shift)
-                       for b in cell.biases]
+        biases = cell.pass_biases
+        biases.self_bias = torch.zeros_like(biases.self_bias)
 
     monkeypatch.setattr(wavefront.WaveWeights, "__init__", zero_self_bias)
     gpu.check_wavefront(run, "sdpa", "fp32", fields, length=length, case="mha")

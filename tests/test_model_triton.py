@@ -25,15 +25,27 @@ CASES = {
 
 def _pair(case: str, **execution: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The triton model in float32 and the explicit one in float64, with the same weights."""
-    overrides = {**SMALL, **CASES[case]}
+    overrides = {**SMALL, **CASES.get(case, WAVE_CASES.get(case))}
     reference = tiny_model(attention="explicit", **overrides)
     model = tiny_model(attention="triton", cell_kernels="triton", **execution, **overrides)
     model.load_state_dict(reference.state_dict())
     return model.float(), reference
 
 
-@pytest.mark.parametrize("schedule,checkpoint", [("block", "block"), ("wavefront", "wave")])
-@pytest.mark.parametrize("case", sorted(CASES))
+WAVE_CASES = {
+    # Waves of several cells (p = k + 1 < L): the wave kernel's cells, layers and sources.
+    "c3_k0": dict(block_size=3, depth_window=0),
+    "c2_k1_gqa_window": dict(block_size=2, num_heads=4, num_kv_heads=2, depth_window=1,
+                             deep_token_window=3),
+    "stride2": dict(block_size=3, num_layers=4, depth_window=2, depth_stride=2),
+}
+
+
+@pytest.mark.parametrize("case,schedule,checkpoint", [
+    *((case, "block", "block") for case in sorted(CASES)),
+    *((case, "wavefront", "wave") for case in sorted(CASES)),
+    *((case, "wavefront", "none") for case in sorted(WAVE_CASES)),
+])
 def test_triton_path_matches_reference_and_explicit_gradients(case: str, schedule: str,
                                                               checkpoint: str) -> None:
     model, reference = _pair(case, activation_checkpoint=checkpoint, schedule=schedule)
@@ -60,3 +72,18 @@ def test_triton_decoding_matches_forward() -> None:
         steps = [model.step(x[:, i], cache) for i in range(5, T)]
     torch.testing.assert_close(torch.cat([logits, torch.stack(steps, 1)], 1), full,
                                atol=2e-5, rtol=1e-4)
+
+
+def test_triton_wavefront_attends_each_wave_in_one_launch() -> None:
+    """3 layers, k = 0: 8 waves of up to 3 cells; with wave checkpointing the attention launches
+    one forward kernel per wave and per recompute, and one backward kernel per wave."""
+    from megabeta.kernels.ops import LaunchCount
+    from megabeta.model.wavefront import WavePlan
+
+    model, _ = _pair("c3_k0", activation_checkpoint="wave", schedule="wavefront")
+    x = tokens(batch=1, length=T)
+    with LaunchCount() as count:
+        model(x, x).backward()
+    waves = WavePlan(-(-T // 3), 3, 1).waves
+    assert count.by_kernel["_forward_kernel"] == 2 * waves
+    assert count.by_kernel["_backward_kernel"] == waves

@@ -258,3 +258,101 @@ def test_compiles_to_one_graph_for_every_start() -> None:
         torch.testing.assert_close(buffers[0].double(), want["grad_hist_k"], **TOL)
         torch.testing.assert_close(buffers[1].double(), want["grad_hist_v"], **TOL)
     assert len(graphs) == 1
+
+
+def _wave_case(*, blocks: tuple[int, ...], layers: list[int], sources: list[list[int]], n: int,
+               window: int, num_layers: int, length: int, seed: int = 3) -> list[dict]:
+    """The cells of one wave as block cases sharing one history: cell i at block `blocks[i]`
+    and `layers[i]` reading `sources[i]`, whose rows from the cell's start on are garbage."""
+    cells = [_case(n=n, start=b * n, sources=tuple(s), layer=l, window=window, length=length,
+                   seed=seed + i) for i, (b, l, s) in enumerate(zip(blocks, layers, sources))]
+    gen = torch.Generator().manual_seed(seed)
+    hist_k = torch.randn(num_layers, 1, 2, length, D, generator=gen)
+    hist_v = torch.randn(num_layers, 1, 2, length, D, generator=gen)
+    for c in cells:
+        for m in c["sources"]:
+            hist_k[m, :, :, c["start_value"]:] = float("nan")
+            hist_v[m, :, :, c["start_value"]:] = float("inf")
+    for c in cells:
+        c["hist_k"], c["hist_v"] = hist_k, hist_v
+    return cells
+
+
+def test_a_wave_in_one_launch_is_its_cells_block_by_block() -> None:
+    """A wave (spec §5) of three cells on consecutive blocks at layers 4, 2, 0 of a 5-layer
+    model with k = 1 (M = {4}, {2, 3}, {0, 1}), GQA and a deep-token window: one forward and
+    one backward launch give each cell's outputs and gradients, the history's gradients and the
+    bias gradient rows exactly as one block_attention call per cell, and they match the float64
+    reference."""
+    layers, sources = [4, 2, 0], [[4], [2, 3], [0, 1]]
+    cells = _wave_case(blocks=(1, 2, 3), layers=layers, sources=sources, n=9, window=13,
+                       num_layers=5, length=40)
+    width, length = 2, 40
+
+    def leaves(name: str, stack: bool) -> list[torch.Tensor] | torch.Tensor:
+        ts = [c[name].detach().clone() for c in cells]
+        return torch.stack(ts).requires_grad_() if stack else [t.requires_grad_() for t in ts]
+
+    shifts = torch.zeros(3, width, 4)
+    for i, c in enumerate(cells):
+        shifts[i, :len(c["sources"])] = c["shift"]
+    self_bias = torch.cat([c["self_bias"] for c in cells])
+    hist_k, hist_v = cells[0]["hist_k"], cells[0]["hist_v"]
+    start = torch.arange(length + 1)[cells[-1]["start_value"]]
+
+    # One block_attention call per cell.
+    q1, k1, v1 = leaves("q", False), leaves("k", False), leaves("v", False)
+    grad_1 = (torch.full(hist_k.shape, 0.25), torch.full(hist_k.shape, -0.5))
+    rows_1 = torch.zeros(3, width, 1, 4, length), torch.zeros(3, 1, 4, length)
+    with LaunchCount() as per_cell:
+        outs = [triton_attention.block_attention(
+            q1[i], k1[i], v1[i], hist_k, hist_v, *grad_1, torch.arange(length + 1)[c["start_value"]],
+            shifts[i, :len(c["sources"])], self_bias[i:i + 1], sources=c["sources"],
+            layer=c["layer"], window=c["window"], scale=c["scale"],
+            shift_rows=rows_1[0][i, :len(c["sources"])], diag_rows=rows_1[1][i])
+            for i, c in enumerate(cells)]
+        sum((o * c["grad"]).sum() for o, c in zip(outs, cells)).backward()
+    assert per_cell.total == 6
+
+    # The wave: one call.
+    q, k, v = leaves("q", True), leaves("k", True), leaves("v", True)
+    grad_w = (torch.full(hist_k.shape, 0.25), torch.full(hist_k.shape, -0.5))
+    rows_w = torch.zeros(3, width, 1, 4, length), torch.zeros(3, 1, 4, length)
+    with LaunchCount() as wave:
+        out = triton_attention.wave_attention(
+            q, k, v, hist_k, hist_v, *grad_w, start, shifts, self_bias, sources=sources[-1],
+            layers=layers, top=4, window=13, scale=cells[0]["scale"], shift_rows=rows_w[0],
+            diag_rows=rows_w[1])
+        (out * torch.stack([c["grad"] for c in cells])).sum().backward()
+    assert wave.by_kernel == {"_forward_kernel": 1, "_backward_kernel": 1}
+
+    assert torch.equal(out.detach(), torch.stack([o.detach() for o in outs]))
+    for wave_leaf, cell_leaves in ((q, q1), (k, k1), (v, v1)):
+        assert torch.equal(wave_leaf.grad, torch.stack([t.grad for t in cell_leaves]))
+    for got, want in zip((*grad_w, *rows_w), (*grad_1, *rows_1)):
+        assert torch.equal(got, want)
+    # And the float64 reference, cell by cell (the history's gradients summed over cells).
+    grad_hist = [torch.zeros(hist_k.shape, dtype=torch.float64) for _ in range(2)]
+    for i, c in enumerate(cells):
+        want = _reference(c)
+        torch.testing.assert_close(out[i].detach().double(), want["out"], **TOL)
+        torch.testing.assert_close(q.grad[i].double(), want["dq"], **TOL)
+        torch.testing.assert_close(k.grad[i].double(), want["dk"], **TOL)
+        grad_hist[0] += want["grad_hist_k"]
+        grad_hist[1] += want["grad_hist_v"]
+        # The shift's gradient is minus the sum of its rows over batch and position.
+        torch.testing.assert_close(-rows_w[0][i, :len(c["sources"])].sum((1, 3)).double(),
+                                   want["d_shift"], **TOL)
+    torch.testing.assert_close(grad_w[0].double() - 0.25, grad_hist[0], **TOL)
+    torch.testing.assert_close(grad_w[1].double() + 0.5, grad_hist[1], **TOL)
+
+
+def test_wave_geometry_is_checked() -> None:
+    """Cells whose layers do not step by one constant, or sources deeper than `top`, are
+    refused before any launch."""
+    with pytest.raises(ValueError, match="step by one constant"):
+        triton_attention.Cells.of([0, 1], [5, 2, 0], 5)
+    with pytest.raises(ValueError, match="deeper than top"):
+        triton_attention.Cells.of([0, 1], [2, 0], 0)
+    cells = triton_attention.Cells.of([0, 1, 2], [6, 3, 0], 7)
+    assert [cells.sources(i) for i in range(3)] == [[6, 7], [3, 4, 5], [0, 1, 2]]

@@ -14,10 +14,15 @@ Sections, in order:
 3. model exactness on the device for the attention backends triton, cuda_flash and sdpa:
    beta_1.2 at c = T equals the standard arm, prefill + steps equal the forward, and beta_1.2 at
    c = 8 equals the float64 explicit backend (logits, loss, fp32 gradients);
-4. speed: t19_flash forward+backward with block checkpointing under bf16 autocast at 4096 and
-   16384 tokens, micro-batch 1 and the largest that fits, eager / compiled / CUDA-graphed, next
-   to the standard arm of the same shape: s/step, tokens/s, MFU, peak memory;
-5. the article's §7 arms at batch 16 next to its 0.876 / 0.124 / 0.094 s/batch.
+4. the wavefront schedule (megabeta/bench/wavefront.py, paired in one process): beta_1.2_test
+   (c = 32, batch 8 x 512) on the block and the wavefront schedule next to the standard arm
+   (FLOP/s ratios), kernel-launching dispatches per step of either schedule on this device, and
+   t19_flash wavefront against block time;
+5. speed: t19_flash forward+backward with block checkpointing under bf16 autocast at 4096 and
+   16384 tokens, micro-batch 1 and the largest that fits, eager / compiled / CUDA-graphed, and
+   on the wavefront schedule with wave checkpointing, next to the standard arm of the same
+   shape: s/step, tokens/s, MFU, peak memory;
+6. the article's §7 arms at batch 16 next to its 0.876 / 0.124 / 0.094 s/batch.
 
 Time: everything runs within --budget-s seconds (default 420); what no longer fits is skipped and
 listed with the reason, as is everything that cannot run here, and a failing check records its
@@ -69,17 +74,23 @@ GRAD_FLOOR = 1e-3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ARTICLE_S_PER_BATCH = {"beta_1.2_test": 0.876, "beta_1.2_c256": 0.124, "t16_std_tf_rope": 0.094}
 """Article §7.1: s/batch at B = 16 (its sequence length is not stated; --article-seq-len)."""
-SECTIONS = ("versions", "kernels", "exactness", "speed", "article")
+SECTIONS = ("versions", "kernels", "exactness", "wavefront", "speed", "article")
 TITLES = {"versions": "Versions and features", "kernels": "Kernel checks (forward and backward)",
-          "exactness": "Model exactness on the device", "speed": "Speed: t19_flash",
+          "exactness": "Model exactness on the device",
+          "wavefront": "The wavefront schedule (paired)", "speed": "Speed: t19_flash",
           "article": "The article's §7 arms at batch 16"}
+MODES = {"eager": dict(activation_checkpoint="block"),
+         "compiled": dict(activation_checkpoint="block", compile=True),
+         "graphed": dict(activation_checkpoint="block", cuda_graphs=True),
+         "wavefront": dict(schedule="wavefront", activation_checkpoint="wave")}
+"""The speed section's modes: the beta arm's execution settings."""
 SETTINGS = {"attention=triton": dict(attention="triton"),
             "attention=cuda_flash": dict(attention="cuda_flash"),
             "cell_kernels=triton": dict(cell_kernels="triton")}
 """The execution settings whose availability section 1 probes (and later sections rely on)."""
 ARTICLE_RESERVE_S = {"cuda": 60.0, "cpu": 8.0}
-"""Budget kept for section 5 while section 4 runs (its three arms, warm-up and timing)."""
-SHARE_END = {"kernels": 0.25, "exactness": 0.45}
+"""Budget kept for section 6 while section 5 runs (its three arms, warm-up and timing)."""
+SHARE_END = {"kernels": 0.25, "exactness": 0.45, "wavefront": 0.55}
 """The fraction of --budget-s by which these sections must be done, so that the speed sections
 keep their time; time they leave unused goes to the later sections."""
 
@@ -878,7 +889,7 @@ def section_exactness(run: Run) -> None:
                         check(run, backend, dtype_name, case_fields, case=case)
 
 
-# ---- sections 4 and 5: speed --------------------------------------------------------------------
+# ---- sections 4-6: speed -------------------------------------------------------------------------
 
 @contextlib.contextmanager
 def count_graph_captures() -> Iterator[list[int]]:
@@ -993,7 +1004,9 @@ def section_speed(run: Run) -> None:
     if why:
         report.note(key, why)
     report.note(key, "the standard arm (arch = standard, same shape) runs attention = auto, its "
-                     "fastest path, at the same batch, mode and precision")
+                     "fastest path, at the same batch, mode and precision (mode wavefront: "
+                     "execution.schedule = wavefront with activation_checkpoint = wave for the "
+                     "beta arm, compared with the eager rows: time_vs_block)")
     lengths = [int(s) for s in args.speed_lengths.split(",")]
     reserve = run.reserve(key)
     known: dict[tuple[int, str], float] = {}
@@ -1011,13 +1024,20 @@ def section_speed(run: Run) -> None:
         extra = {"compiled": args.compile_estimate_s, "graphed": 3 * base}.get(mode, 0.0)
         return 2 * (steps * base * batch + extra)  # two arms
 
+    standard: dict[tuple[int, int], Timing] = {}
+    """(length, batch) -> the standard arm's eager timing (the wavefront mode's base)."""
+    block: dict[tuple[int, int], Timing] = {}
+    """(length, batch) -> the beta arm's eager (block schedule) timing."""
+
     def arms(length: int, mode: str, batch: int) -> None:
-        """Beta, then the standard arm, at one setting: a row each."""
-        execution = dict(activation_checkpoint="block", compile=mode == "compiled",
-                         cuda_graphs=mode == "graphed")
-        base = None
+        """Beta, then the standard arm, at one setting: a row each (the wavefront mode reuses
+        the eager standard arm's timing: its schedule is beta12's alone)."""
+        base = standard.get((length, batch)) if mode == "wavefront" else None
         for arm, arch, backend in (("standard", "standard", "auto"),
                                    ("beta_1.2 t19_flash", "beta12", attention)):
+            if arch == "standard" and base is not None:
+                continue
+            execution = MODES["eager" if arch == "standard" else mode]
             config = _speed_config(run, arch, length)
             label = f"{arm} {length} tokens batch {batch} {mode}"
             with attempt(run, key, label):
@@ -1027,12 +1047,20 @@ def section_speed(run: Run) -> None:
                 except ConfigError as exc:
                     report.not_run(key, label, f"the model refuses it: {_first_line(exc)}")
                     continue
-                report.add(key, _speed_row(run, arm, config, batch, length, mode, timing, peak,
-                                           base if arch == "beta12" else None))
+                row = _speed_row(run, arm, config, batch, length, mode, timing, peak,
+                                 base if arch == "beta12" else None)
+                if mode == "wavefront" and (length, batch) in block:
+                    row["time_vs_block"] = timing.seconds / block[(length, batch)].seconds
+                report.add(key, row)
                 if arch == "standard":
                     base = timing
-                elif batch == 1:
-                    known[(length, mode)] = timing.seconds
+                    if mode == "eager":
+                        standard[(length, batch)] = timing
+                else:
+                    if mode == "eager":
+                        block[(length, batch)] = timing
+                    if batch == 1:
+                        known[(length, mode)] = timing.seconds
                 if mode == "graphed" and not timing.captures:
                     report.note(key, f"{label}: cuda_graphs = true was accepted but no CUDA "
                                      "graph was captured: this ran eagerly")
@@ -1071,19 +1099,21 @@ def section_speed(run: Run) -> None:
                             if batch > args.max_batch else ""))
 
     # By priority: batch 1 eager, each mode at the first length, the batch searches, the rest.
-    modes = [m for m in ("compiled", "graphed") if m in args.modes.split(",")]
+    modes = [m for m in MODES if m != "eager" and m in args.modes.split(",")]
     if "graphed" in modes and not run.cuda:
         modes.remove("graphed")
         report.not_run(key, "mode graphed (execution.cuda_graphs = true)",
                        "CUDA graphs need a CUDA device")
     tasks: list[tuple[str, int, str]] = [("b1", n, "eager") for n in lengths]
-    tasks += [("b1", lengths[0], mode) for mode in modes]
+    if "wavefront" in modes:
+        tasks += [("b1", n, "wavefront") for n in lengths]
+    tasks += [("b1", lengths[0], mode) for mode in modes if mode != "wavefront"]
     tasks += [("max", n, "eager") for n in lengths]
     for mode in modes:
-        tasks += [("b1", n, mode) for n in lengths[1:]]
+        tasks += [("b1", n, mode) for n in lengths[1:] if mode != "wavefront"]
         tasks += [("max", n, mode) for n in lengths]
-    for mode in ("compiled", "graphed"):
-        if mode not in args.modes.split(","):
+    for mode in MODES:
+        if mode != "eager" and mode not in args.modes.split(","):
             report.not_run(key, f"mode {mode}", "not in --modes")
     for kind, length, mode in tasks:
         label = f"{length} tokens, {'batch 1' if kind == 'b1' else 'largest batch'}, {mode}"
@@ -1144,9 +1174,52 @@ def section_article(run: Run) -> None:
                 peak_GiB=timing.peak_gib))
 
 
+def section_wavefront(run: Run) -> None:
+    """`megabeta bench wavefront`'s measurement on this device, with each schedule's
+    checkpointing, against the issue's targets."""
+    from megabeta.bench import wavefront
+
+    report, key = run.report, "wavefront"
+    attention, why = _beta_attention(run)
+    if why:
+        report.note(key, why)
+    settings = wavefront.Settings(attention=attention, checkpoint=True)
+    if run.quick:
+        settings = wavefront.Settings(
+            attention=attention, checkpoint=True, vocab=512, batch=2, seq_len=64, block_size=8,
+            rounds=1, t19_len=64, shape=dict(d_model=64, hidden_dim=128, num_heads=2,
+                                             num_layers=6))
+    report.note(key, f"{settings.preset} against {settings.control} at batch {settings.batch} x "
+                     f"{settings.seq_len}, c = {settings.block_size}; block / wavefront with "
+                     f"block / wave checkpointing; median of {settings.rounds} rounds, the arms "
+                     "in turn in one process; bf16 autocast on CUDA; dispatches: one training "
+                     "step of each schedule at the counting width (16 blocks of 32), "
+                     "kernel-launching operators and Triton launches; t19_flash at batch 1 x "
+                     f"{settings.t19_len}")
+    why = run.budget.why_not(60.0 if run.cuda else 30.0, run.reserve(key))
+    if why:
+        report.not_run(key, "the paired measurement", why)
+        return
+    figures = wavefront.measure(settings, run.device)
+    for name, seconds in figures.seconds.items():
+        report.add(key, dict(figure=f"{name} s/step", value=seconds,
+                             vs_standard=figures.vs_standard[name]))
+    for preset, counts in figures.dispatches.items():
+        report.add(key, dict(figure=f"dispatches per step, {preset}",
+                             value=f"block {counts['block']}, wavefront {counts['wavefront']}",
+                             wavefront_vs_block=figures.dispatch_ratio(preset)))
+    if figures.t19:
+        report.add(key, dict(figure=f"t19_flash s/step, {settings.t19_len} tokens",
+                             value=f"block {_fmt(figures.t19['block'])}, wavefront "
+                                   f"{_fmt(figures.t19['wavefront'])}",
+                             wavefront_vs_block=figures.t19["wavefront"] / figures.t19["block"]))
+    for line in wavefront.verdicts(settings, figures):
+        report.note(key, line)
+
+
 SECTION_FUNCTIONS: dict[str, Callable[[Run], None]] = {
     "versions": section_versions, "kernels": section_kernels, "exactness": section_exactness,
-    "speed": section_speed, "article": section_article}
+    "wavefront": section_wavefront, "speed": section_speed, "article": section_article}
 
 
 # ---- entry point --------------------------------------------------------------------------------
@@ -1166,11 +1239,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="comma-separated sections to run (default: all: %(default)s)")
     parser.add_argument("--attention", default=None,
-                        help="execution.attention of the beta arms in sections 4-5 (default: "
+                        help="execution.attention of the beta arms in sections 4-6 (default: "
                              "triton on CUDA, auto on CPU, where the Triton interpreter takes "
                              "seconds per call; 'auto' when it cannot be selected)")
-    parser.add_argument("--modes", default="eager,compiled,graphed",
-                        help="speed modes of section 4 (eager always runs; default: %(default)s)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="speed modes of section 5 (eager always runs; default: %(default)s)")
     parser.add_argument("--speed-lengths", default=None,
                         help="t19_flash sequence lengths (default: 4096,16384; --quick: 64,128)")
     parser.add_argument("--max-batch", type=int, default=None,
@@ -1183,9 +1256,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="expected torch.compile time per arm, for the budget (default: 60; "
                              "--quick: 30)")
     parser.add_argument("--article-seq-len", type=int, default=None,
-                        help="sequence length of section 5 (default: 1024; --quick: 64)")
+                        help="sequence length of section 6 (default: 1024; --quick: 64)")
     parser.add_argument("--article-batch", type=int, default=None,
-                        help="batch of section 5 (default: 16, the article's; --quick: 2)")
+                        help="batch of section 6 (default: 16, the article's; --quick: 2)")
     args = parser.parse_args(argv)
     if args.attention is None:
         args.attention = "triton" if args.device.startswith("cuda") else "auto"

@@ -8,7 +8,13 @@
   standard arm's. The same pairing for t19_flash's shape (L = 4, k = 2: about 4/3 cells a wave,
   little to batch), block against wavefront.
 - Dispatches: kernel-launching operators of one training step (bench/dispatch.py's counter) on
-  either schedule, each with its checkpointing (block / wave), at the counting width.
+  either schedule, each with its checkpointing (block / wave), at the counting width, on the
+  device the benchmark runs on (with the Triton backend on a GPU, one launch per wave's
+  attention).
+
+On a GPU every step runs under bf16 autocast (float32 parameters, as train.precision = bf16) and
+is timed between device synchronisations; `megabeta bench gpu` runs the same measurement in its
+wavefront section.
 
 Targets (issue "The wavefront schedule"): c = 32 at >= 0.9x the standard arm's FLOP/s;
 dispatches per step <= 0.35x the block schedule's; t19_flash no slower than the block schedule.
@@ -17,8 +23,10 @@ dispatches per step <= 0.35x the block schedule's; t19_flash no slower than the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -29,11 +37,53 @@ from megabeta.model.flops import training_flops
 
 SCHEDULES = {"block": "block", "wavefront": "wave"}
 """Each schedule with the activation checkpointing it pairs with."""
+FLOPS_TARGET = 0.9
+DISPATCH_TARGET = 0.35
 
 
-def _model(preset: str, execution: ExecutionConfig, **overrides: Any) -> DecoderLM:
+@dataclass
+class Settings:
+    """What one wavefront measurement runs (the command's options)."""
+
+    preset: str = "beta_1.2_test"
+    control: str = "t16_std_tf_rope"
+    vocab: int = 8192
+    batch: int = 8
+    seq_len: int = 512
+    block_size: int = 32
+    rounds: int = 4
+    attention: str = "auto"
+    checkpoint: bool = False
+    t19_len: int = 2048
+    shape: dict[str, Any] = field(default_factory=dict)
+    """Model fields both arms of the paired speed take instead of their presets' (a smaller
+    model for a quick run); the dispatch counts keep the presets' structure."""
+
+
+@dataclass
+class Figures:
+    """What it measured."""
+
+    seconds: dict[str, float]
+    """Median s/step: standard, block, wavefront."""
+    rate: dict[str, float]
+    """FLOP/s per arm (model/flops.py's count over the median time)."""
+    vs_standard: dict[str, float]
+    """FLOP/s as a ratio to the standard arm's, per arm."""
+    dispatches: dict[str, dict[str, int]]
+    """Per preset, per schedule: kernel-launching dispatches of one step."""
+    t19: dict[str, float] = field(default_factory=dict)
+    """t19_flash s/step per schedule (empty: not measured)."""
+
+    def dispatch_ratio(self, preset: str) -> float:
+        counts = self.dispatches[preset]
+        return counts["wavefront"] / counts["block"]
+
+
+def _model(preset: str, execution: ExecutionConfig, device: torch.device,
+           **overrides: Any) -> DecoderLM:
     torch.manual_seed(0)
-    return build_model(get_preset(preset, **overrides), execution)
+    return build_model(get_preset(preset, **overrides), execution).to(device)
 
 
 def _execution(schedule: str, attention: str, checkpoint: bool) -> ExecutionConfig:
@@ -41,11 +91,25 @@ def _execution(schedule: str, attention: str, checkpoint: bool) -> ExecutionConf
                            activation_checkpoint=SCHEDULES[schedule] if checkpoint else "none")
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _step(model: DecoderLM, tokens: torch.Tensor) -> Callable[[], float]:
+    """One timed training step; on a GPU under bf16 autocast, between synchronisations."""
+    device = tokens.device
+    cast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+            else contextlib.nullcontext())
+
     def step() -> float:
         model.zero_grad(set_to_none=True)
+        _sync(device)
         start = time.perf_counter()
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        with cast:
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        _sync(device)
         return time.perf_counter() - start
     return step
 
@@ -61,15 +125,15 @@ def paired(arms: dict[str, Callable[[], float]], rounds: int) -> dict[str, float
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def dispatches(preset: str, attention: str) -> dict[str, int]:
+def dispatches(preset: str, attention: str, device: torch.device) -> dict[str, int]:
     """Kernel-launching operators of one training step per schedule (16 blocks of 32)."""
     config = counting_config(**_counting_shape(preset))
     tokens = torch.randint(0, config.vocab_size, (1, 16 * config.block_size),
-                           generator=torch.Generator().manual_seed(0))
+                           generator=torch.Generator().manual_seed(0)).to(device)
     out = {}
     for schedule in SCHEDULES:
         torch.manual_seed(0)
-        model = build_model(config, _execution(schedule, attention, checkpoint=True))
+        model = build_model(config, _execution(schedule, attention, checkpoint=True)).to(device)
         out[schedule] = count_step(model, tokens).total
     return out
 
@@ -81,78 +145,99 @@ def _counting_shape(preset: str) -> dict[str, Any]:
                 depth_window=config.depth_window, depth_stride=config.depth_stride)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="megabeta bench wavefront", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="beta_1.2_test", help="beta arm (%(default)s)")
-    parser.add_argument("--control", default="t16_std_tf_rope",
-                        help="standard arm of the same shape (%(default)s)")
-    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
-    parser.add_argument("--batch", type=int, default=8, help="batch (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
-    parser.add_argument("--block-size", type=int, default=32, help="c (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=4, help="timed rounds (median)")
-    parser.add_argument("--attention", default="auto", help="execution.attention")
-    parser.add_argument("--checkpoint", action="store_true",
-                        help="time each schedule with its activation checkpointing (block / wave)")
-    parser.add_argument("--t19-len", type=int, default=2048,
-                        help="t19_flash tokens per sequence (batch 1; 0 skips it)")
-    args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"# wavefront benchmark: {args.preset} c={args.block_size} vs {args.control}, "
-          f"{device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-
-    shape = dict(vocab_size=args.vocab, max_seq_len=args.seq_len)
-    beta = dict(shape, block_size=args.block_size)
-    models = {"standard": _model(args.control, ExecutionConfig(attention=args.attention),
+def measure(settings: Settings, device: torch.device) -> Figures:
+    """The paired speed, the dispatch counts and the t19_flash pairing (module doc)."""
+    s = settings
+    shape = dict(s.shape, vocab_size=s.vocab, max_seq_len=s.seq_len)
+    beta = dict(shape, block_size=s.block_size)
+    models = {"standard": _model(s.control, ExecutionConfig(attention=s.attention), device,
                                  **shape)}
     for schedule in SCHEDULES:
-        models[schedule] = _model(args.preset, _execution(schedule, args.attention,
-                                                          args.checkpoint), **beta)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1),
-                           generator=torch.Generator().manual_seed(0))
-    models = {name: m.to(device) for name, m in models.items()}
-    seconds = paired({name: _step(m, tokens.to(device)) for name, m in models.items()},
-                     args.rounds)
-    flops = {"standard": training_flops(get_preset(args.control, **shape), args.seq_len)}
-    flops["block"] = flops["wavefront"] = training_flops(get_preset(args.preset, **beta),
-                                                         args.seq_len)
-    rate = {name: args.batch * flops[name] / s for name, s in seconds.items()}
-    print(f"\n## forward+backward, batch {args.batch} x {args.seq_len}, checkpointing "
-          f"{'per schedule' if args.checkpoint else 'off'} (median of {args.rounds} rounds, "
-          "paired in one process)")
+        models[schedule] = _model(s.preset, _execution(schedule, s.attention, s.checkpoint),
+                                  device, **beta)
+    tokens = torch.randint(0, s.vocab, (s.batch, s.seq_len + 1),
+                           generator=torch.Generator().manual_seed(0)).to(device)
+    seconds = paired({name: _step(m, tokens) for name, m in models.items()}, s.rounds)
+    del models
+    flops = {"standard": training_flops(get_preset(s.control, **shape), s.seq_len)}
+    flops["block"] = flops["wavefront"] = training_flops(get_preset(s.preset, **beta),
+                                                         s.seq_len)
+    rate = {name: s.batch * flops[name] / t for name, t in seconds.items()}
+    figures = Figures(seconds, rate, {name: r / rate["standard"] for name, r in rate.items()},
+                      {p: dispatches(p, s.attention, device) for p in (s.preset, "t19_flash")})
+    if s.t19_len:
+        t19 = dict(s.shape, vocab_size=s.vocab, max_seq_len=s.t19_len)
+        pair = {name: _model("t19_flash", _execution(name, s.attention, True), device, **t19)
+                for name in SCHEDULES}
+        t19_tokens = torch.randint(0, s.vocab, (1, s.t19_len + 1),
+                                   generator=torch.Generator().manual_seed(1)).to(device)
+        figures.t19 = paired({name: _step(m, t19_tokens) for name, m in pair.items()},
+                             max(1, s.rounds // 2))
+    return figures
+
+
+def verdicts(settings: Settings, figures: Figures) -> list[str]:
+    """One line per target: the figure, and whether it meets the target."""
+    s, f = settings, figures
+    ratio = f.vs_standard["wavefront"]
+    lines = [f"wavefront c = {s.block_size} FLOP/s >= {FLOPS_TARGET}x standard: {ratio:.2f}x "
+             f"({'meets' if ratio >= FLOPS_TARGET else 'MISSES'} target); block schedule "
+             f"{f.vs_standard['block']:.2f}x; wavefront / block time "
+             f"{f.seconds['wavefront'] / f.seconds['block']:.2f}x"]
+    for preset, counts in f.dispatches.items():
+        r = f.dispatch_ratio(preset)
+        # The 0.35x target is the batched shape's; t19_flash (about 4/3 cells a wave) has none.
+        verdict = (f" ({'meets' if r <= DISPATCH_TARGET else 'MISSES'} the "
+                   f"{DISPATCH_TARGET}x target)" if preset == s.preset else "")
+        lines.append(f"dispatches per step, {preset}: block {counts['block']}, wavefront "
+                     f"{counts['wavefront']}: {r:.2f}x{verdict}")
+    if f.t19:
+        r = f.t19["wavefront"] / f.t19["block"]
+        lines.append(f"t19_flash batch 1 x {s.t19_len}: block {f.t19['block']:.3f} s, wavefront "
+                     f"{f.t19['wavefront']:.3f} s: {r:.2f}x "
+                     f"({'meets' if r <= 1.0 else 'MISSES'} 'no slower')")
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> Settings:
+    d = Settings()
+    parser = argparse.ArgumentParser(prog="megabeta bench wavefront", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default=d.preset, help="beta arm (%(default)s)")
+    parser.add_argument("--control", default=d.control,
+                        help="standard arm of the same shape (%(default)s)")
+    parser.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size")
+    parser.add_argument("--batch", type=int, default=d.batch, help="batch (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    parser.add_argument("--block-size", type=int, default=d.block_size,
+                        help="c (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=d.rounds, help="timed rounds (median)")
+    parser.add_argument("--attention", default=d.attention, help="execution.attention")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="time each schedule with its activation checkpointing (block / wave)")
+    parser.add_argument("--t19-len", type=int, default=d.t19_len,
+                        help="t19_flash tokens per sequence (batch 1; 0 skips it)")
+    return Settings(**vars(parser.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"# wavefront benchmark: {settings.preset} c={settings.block_size} vs "
+          f"{settings.control}, {device}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}")
+    figures = measure(settings, device)
+    print(f"\n## forward+backward, batch {settings.batch} x {settings.seq_len}, checkpointing "
+          f"{'per schedule' if settings.checkpoint else 'off'} (median of {settings.rounds} "
+          "rounds, paired in one process)")
     print("| arm | s/step | GFLOP/s | FLOP/s vs standard |")
     print("|---|---|---|---|")
-    for name in models:
-        print(f"| {name} | {seconds[name]:.3f} | {rate[name] / 1e9:.1f} | "
-              f"{rate[name] / rate['standard']:.2f}x |")
-    ratio = rate["wavefront"] / rate["standard"]
-    print(f"- wavefront c = {args.block_size} FLOP/s >= 0.9x standard: {ratio:.2f}x "
-          f"({'meets' if ratio >= 0.9 else 'MISSES'} target); block schedule "
-          f"{rate['block'] / rate['standard']:.2f}x; wavefront / block time "
-          f"{seconds['wavefront'] / seconds['block']:.2f}x")
-
-    print("\n## kernel-launching dispatches per training step (16 blocks of 32, counting width)")
-    for preset in (args.preset, "t19_flash"):
-        counts = dispatches(preset, args.attention)
-        r = counts["wavefront"] / counts["block"]
-        # The 0.35x target is the batched shape's; t19_flash (about 4/3 cells a wave) has none.
-        verdict = (f" ({'meets' if r <= 0.35 else 'MISSES'} the 0.35x target)"
-                   if preset == args.preset else "")
-        print(f"- {preset}: block {counts['block']}, wavefront {counts['wavefront']}: "
-              f"{r:.2f}x{verdict}")
-
-    if args.t19_len:
-        t19 = dict(vocab_size=args.vocab, max_seq_len=args.t19_len)
-        pair = {s: _model("t19_flash", _execution(s, args.attention, True), **t19).to(device)
-                for s in SCHEDULES}
-        t19_tokens = torch.randint(0, args.vocab, (1, args.t19_len + 1),
-                                   generator=torch.Generator().manual_seed(1)).to(device)
-        t = paired({s: _step(m, t19_tokens) for s, m in pair.items()}, max(1, args.rounds // 2))
-        r = t["wavefront"] / t["block"]
-        print(f"\n## t19_flash, batch 1 x {args.t19_len}, checkpointing per schedule")
-        print(f"- block {t['block']:.2f} s, wavefront {t['wavefront']:.2f} s: {r:.2f}x "
-              f"({'meets' if r <= 1.0 else 'MISSES'} 'no slower')")
+    for name, seconds in figures.seconds.items():
+        print(f"| {name} | {seconds:.3f} | {figures.rate[name] / 1e9:.1f} | "
+              f"{figures.vs_standard[name]:.2f}x |")
+    print()
+    for line in verdicts(settings, figures):
+        print(f"- {line}")
 
 
 if __name__ == "__main__":

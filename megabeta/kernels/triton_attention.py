@@ -1,4 +1,5 @@
-"""A block's whole attention at one layer as Triton kernels: one forward, one backward launch.
+"""The attention of one block, or of a wave's cells, as Triton kernels: one forward and one
+backward launch for all of them.
 
 Spec §3: the queries of a block of n tokens at layer l attend in ONE softmax to the finished
 groups of their source layers m ∈ M(l) (history rows [lo_g, start), score shifted by the depth
@@ -7,25 +8,34 @@ self slot, score plus b_σ). The CPU path (`model/attention/merged.py`) attends 
 separately and merges them by log-sum-exp; here the parts are simply consecutive key tiles of one
 flash-attention style online softmax, so nothing per part is ever materialised:
 
-- Forward (`_forward_kernel`, grid (query tiles, B·H)): each program walks the own keys' tiles
-  (causal, b_σ on the diagonal) and then each group's tiles of the history buffer
-  `[L, B, H_kv, T, d]` (source layer `sources[g]`, score minus `shift[g, h]`), keeping a running
-  max and sum. It writes the output and the natural-log lse of the full biased, scaled scores.
+- Forward (`_forward_kernel`, grid (query tiles, B·H, cells)): each program walks the own keys'
+  tiles (causal, b_σ on the diagonal) and then each group's tiles of the history buffer
+  `[L, B, H_kv, T, d]` (source layer m_g, score minus `shift[g, h]`), keeping a running max and
+  sum. It writes the output and the natural-log lse of the full biased, scaled scores.
 - Backward (`_backward_kernel`, one launch): two kinds of program in one grid, independent of
-  each other. Key programs own one (b, kv head, part, key tile), part = own keys or group g; they
-  loop over the query heads that read that kv head and over the n query rows, recompute P from
-  the saved lse, and write dK/dV (own keys) or ADD them into the history's float32 gradient
-  buffers at exactly their rows (groups). Each row of a buffer has one owner, so no atomics and
-  a fixed summation order: gradients are bitwise reproducible. Query programs own one
-  (b, head, query tile): they form dQ over all keys and write per-row sums of the score gradient
-  per group (the depth bias's gradient) and of its diagonal (b_σ's), which one torch `.sum`
-  reduces after the launch. delta = rowsum(dO∘O) is recomputed in every program from the saved
-  output.
+  each other. Key programs own one (cell, b, kv head, part, key tile), part = own keys or group
+  g; they loop over the query heads that read that kv head and over the n query rows, recompute
+  P from the saved lse, and write dK/dV (own keys) or ADD them into the history's float32
+  gradient buffers at exactly their rows (groups). Each row of a buffer has one owner, so no
+  atomics and a fixed summation order: gradients are bitwise reproducible. Query programs own
+  one (cell, b, head, query tile): they form dQ over all keys and write per-row sums of the
+  score gradient per group (the depth bias's gradient) and of its diagonal (b_σ's), which one
+  torch `.sum` reduces after the launch. delta = rowsum(dO∘O) is recomputed in every program
+  from the saved output.
+
+Cells. One call computes `cells` blocks stacked on a leading axis (`[cells, B, H, n, d]`): one
+block of the block schedule is one cell; a wave of the wavefront schedule (spec §5,
+model/wavefront.py) is up to ⌈L/(k+1)⌉ cells on consecutive blocks, oldest first, at layers
+that step by a constant (-(k+1)). Cell i's block starts (cells-1-i)·n rows before the last
+cell's, and its layer and its source layers are the last cell's moved by the layer step, the
+sources cut at the deepest layer `top` (M(l) = {l, l+s, …} ∩ [l, min(l+k, L-1)]). The cells of
+a wave read disjoint source layers (M(l) ⊆ [l, l+k]), so their key programs never write the same
+gradient rows: still no atomics.
 
 Static shapes: the valid history length `start` is a device tensor read inside the kernels;
 the grids cover all T history rows (key programs past `start` find no rows and store nothing),
 so one compiled graph / CUDA graph serves every block. History rows >= start are never loaded
-unmasked (they may hold anything, NaN included). Rows [lo_g, start) of source `sources[g]`, with
+unmasked (they may hold anything, NaN included). Rows [lo_g, start) of source m_g, with
 lo_g = max(0, start - window) for a deeper source under a deep-token window (history.group_rows).
 
 The source layers must be an arithmetic progression (as M(l) of spec §3 always is): the kernels
@@ -35,14 +45,16 @@ Head widths need not be powers of two (t19_flash: 200): tiles are padded to the 
 with masks. Inputs float32, bfloat16 or float16, accumulation in float32; float32 products are
 exact IEEE ones (no TF32).
 
-Operators (`ops.custom_op`, fake implementations for tracing): `megabeta::block_attention_forward`,
-`megabeta::block_attention_backward` (adds into the gradient buffers in place) and
-`megabeta::block_attention`, the forward with autograd registered, taking the gradient buffers as
-inputs; `forward`, `backward`, `block_attention` are their typed wrappers. (No
-`from __future__ import annotations` here: `custom_op` infers the schemas from the annotations.)
+Operators (`ops.custom_op`, fake implementations for tracing), all over stacked cells:
+`megabeta::block_attention_forward`, `megabeta::block_attention_backward` (adds into the gradient
+buffers in place) and `megabeta::block_attention`, the forward with autograd registered, taking
+the gradient buffers as inputs. Typed wrappers: `forward`, `backward`, `block_attention` for one
+block, `wave_attention` for a wave's cells. (No `from __future__ import annotations` here:
+`custom_op` infers the schemas from the annotations.)
 """
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -80,15 +92,60 @@ def _tiles(device_type: str, block_d: int, dtype: torch.dtype) -> tuple[int, int
     return 32, 32, 8
 
 
-def _groups(sources: list[int]) -> tuple[int, int, int]:
-    """(G, first source, step) of an arithmetic progression of source layers."""
-    if not sources:
-        return 0, 0, 0
-    step = sources[1] - sources[0] if len(sources) > 1 else 1
-    if step <= 0 or any(b - a != step for a, b in zip(sources, sources[1:])):
-        raise ValueError(f"block attention: sources must be increasing with one step (M(l) of "
-                         f"spec §3), got {sources}")
-    return len(sources), sources[0], step
+@dataclass(frozen=True)
+class Cells:
+    """The geometry of one call: which layer and source layers each cell has (module doc)."""
+
+    count: int
+    groups: int
+    """G: the most source layers a cell reads (the last cell's)."""
+    first: int
+    """Cell 0's first source layer (0 when G = 0)."""
+    step: int
+    """The step between a cell's source layers (1 when it has at most one)."""
+    top: int
+    """The deepest source layer any cell reads: cell i reads sources first_i + g·step ≤ top,
+    g < G."""
+    layer: int
+    """Cell 0's layer."""
+    layer_step: int
+    """Cell i's layer (and first source) is cell 0's plus i·layer_step."""
+
+    @staticmethod
+    def of(sources: list[int], layers: list[int], top: int) -> "Cells":
+        """`sources`: the last cell's source layers, an arithmetic progression; `layers`: each
+        cell's layer, an arithmetic progression; `top`: the deepest source layer."""
+        if not layers:
+            raise ValueError("block attention: no cells (layers is empty)")
+        layer_step = layers[1] - layers[0] if len(layers) > 1 else 0
+        if any(b - a != layer_step for a, b in zip(layers, layers[1:])):
+            raise ValueError(f"block attention: the cells' layers must step by one constant, "
+                             f"got {layers}")
+        if not sources:
+            return Cells(len(layers), 0, 0, 1, 0, layers[0], layer_step)
+        step = sources[1] - sources[0] if len(sources) > 1 else 1
+        if step <= 0 or any(b - a != step for a, b in zip(sources, sources[1:])):
+            raise ValueError(f"block attention: sources must be increasing with one step (M(l) "
+                             f"of spec §3), got {sources}")
+        if sources[-1] > top:
+            raise ValueError(f"block attention: source {sources[-1]} is deeper than top {top}")
+        return Cells(len(layers), len(sources), sources[0] + layers[0] - layers[-1], step, top,
+                     layers[0], layer_step)
+
+    def sources(self, i: int) -> list[int]:
+        """Cell i's source layers."""
+        first = self.first + i * self.layer_step
+        return [m for m in range(first, first + self.groups * self.step, self.step)
+                if m <= self.top]
+
+    def layers(self) -> list[int]:
+        return [self.layer + i * self.layer_step for i in range(self.count)]
+
+    def args(self) -> tuple[int, ...]:
+        """The kernels' scalar arguments (CELLS, G, src0, src_step, src_top, layer0,
+        layer_step)."""
+        return (self.count, self.groups, self.first, self.step, self.top, self.layer,
+                self.layer_step)
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -101,33 +158,49 @@ def _like(t: Tensor) -> Tensor:
     return torch.empty_like(_rows(t))
 
 
+def _per_cell(t: Tensor) -> Tensor:
+    """`t [cells, …]` in float32 with each cell's entries contiguous (a strided view of a stack
+    of cells stays as it is: the kernels take the cell stride)."""
+    t = t.to(torch.float32)
+    return t if t[:1].is_contiguous() else t.contiguous()
+
+
 def _hist_strides(t: Tensor, groups: int) -> tuple[int, ...]:
     """Strides (l, b, h, t) of a history buffer; zeros when no group reads it (any shape)."""
     return tuple(t.stride()[:4]) if groups else (0, 0, 0, 0)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, shift: Tensor,
-           sources: list[int]) -> None:
+           self_bias: Tensor | None, cells: Cells) -> None:
     """Shapes and dtypes the kernels assume (they would read out of bounds otherwise)."""
-    batch, heads, n, width = q.shape
-    groups = len(sources)
+    count, batch, heads, n, width = q.shape
+    groups = cells.groups
     dtypes = {t.dtype for t in ((q, k, v, hist_k, hist_v) if groups else (q, k, v))}
     if len(dtypes) > 1:
         raise ValueError(f"block attention: q, k, v and the history need one dtype, got {dtypes}")
-    if k.shape != (batch, k.shape[1], n, width) or v.shape != k.shape or heads % k.shape[1]:
-        raise ValueError(f"block attention: k, v must be [B, H_kv, n, d] with H a multiple of "
-                         f"H_kv (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
+    if count != cells.count:
+        raise ValueError(f"block attention: {count} cells of queries for {cells.count} layers")
+    if k.shape != (count, batch, k.shape[2], n, width) or v.shape != k.shape \
+            or heads % k.shape[2]:
+        raise ValueError(f"block attention: k, v must be [cells, B, H_kv, n, d] with H a "
+                         f"multiple of H_kv (q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)})")
+    if shift.dim() != 3 or shift.shape[0] != count or shift.shape[1] < groups \
+            or shift.shape[2] != heads:
+        raise ValueError(f"block attention: shift must be [cells, G, H] = [{count}, {groups}, "
+                         f"{heads}] (G or more groups), got {tuple(shift.shape)}")
+    if self_bias is not None and self_bias.shape != (count,):
+        raise ValueError(f"block attention: self_bias must be [cells] = [{count}], got "
+                         f"{tuple(self_bias.shape)}")
     if groups:
-        if hist_k.dim() != 5 or hist_k.shape[1:3] != k.shape[:2] or hist_k.shape[4] != width \
+        if hist_k.dim() != 5 or hist_k.shape[1:3] != k.shape[1:3] or hist_k.shape[4] != width \
                 or hist_v.shape != hist_k.shape:
             raise ValueError(f"block attention: history buffers must be [L, B, H_kv, T, d] "
                              f"(got {tuple(hist_k.shape)}, {tuple(hist_v.shape)})")
-        if sources[0] < 0 or sources[-1] >= hist_k.shape[0]:
-            raise ValueError(f"block attention: sources {sources} outside the history's "
-                             f"{hist_k.shape[0]} layers")
-        if shift.shape != (groups, heads):
-            raise ValueError(f"block attention: shift must be [G, H] = [{groups}, {heads}], got "
-                             f"{tuple(shift.shape)}")
+        read = [m for i in range(count) for m in cells.sources(i)]
+        if min(read, default=0) < 0 or cells.top >= hist_k.shape[0]:
+            raise ValueError(f"block attention: sources {sorted(set(read))} outside the "
+                             f"history's {hist_k.shape[0]} layers")
 
 
 if triton is not None:
@@ -146,6 +219,18 @@ if triton is not None:
         return acc, m_new, l_i
 
     @triton.jit
+    def _cell(cell, start_ptr, CELLS, n, G, src0, src_step, src_top, layer0, layer_step):
+        """Cell `cell`'s (start, layer, first source, groups) (`Cells`): consecutive blocks of
+        n rows, the last one starting at `*start_ptr`; layer and sources moving by
+        `layer_step` per cell, sources cut at `src_top`."""
+        start = tl.load(start_ptr).to(tl.int32) - (CELLS - 1 - cell) * n
+        layer = layer0 + cell * layer_step
+        first = src0 + cell * layer_step
+        groups = tl.where(first > src_top, 0,
+                          tl.minimum(G, (src_top - first) // src_step + 1))
+        return start, layer, first, groups
+
+    @triton.jit
     def _group_lo(start, window, source, layer):
         """First history row a group reads (history.group_rows)."""
         return tl.where((window > 0) & (source > layer), tl.maximum(start - window, 0), 0)
@@ -160,18 +245,24 @@ if triton is not None:
         """Where (source layer, batch, KV head) starts in a `[L, B, H_kv, T, d]` buffer."""
         return ptr + source.to(tl.int64) * s_l + b * s_b + hkv * s_h
 
-    @triton.jit(do_not_specialize=["n", "G", "src0", "src_step", "layer", "window"])
+    @triton.jit(do_not_specialize=["n", "CELLS", "G", "src0", "src_step", "src_top", "layer0",
+                                   "layer_step", "window"])
     def _forward_kernel(q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, start_ptr, shift_ptr, sb_ptr,
                         out_ptr, lse_ptr,
-                        sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                        sq_c, sq_b, sq_h, sq_n, sk_c, sk_b, sk_h, sk_n, sv_c, sv_b, sv_h, sv_n,
                         shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
-                        so_b, so_h, so_n,
-                        H, HKV, n, G, src0, src_step, layer, window, qk_scale,
+                        so_c, so_b, so_h, so_n, ssh_c, ssb_c,
+                        B, H, HKV, n, CELLS, G, src0, src_step, src_top, layer0, layer_step,
+                        window, qk_scale,
                         HAS_SELF: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
+        cell = tl.program_id(2)
+        start, layer, first, groups = _cell(cell, start_ptr, CELLS, n, G, src0, src_step,
+                                            src_top, layer0, layer_step)
         # int64 bases: a [L, B, H_kv, T, d] buffer can pass 2^31 elements.
+        c64 = cell.to(tl.int64)
         b = (bh // H).to(tl.int64)
         h = bh % H
         hkv = (h // (H // HKV)).to(tl.int64)
@@ -179,30 +270,31 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < D
         m_mask = offs_m < n
-        q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :],
-                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        q = tl.load(q_ptr + c64 * sq_c + b * sq_b + h * sq_h + offs_m[:, None] * sq_n
+                    + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        k_own = k_ptr + c64 * sk_c + b * sk_b + hkv * sk_h
+        v_own = v_ptr + c64 * sv_c + b * sv_b + hkv * sv_h
         # A finite start: a row whose first tiles are all masked gets exp2(-inf - (-1e30)) = 0
         # instead of NaN from (-inf) - (-inf).
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         if HAS_SELF:
-            self_bias = tl.load(sb_ptr).to(tl.float32) * _LOG2E
+            self_bias = tl.load(sb_ptr + c64 * ssb_c).to(tl.float32) * _LOG2E
         # Own keys: j <= i, only tiles up to this query tile's last row.
         for j0 in range(0, tl.minimum(n, (pid_m + 1) * BLOCK_M), BLOCK_N):
             offs_n = j0 + tl.arange(0, BLOCK_N)
             kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
-            k = _tile(k_ptr + b * sk_b + hkv * sk_h, offs_n, sk_n, offs_d, kv_mask)
-            v = _tile(v_ptr + b * sv_b + hkv * sv_h, offs_n, sv_n, offs_d, kv_mask)
+            k = _tile(k_own, offs_n, sk_n, offs_d, kv_mask)
+            v = _tile(v_own, offs_n, sv_n, offs_d, kv_mask)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
             if HAS_SELF:
                 s += tl.where(offs_m[:, None] == offs_n[None, :], self_bias, 0.0)
             s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
             acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v, DOT_PREC)
-        start = tl.load(start_ptr).to(tl.int32)
-        for g in range(G):
-            source = src0 + g * src_step
-            bias = tl.load(shift_ptr + g * H + h) * _LOG2E
+        for g in range(groups):
+            source = first + g * src_step
+            bias = tl.load(shift_ptr + c64 * ssh_c + g * H + h) * _LOG2E
             k_base = _layer_base(hk_ptr, source, shk_l, b, shk_b, hkv, shk_h)
             v_base = _layer_base(hv_ptr, source, shv_l, b, shv_b, hkv, shv_h)
             for j0 in range(_group_lo(start, window, source, layer), start, BLOCK_N):
@@ -215,9 +307,10 @@ if triton is not None:
                 s = tl.where(n_mask[None, :], s, float("-inf"))
                 acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v, DOT_PREC)
         out = acc / l_i[:, None]
-        tl.store(out_ptr + b * so_b + h * so_h + offs_m[:, None] * so_n + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
-        tl.store(lse_ptr + bh.to(tl.int64) * n + offs_m, (m_i + tl.math.log2(l_i)) * _LN2,
+        tl.store(out_ptr + c64 * so_c + b * so_b + h * so_h + offs_m[:, None] * so_n
+                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & d_mask[None, :])
+        tl.store(lse_ptr + (c64 * B * H + bh) * n + offs_m, (m_i + tl.math.log2(l_i)) * _LN2,
                  mask=m_mask)
 
     @triton.jit
@@ -257,11 +350,12 @@ if triton is not None:
                      sdo_b, sdo_h, sdo_n, so_b, so_h, so_n,
                      sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
                      sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t,
-                     H, HKV, n, T_TILES, src0, src_step, layer, window, scale, qk_scale,
+                     H, HKV, n, T_TILES, groups, first, src_step, layer, window, scale, qk_scale,
                      HAS_SELF: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
-        """dK, dV of one key tile: `task` < own tiles: the own keys' tile `task`; beyond: tile
-        (task - own tiles) % T_TILES of group (task - own tiles) // T_TILES."""
+        """dK, dV of one key tile of one cell (pointers at the cell's): `task` < own tiles: the
+        own keys' tile `task`; beyond: tile (task - own tiles) % T_TILES of group
+        (task - own tiles) // T_TILES, nothing past the cell's `groups`."""
         b = (bkv // HKV).to(tl.int64)
         hkv = (bkv % HKV).to(tl.int64)
         per_kv = H // HKV
@@ -299,17 +393,20 @@ if triton is not None:
                      dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
         else:
             g = (task - own_tiles) // T_TILES
-            source = src0 + g * src_step
+            live = g < groups
+            # A group past the cell's reads nothing: a valid layer for the (masked) addresses.
+            source = tl.where(live, first + g * src_step, 0)
             row0 = (_group_lo(start, window, source, layer)
                     + (task - own_tiles) % T_TILES * BLOCK_N)
+            end = tl.where(live, start, 0)
             offs_n = row0 + tl.arange(0, BLOCK_N)
-            kv_mask = (offs_n < start)[:, None] & d_mask[None, :]
+            kv_mask = (offs_n < end)[:, None] & d_mask[None, :]
             k = _tile(_layer_base(hk_ptr, source, shk_l, b, shk_b, hkv, shk_h), offs_n, shk_t,
                       offs_d, kv_mask)
             v = _tile(_layer_base(hv_ptr, source, shv_l, b, shv_b, hkv, shv_h), offs_n, shv_t,
                       offs_d, kv_mask)
             # A tile past the valid rows has nothing to do: no query loop, masked stores.
-            m_end = tl.where(row0 < start, n, 0)
+            m_end = tl.where(row0 < end, n, 0)
             for hh in range(per_kv):
                 h = hkv * per_kv + hh
                 bias = -tl.load(shift_ptr + g * H + h) * _LOG2E
@@ -336,13 +433,14 @@ if triton is not None:
                        sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                        shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                        sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, sdq_b, sdq_h, sdq_n,
-                       B, H, HKV, n, G, src0, src_step, layer, window, scale, qk_scale,
+                       B, H, HKV, n, G, groups, first, src_step, layer, window, scale, qk_scale,
                        HAS_SELF: tl.constexpr, ROWS_AT_START: tl.constexpr, D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        DOT_PREC: tl.constexpr):
-        """dQ of one query tile over every key, and its rows' score-gradient sums: per group
-        (`rows [G, B, H, rows_t]`) and on the diagonal (`diag [B, H, rows_t]`), at the query's
-        index, or with ROWS_AT_START at its position (`start` + index: a pass's buffers)."""
+        """dQ of one query tile of one cell (pointers at the cell's) over every key, and its
+        rows' score-gradient sums: per group (`rows [G, B, H, rows_t]`; zeros past the cell's
+        `groups`) and on the diagonal (`diag [B, H, rows_t]`), at the query's index, or with
+        ROWS_AT_START at its position (`start` + index: a pass's buffers)."""
         b = (bh // H).to(tl.int64)
         h = bh % H
         hkv = (h // (H // HKV)).to(tl.int64)
@@ -372,12 +470,15 @@ if triton is not None:
             if HAS_SELF:
                 diag += tl.sum(tl.where(on_diag, ds, 0.0), 1)
         for g in range(G):
-            source = src0 + g * src_step
+            live = g < groups
+            source = tl.where(live, first + g * src_step, 0)
             bias = -tl.load(shift_ptr + g * H + h) * _LOG2E
             k_base = _layer_base(hk_ptr, source, shk_l, b, shk_b, hkv, shk_h)
             v_base = _layer_base(hv_ptr, source, shv_l, b, shv_b, hkv, shv_h)
             row_sum = tl.zeros([BLOCK_M], tl.float32)
-            for j0 in range(_group_lo(start, window, source, layer), start, BLOCK_N):
+            # Past the cell's groups: no rows, a zero sum.
+            for j0 in range(_group_lo(start, window, source, layer), tl.where(live, start, 0),
+                            BLOCK_N):
                 offs_n = j0 + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < start
                 kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -394,44 +495,61 @@ if triton is not None:
         if HAS_SELF:
             tl.store(diag_ptr + (b * H + h) * rows_t + row0 + offs_m, diag, mask=m_mask)
 
-    @triton.jit(do_not_specialize=["n", "G", "T_TILES", "src0", "src_step", "layer", "window"])
+    @triton.jit(do_not_specialize=["n", "CELLS", "G", "T_TILES", "src0", "src_step", "src_top",
+                                   "layer0", "layer_step", "window"])
     def _backward_kernel(q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr, lse_ptr, start_ptr,
                          shift_ptr, sb_ptr, dq_ptr, dk_ptr, dv_ptr, ghk_ptr, ghv_ptr, rows_ptr,
                          diag_ptr, rows_t,
-                         sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                         sq_c, sq_b, sq_h, sq_n, sk_c, sk_b, sk_h, sk_n, sv_c, sv_b, sv_h, sv_n,
                          shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
-                         sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, sdq_b, sdq_h, sdq_n,
-                         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
+                         sdo_c, sdo_b, sdo_h, sdo_n, so_c, so_b, so_h, so_n,
+                         sdq_c, sdq_b, sdq_h, sdq_n, sdk_c, sdk_b, sdk_h, sdk_n,
+                         sdv_c, sdv_b, sdv_h, sdv_n,
                          sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t,
-                         B, H, HKV, n, G, T_TILES, src0, src_step, layer, window, scale, qk_scale,
+                         ssh_c, ssb_c, srows_c, sdiag_c,
+                         B, H, HKV, n, CELLS, G, T_TILES, src0, src_step, src_top, layer0,
+                         layer_step, window, scale, qk_scale,
                          HAS_SELF: tl.constexpr, ROWS_AT_START: tl.constexpr, D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          DOT_PREC: tl.constexpr):
-        # Programs [0, key_programs): (key task, b·kv head); the rest: (query tile, b·head).
+        # Programs [0, CELLS·key_programs): (cell, key task, b·kv head); the rest: (cell, query
+        # tile, b·head).
         pid = tl.program_id(0)
-        start = tl.load(start_ptr).to(tl.int32)
         key_programs = (tl.cdiv(n, BLOCK_N) + G * T_TILES) * (B * HKV)
-        if pid < key_programs:
-            _key_program(pid // (B * HKV), pid % (B * HKV), q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr,
-                         do_ptr, o_ptr, lse_ptr, start, shift_ptr, sb_ptr, dk_ptr, dv_ptr,
-                         ghk_ptr, ghv_ptr,
+        query_programs = tl.cdiv(n, BLOCK_M) * (B * H)
+        is_key = pid < CELLS * key_programs
+        rest = tl.where(is_key, pid, pid - CELLS * key_programs)
+        cell = tl.where(is_key, rest // key_programs, rest // query_programs)
+        rest = tl.where(is_key, rest % key_programs, rest % query_programs)
+        start, layer, first, groups = _cell(cell, start_ptr, CELLS, n, G, src0, src_step,
+                                            src_top, layer0, layer_step)
+        c64 = cell.to(tl.int64)
+        # The cell's queries, keys, output, their gradients, lse and bias entries.
+        q_c, k_c, v_c = q_ptr + c64 * sq_c, k_ptr + c64 * sk_c, v_ptr + c64 * sv_c
+        do_c, o_c = do_ptr + c64 * sdo_c, o_ptr + c64 * so_c
+        lse_c = lse_ptr + c64 * B * H * n
+        shift_c, sb_c = shift_ptr + c64 * ssh_c, sb_ptr + c64 * ssb_c
+        if is_key:
+            _key_program(rest // (B * HKV), rest % (B * HKV), q_c, k_c, v_c, hk_ptr, hv_ptr,
+                         do_c, o_c, lse_c, start, shift_c, sb_c, dk_ptr + c64 * sdk_c,
+                         dv_ptr + c64 * sdv_c, ghk_ptr, ghv_ptr,
                          sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                          shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                          sdo_b, sdo_h, sdo_n, so_b, so_h, so_n,
                          sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
                          sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t,
-                         H, HKV, n, T_TILES, src0, src_step, layer, window, scale, qk_scale,
-                         HAS_SELF, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+                         H, HKV, n, T_TILES, groups, first, src_step, layer, window, scale,
+                         qk_scale, HAS_SELF, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
         else:
-            rest = pid - key_programs
-            _query_program(rest // (B * H), rest % (B * H), q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr,
-                           do_ptr, o_ptr, lse_ptr, start, shift_ptr, sb_ptr, dq_ptr, rows_ptr,
-                           diag_ptr, rows_t,
+            _query_program(rest // (B * H), rest % (B * H), q_c, k_c, v_c, hk_ptr, hv_ptr,
+                           do_c, o_c, lse_c, start, shift_c, sb_c, dq_ptr + c64 * sdq_c,
+                           rows_ptr + c64 * srows_c, diag_ptr + c64 * sdiag_c, rows_t,
                            sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                            shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                            sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, sdq_b, sdq_h, sdq_n,
-                           B, H, HKV, n, G, src0, src_step, layer, window, scale, qk_scale,
-                           HAS_SELF, ROWS_AT_START, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+                           B, H, HKV, n, G, groups, first, src_step, layer, window, scale,
+                           qk_scale, HAS_SELF, ROWS_AT_START, D, BLOCK_M, BLOCK_N, BLOCK_D,
+                           DOT_PREC)
 
 
 def _meta(q: Tensor) -> dict:
@@ -445,26 +563,34 @@ def _meta(q: Tensor) -> dict:
     return meta
 
 
+def _bias_entries(shift: Tensor, self_bias: Tensor | None) -> tuple[Tensor, Tensor, int, int]:
+    """The biases as the kernels read them: shift (float32, each cell's `[G, H]` contiguous),
+    b_σ (or a stand-in the kernels do not read) and their cell strides."""
+    shift = _per_cell(shift)
+    sb = shift if self_bias is None else self_bias
+    return shift, sb, shift.stride(0), sb.stride(0) if sb.dim() else 0
+
+
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, start: Tensor,
-                  shift: Tensor, self_bias: Tensor | None, sources: list[int], layer: int,
-                  window: int, scale: float) -> tuple[Tensor, Tensor]:
-    groups, src0, step = _groups(sources)
-    _check(q, k, v, hist_k, hist_v, shift, sources)
+                  shift: Tensor, self_bias: Tensor | None, sources: list[int], layers: list[int],
+                  top: int, window: int, scale: float) -> tuple[Tensor, Tensor]:
+    cells = Cells.of(sources, layers, top)
+    _check(q, k, v, hist_k, hist_v, shift, self_bias, cells)
     q, k, v = _rows(q), _rows(k), _rows(v)
-    if groups:
+    if cells.groups:
         hist_k, hist_v = _rows(hist_k), _rows(hist_v)
-    batch, heads, n, width = q.shape
-    # [B, n, H, d] storage: the caller merges the heads with a view.
-    out = q.new_empty(batch, n, heads, width).transpose(1, 2)
-    lse = q.new_empty(batch, heads, n, dtype=torch.float32)
-    shift = shift.to(torch.float32).contiguous()
+    count, batch, heads, n, width = q.shape
+    # [cells, B, n, H, d] storage: the caller merges the heads with a view.
+    out = q.new_empty(count, batch, n, heads, width).transpose(2, 3)
+    lse = q.new_empty(count, batch, heads, n, dtype=torch.float32)
+    shift, sb, s_shift, s_sb = _bias_entries(shift, self_bias)
     meta = _meta(q)
-    grid = (triton.cdiv(n, meta["BLOCK_M"]), batch * heads)
-    launch(_forward_kernel, grid, q, k, v, hist_k, hist_v, start, shift,
-           shift if self_bias is None else self_bias, out, lse,
-           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-           *_hist_strides(hist_k, groups), *_hist_strides(hist_v, groups), *out.stride()[:3],
-           heads, k.shape[1], n, groups, src0, step, layer, window, scale * LOG2E,
+    grid = (triton.cdiv(n, meta["BLOCK_M"]), batch * heads, count)
+    launch(_forward_kernel, grid, q, k, v, hist_k, hist_v, start, shift, sb, out, lse,
+           *q.stride()[:4], *k.stride()[:4], *v.stride()[:4],
+           *_hist_strides(hist_k, cells.groups), *_hist_strides(hist_v, cells.groups),
+           *out.stride()[:4], s_shift, s_sb,
+           batch, heads, k.shape[2], n, *cells.args(), window, scale * LOG2E,
            HAS_SELF=self_bias is not None, **meta)
     return out, lse
 
@@ -472,11 +598,12 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tenso
 def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor,
                    hist_v: Tensor, out: Tensor, lse: Tensor, start: Tensor, shift: Tensor,
                    self_bias: Tensor | None, grad_hist_k: Tensor, grad_hist_v: Tensor,
-                   sources: list[int], layer: int, window: int, scale: float,
+                   sources: list[int], layers: list[int], top: int, window: int, scale: float,
                    shift_rows: Tensor | None = None,
                    diag_rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    groups, src0, step = _groups(sources)
-    _check(q, k, v, hist_k, hist_v, shift, sources)
+    cells = Cells.of(sources, layers, top)
+    groups = cells.groups
+    _check(q, k, v, hist_k, hist_v, shift, self_bias, cells)
     if groups and (grad_hist_k.shape != hist_k.shape or grad_hist_v.shape != hist_k.shape
                    or grad_hist_k.stride(-1) != 1 or grad_hist_v.stride(-1) != 1):
         raise ValueError(f"block attention: gradient buffers must be shaped like the history "
@@ -488,55 +615,66 @@ def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor
     if groups:
         hist_k, hist_v = _rows(hist_k), _rows(hist_v)
     lse = lse.contiguous()
-    batch, heads, n, _ = q.shape
+    count, batch, heads, n, _ = q.shape
     dq, dk, dv = _like(q), _like(k), _like(v)
     # Per-row partial sums of the score gradient, reduced below in a fixed order, or left in
-    # the pass's buffers (`shift_rows [G, B, H, T]`, `diag_rows [B, H, T]`) at the block's
-    # positions, for the pass to reduce once.
+    # the pass's buffers (`shift_rows [cells, G, B, H, T]`, `diag_rows [cells, B, H, T]`, each
+    # cell's entries contiguous) at the block's positions, for the pass to reduce once.
     in_pass = shift_rows is not None
     if in_pass:
         rows, diag, rows_t = shift_rows, diag_rows, shift_rows.shape[-1]
+        if rows.shape[0] != count or rows.shape[1] < groups \
+                or rows.shape[2:4] != (batch, heads) or not rows[:1].is_contiguous() \
+                or diag.shape[:3] != (count, batch, heads) or not diag[:1].is_contiguous():
+            raise ValueError(f"block attention: bias row buffers must be [cells, G, B, H, T] "
+                             f"and [cells, B, H, T] (got {tuple(rows.shape)}, "
+                             f"{tuple(diag.shape)})")
     else:
-        rows, rows_t = lse.new_empty(groups, batch, heads, n), n
-        diag = lse.new_empty(batch, heads, n) if self_bias is not None else lse.new_empty(0)
-    shift = shift.to(torch.float32).contiguous()
+        # Groups past G (a wave's stack is as wide as the widest layer's) get zeros.
+        new = lse.new_zeros if shift.shape[1] > groups else lse.new_empty
+        rows, rows_t = new(count, shift.shape[1], batch, heads, n), n
+        diag = (lse.new_empty(count, batch, heads, n) if self_bias is not None
+                else lse.new_empty(count, 0))
+    shift, sb, s_shift, s_sb = _bias_entries(shift, self_bias)
     meta = _meta(q)
     t_tiles = triton.cdiv(hist_k.shape[3], meta["BLOCK_N"]) if groups else 0
-    key_programs = (triton.cdiv(n, meta["BLOCK_N"]) + groups * t_tiles) * batch * k.shape[1]
-    grid = (key_programs + triton.cdiv(n, meta["BLOCK_M"]) * batch * heads,)
-    launch(_backward_kernel, grid, q, k, v, hist_k, hist_v, grad, out, lse, start, shift,
-           shift if self_bias is None else self_bias, dq, dk, dv, grad_hist_k, grad_hist_v,
-           rows, diag, rows_t,
-           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+    key_programs = (triton.cdiv(n, meta["BLOCK_N"]) + groups * t_tiles) * batch * k.shape[2]
+    grid = (count * (key_programs + triton.cdiv(n, meta["BLOCK_M"]) * batch * heads),)
+    launch(_backward_kernel, grid, q, k, v, hist_k, hist_v, grad, out, lse, start, shift, sb,
+           dq, dk, dv, grad_hist_k, grad_hist_v, rows, diag, rows_t,
+           *q.stride()[:4], *k.stride()[:4], *v.stride()[:4],
            *_hist_strides(hist_k, groups), *_hist_strides(hist_v, groups),
-           *grad.stride()[:3], *out.stride()[:3], *dq.stride()[:3], *dk.stride()[:3],
-           *dv.stride()[:3], *_hist_strides(grad_hist_k, groups),
-           *_hist_strides(grad_hist_v, groups),
-           batch, heads, k.shape[1], n, groups, t_tiles, src0, step, layer, window, scale,
-           scale * LOG2E, HAS_SELF=self_bias is not None, ROWS_AT_START=in_pass, **meta)
+           *grad.stride()[:4], *out.stride()[:4], *dq.stride()[:4], *dk.stride()[:4],
+           *dv.stride()[:4], *_hist_strides(grad_hist_k, groups),
+           *_hist_strides(grad_hist_v, groups), s_shift, s_sb, rows.stride(0), diag.stride(0),
+           batch, heads, k.shape[2], n, count, groups, t_tiles, *cells.args()[2:], window,
+           scale, scale * LOG2E, HAS_SELF=self_bias is not None, ROWS_AT_START=in_pass, **meta)
     if in_pass:
         return dq, dk, dv, lse.new_empty(0), lse.new_empty(0)
     # The shift is subtracted from the scores.
-    d_shift = -rows.sum((1, 3))
-    d_self_bias = diag.sum().reshape(1) if self_bias is not None else diag
+    d_shift = -rows.sum((2, 4))
+    d_self_bias = diag.sum((1, 2, 3)) if self_bias is not None else diag
     return dq, dk, dv, d_shift, d_self_bias
 
 
 # ---- operators ---------------------------------------------------------------------------------
-# Registered only with triton: without it `available()` is False and nothing calls them.
+# Registered only with triton: without it `available()` is False and nothing calls them. Every
+# tensor is stacked over cells (module doc); `sources` are the last cell's source layers,
+# `layers` every cell's layer, `top` the deepest source layer.
 if triton is not None:
 
     @custom_op("block_attention_forward")
     def _forward_op(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
                     start: Tensor, shift: Tensor, self_bias: Tensor | None, sources: list[int],
-                    layer: int, window: int, scale: float) -> tuple[Tensor, Tensor]:
-        return _forward_impl(q, k, v, hist_k, hist_v, start, shift, self_bias, sources, layer,
-                             window, scale)
+                    layers: list[int], top: int, window: int,
+                    scale: float) -> tuple[Tensor, Tensor]:
+        return _forward_impl(q, k, v, hist_k, hist_v, start, shift, self_bias, sources, layers,
+                             top, window, scale)
 
     @_forward_op.register_fake
     def _(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, start: Tensor,
-          shift: Tensor, self_bias: Tensor | None, sources: list[int], layer: int, window: int,
-          scale: float) -> tuple[Tensor, Tensor]:
+          shift: Tensor, self_bias: Tensor | None, sources: list[int], layers: list[int],
+          top: int, window: int, scale: float) -> tuple[Tensor, Tensor]:
         return _forward_fake(q)
 
     @custom_op("block_attention_backward",
@@ -544,45 +682,47 @@ if triton is not None:
     def _backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor,
                      hist_v: Tensor, out: Tensor, lse: Tensor, start: Tensor, shift: Tensor,
                      self_bias: Tensor | None, grad_hist_k: Tensor, grad_hist_v: Tensor,
-                     sources: list[int], layer: int, window: int, scale: float,
+                     sources: list[int], layers: list[int], top: int, window: int, scale: float,
                      shift_rows: Tensor | None = None, diag_rows: Tensor | None = None
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         return _backward_impl(grad, q, k, v, hist_k, hist_v, out, lse, start, shift, self_bias,
-                              grad_hist_k, grad_hist_v, sources, layer, window, scale,
+                              grad_hist_k, grad_hist_v, sources, layers, top, window, scale,
                               shift_rows, diag_rows)
 
     @_backward_op.register_fake
     def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
           out: Tensor, lse: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
-          grad_hist_k: Tensor, grad_hist_v: Tensor, sources: list[int], layer: int, window: int,
-          scale: float, shift_rows: Tensor | None = None, diag_rows: Tensor | None = None
-          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+          grad_hist_k: Tensor, grad_hist_v: Tensor, sources: list[int], layers: list[int],
+          top: int, window: int, scale: float, shift_rows: Tensor | None = None,
+          diag_rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         if shift_rows is not None:
             return _like(q), _like(k), _like(v), lse.new_empty(0), lse.new_empty(0)
+        cells = len(layers)
         return (_like(q), _like(k), _like(v),
-                lse.new_empty(len(sources), q.shape[1]),
-                lse.new_empty(1 if self_bias is not None else 0))
+                lse.new_empty(shift.shape),
+                lse.new_empty(cells if self_bias is not None else (cells, 0)))
 
     @custom_op("block_attention")
     def _attention_op(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
                       grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor, shift: Tensor,
                       self_bias: Tensor | None, anchor: Tensor | None, sources: list[int],
-                      layer: int, window: int, scale: float, shift_rows: Tensor | None = None,
+                      layers: list[int], top: int, window: int, scale: float,
+                      shift_rows: Tensor | None = None,
                       diag_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        return _forward_impl(q, k, v, hist_k, hist_v, start, shift, self_bias, sources, layer,
-                             window, scale)
+        return _forward_impl(q, k, v, hist_k, hist_v, start, shift, self_bias, sources, layers,
+                             top, window, scale)
 
     @_attention_op.register_fake
     def _(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, grad_hist_k: Tensor,
           grad_hist_v: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
-          anchor: Tensor | None, sources: list[int], layer: int, window: int,
+          anchor: Tensor | None, sources: list[int], layers: list[int], top: int, window: int,
           scale: float, shift_rows: Tensor | None = None,
           diag_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return _forward_fake(q)
 
     def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
         (q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, shift, self_bias, anchor,
-         sources, layer, window, scale, shift_rows, diag_rows) = inputs
+         sources, layers, top, window, scale, shift_rows, diag_rows) = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, start, shift, self_bias, out, lse)
         # Not saved tensors on purpose: later blocks write their rows of the history (rows
@@ -590,7 +730,7 @@ if triton is not None:
         # check; and the gradient buffers are written by this very backward.
         ctx.history = (hist_k, hist_v, grad_hist_k, grad_hist_v)
         ctx.rows = (shift_rows, diag_rows)
-        ctx.args = (list(sources), layer, window, scale)
+        ctx.args = (list(sources), list(layers), top, window, scale)
         ctx.anchor = None if anchor is None else (anchor.dtype, anchor.device)
         ctx.mark_non_differentiable(lse)
         # No zero-filled gradient for lse (nobody differentiates it): a launch per call.
@@ -598,7 +738,7 @@ if triton is not None:
 
     def _attention_backward(ctx, grad: Tensor, _grad_lse: Tensor | None) -> tuple:
         if grad is None:  # the output took no part in the loss
-            return (None,) * 17
+            return (None,) * 18
         q, k, v, start, shift, self_bias, out, lse = ctx.saved_tensors
         hist_k, hist_v, grad_hist_k, grad_hist_v = ctx.history
         dq, dk, dv, d_shift, d_self_bias = torch.ops.megabeta.block_attention_backward(
@@ -610,15 +750,26 @@ if triton is not None:
                 None if d_shift is None else d_shift.to(shift.dtype),
                 None if self_bias is None or d_self_bias is None
                 else d_self_bias.to(self_bias.dtype),
-                anchor_gradient(ctx.anchor), None, None, None, None, None, None)
+                anchor_gradient(ctx.anchor), None, None, None, None, None, None, None)
 
     _attention_op.register_autograd(_attention_backward, setup_context=_setup_context)
 
 
 def _forward_fake(q: Tensor) -> tuple[Tensor, Tensor]:
-    batch, heads, n, width = q.shape
-    return (q.new_empty(batch, n, heads, width).transpose(1, 2),
-            q.new_empty(batch, heads, n, dtype=torch.float32))
+    cells, batch, heads, n, width = q.shape
+    return (q.new_empty(cells, batch, n, heads, width).transpose(2, 3),
+            q.new_empty(cells, batch, heads, n, dtype=torch.float32))
+
+
+def _one(x: Tensor | None) -> Tensor | None:
+    """One block's tensor as a stack of one cell (and `squeeze(0)` back: a view whose
+    gradient is one too, where indexing's would be a zero-filled copy)."""
+    return None if x is None else x[None]
+
+
+def _block_top(sources: list[int], layer: int) -> int:
+    """The deepest source layer of one block (its layer when it has none)."""
+    return sources[-1] if sources else layer
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, start: Tensor,
@@ -639,8 +790,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, sta
     in q's dtype (a transposed view of a contiguous `[B, n, H, d]`) and `lse [B, H, n]`
     float32, natural log.
     """
-    return torch.ops.megabeta.block_attention_forward(q, k, v, hist_k, hist_v, start, shift,
-                                                      self_bias, sources, layer, window, scale)
+    out, lse = torch.ops.megabeta.block_attention_forward(
+        q[None], k[None], v[None], hist_k, hist_v, start, shift[None], self_bias, sources,
+        [layer], _block_top(sources, layer), window, scale)
+    return out[0], lse[0]
 
 
 def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
@@ -655,9 +808,11 @@ def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist
     groups' key/value gradients into `grad_hist_k, grad_hist_v` (float32, shaped like hist_k) at
     rows [lo_g, start) of layer `sources[g]`; nothing else of them is touched.
     """
-    return torch.ops.megabeta.block_attention_backward(grad, q, k, v, hist_k, hist_v, out, lse,
-                                                       start, shift, self_bias, grad_hist_k,
-                                                       grad_hist_v, sources, layer, window, scale)
+    dq, dk, dv, d_shift, d_self_bias = torch.ops.megabeta.block_attention_backward(
+        grad[None], q[None], k[None], v[None], hist_k, hist_v, out[None], lse[None], start,
+        shift[None], self_bias, grad_hist_k, grad_hist_v, sources, [layer],
+        _block_top(sources, layer), window, scale)
+    return dq[0], dk[0], dv[0], d_shift[0], d_self_bias.reshape(-1)
 
 
 def block_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
@@ -678,6 +833,27 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Ten
     the self bias. Given, backward writes this block's rows there (at positions start …) and
     returns no gradient for shift and self_bias: the pass reduces the rows of all its blocks
     once, instead of a reduction and a sum per block."""
-    return torch.ops.megabeta.block_attention(q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v,
-                                              start, shift, self_bias, anchor, sources, layer,
-                                              window, scale, shift_rows, diag_rows)[0]
+    return torch.ops.megabeta.block_attention(
+        q[None], k[None], v[None], hist_k, hist_v, grad_hist_k, grad_hist_v, start,
+        shift[None], self_bias, anchor, sources, [layer], _block_top(sources, layer), window,
+        scale, _one(shift_rows), _one(diag_rows))[0].squeeze(0)
+
+
+def wave_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
+                   grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor, shift: Tensor,
+                   self_bias: Tensor | None = None, *, sources: list[int], layers: list[int],
+                   top: int, window: int, scale: float, anchor: Tensor | None = None,
+                   shift_rows: Tensor | None = None,
+                   diag_rows: Tensor | None = None) -> Tensor:
+    """`block_attention` of a wave's cells in one launch each way (module doc, "Cells"):
+    `q [cells, B, H, n, d]`, `k, v [cells, B, H_kv, n, d]`, the cells on consecutive blocks of
+    n rows, oldest first, at `layers` (a constant step); `start` the LAST cell's first position;
+    `sources` the last cell's source layers (each other cell's are those moved by its layer's
+    offset, cut at `top`); `shift [cells, G', H]` (G' ≥ G; entries past a cell's groups are
+    not used),
+    `self_bias [cells]`; `shift_rows [cells, G, B, H, T]` and `diag_rows [cells, B, H, T]`
+    (strided views of a pass's buffers will do). Returns `[cells, B, H, n, d]` (a transposed
+    view of a contiguous `[cells, B, n, H, d]`)."""
+    return torch.ops.megabeta.block_attention(
+        q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, shift, self_bias, anchor,
+        sources, layers, top, window, scale, shift_rows, diag_rows)[0]

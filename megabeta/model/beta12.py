@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from megabeta.model.attention import AttentionBias, BiasRows
+from megabeta.model.attention import AttentionBias, BiasRows, WaveBias
 from megabeta.model.block_graphs import BlockGraphs, CudaCapture
 from megabeta.model.cache import DecodeCache
 from megabeta.model.config import ConfigError
@@ -36,7 +36,7 @@ from megabeta.model.history import (
     StepView,
     block_cells,
 )
-from megabeta.model.layers import Attention, Projection, fused_input_rows
+from megabeta.model.layers import Projection, fused_input_rows
 from megabeta.model.transformer import DecoderLM
 from megabeta.model.wavefront import run_wavefront
 
@@ -53,10 +53,8 @@ class CellWeights:
       folded in); `finished=False` (a block whose finished KVs nobody reads) drops the first.
     - `last_finished`: the last layer's finished K/V from the block's final hidden states.
     - `branches[l]`: W_O, SwiGLU's gate and up projections with ffn_norm folded in, and w2.
-    - `biases[l]`: the layer's score biases: λ per head (None without a depth bias, or with
-      depth_window 0, where every group is the layer's own, offset 0), b_σ, and the groups'
-      score shifts λ_h·(m - l) that the fused kernels take, with the pass's gradient rows
-      (`BiasRows`, of `length` tokens).
+    - `biases[l]`: the layer's score biases (`PassBiases.layer`), and on the wavefront
+      (`ends_only`) `pass_biases`, every layer's stacked for the waves (`PassBiases.wave`).
     """
 
     def __init__(self, model: "Beta12Transformer", finished: bool, length: int, *,
@@ -79,10 +77,9 @@ class CellWeights:
             top = model.layers[-1]
             self.last_finished = project(top.attention.finished_rows(top.attention_norm))
         self.branches = [layer.pass_weights(accumulate=not traced) for layer in layers]
-        self.biases = [_biases(layer.attention, model.config.source_layers(l), l,
-                               c.depth_window) for l, layer in enumerate(model.layers)]
-        if not traced:
-            self.biases = [BiasRows(length).hand_out(bias) for bias in self.biases]
+        self.pass_biases = PassBiases(model, length, collect_rows=not traced, stacks=ends_only)
+        self.biases = ([] if ends_only else
+                       [self.pass_biases.layer(l) for l in range(len(model.layers))])
 
     def input(self, layer: int, finished: bool) -> Projection:
         return self._finished[layer] if finished and layer > 0 else self._plain[layer]
@@ -113,16 +110,52 @@ class CellWeights:
         return other
 
 
-def _biases(attention: Attention, sources: list[int], layer: int, depth_window: int
-            ) -> AttentionBias:
-    """Layer `layer`'s score biases; without a depth window every group is the layer's own."""
-    slope = attention.depth_slope() if depth_window > 0 else None
-    weight = attention.wq.weight
-    offsets = torch.tensor([m - layer for m in sources], dtype=torch.float32,
-                           device=weight.device)
-    shift = (offsets[:, None] * slope.float() if slope is not None
-             else offsets.new_zeros(len(sources), attention.num_heads))
-    return AttentionBias(slope, attention.self_bias, shift)
+class PassBiases:
+    """Every layer's score biases (spec §3) for one pass, stacked in reverse layer order as the
+    wavefront's weights are (a wave's cells are one strided view): λ per head `[L, H]` (None
+    without a depth bias, or with depth_window 0, where every group is the layer's own, offset
+    0), b_σ `[L]` (None without a self slot), and the groups' score shifts λ_h·(m - l)
+    `[L, G, H]` that the fused kernels take (zero past a layer's groups), with the pass's
+    gradient rows (`BiasRows`, of `length` tokens) unless `collect_rows` is off (a compiled
+    block step: plain autograd). `stacks`: the wavefront reads the stacks whole (their
+    gradient rows reduced once); otherwise each layer reads its own (`layer`)."""
+
+    def __init__(self, model: "Beta12Transformer", length: int, *, collect_rows: bool,
+                 stacks: bool) -> None:
+        config = model.config
+        attentions = [layer.attention for layer in model.layers][::-1]
+        sources = [config.source_layers(l) for l in range(len(attentions))]
+        self.groups = [len(s) for s in sources]
+        width = max(self.groups)
+        device = attentions[0].wq.weight.device
+        self.slope = (torch.stack([a.depth_slope() for a in attentions])
+                      if config.depth_window > 0 and config.depth_bias else None)
+        offsets = torch.tensor([[m - l for m in sources[l]] + [0] * (width - len(sources[l]))
+                                for l in range(len(attentions) - 1, -1, -1)],
+                               dtype=torch.float32, device=device)
+        self.shift = (offsets[:, :, None] * self.slope.float()[:, None, :]
+                      if self.slope is not None
+                      else offsets.new_zeros(*offsets.shape, config.num_heads))
+        self.self_bias = (torch.cat([a.self_bias for a in attentions])
+                          if attentions[0].self_bias is not None else None)
+        self.rows = BiasRows(length, self.groups) if collect_rows else None
+        if self.rows is not None and stacks:
+            self.shift, self.self_bias = self.rows.hand_out_stacks(self.shift, self.self_bias)
+
+    def layer(self, layer: int) -> AttentionBias:
+        """Layer `layer`'s biases (its shift `[G_l, H]`, b_σ `[1]`), read through the pass's
+        gradient rows where collected."""
+        i = len(self.groups) - 1 - layer
+        bias = AttentionBias(None if self.slope is None else self.slope[i],
+                             None if self.self_bias is None else self.self_bias[i:i + 1],
+                             self.shift[i, :self.groups[layer]])
+        return bias if self.rows is None else self.rows.hand_out(bias, layer)
+
+    def wave(self, cells: slice) -> WaveBias:
+        """The biases of a wave's cells, `cells` of the stacks (wavefront.Wave.stack)."""
+        return WaveBias(None if self.slope is None else self.slope[cells],
+                        None if self.self_bias is None else self.self_bias[cells],
+                        self.shift[cells], self.rows, cells)
 
 
 def _saved_unchecked() -> contextlib.AbstractContextManager:

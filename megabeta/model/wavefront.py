@@ -249,9 +249,9 @@ def run_wave(model: "Beta12Transformer", x: Tensor | None, kv: list[KV], enterin
         x = entering[None] if x is None else torch.cat([x, entering[None]])
     n, batch, c, d = x.shape
     keys = [view.key_set(l, k, v) for (_, k, v), view, l in zip(kv, views, wave.layers)]
-    o = attention.attend_wave([q for q, _, _ in kv], keys, [cell.biases[l] for l in wave.layers],
-                              layers=wave.layers, dropout_p=dropout).reshape(n, batch * c, -1)
     sel = wave.stack()
+    o = attention.attend_wave([q for q, _, _ in kv], keys, cell.pass_biases.wave(sel),
+                              layers=wave.layers, dropout_p=dropout).reshape(n, batch * c, -1)
     residual_dropout = model.config.dropout if model.training else 0.0
 
     def branch(delta: Tensor) -> Tensor:

@@ -10,8 +10,9 @@ from megabeta.model.attention.backend import (
     KeyLayout,
     KeySet,
     StoredHistory,
+    WaveBias,
 )
 from megabeta.model.attention.select import select_attention
 
-__all__ = ["AttentionBackend", "AttentionBias", "BiasRows", "NO_BIAS", "GroupBatch", "KeyLayout", "KeySet",
-           "StoredHistory", "select_attention"]
+__all__ = ["AttentionBackend", "AttentionBias", "BiasRows", "NO_BIAS", "GroupBatch", "KeyLayout",
+           "KeySet", "StoredHistory", "WaveBias", "select_attention"]

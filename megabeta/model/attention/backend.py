@@ -58,59 +58,88 @@ class KeyLayout:
 
 @dataclass(eq=False)
 class BiasRows:
-    """Per-row partial sums of one layer's bias gradients over one pass, for kernels that
-    write them per block (the `triton` backend) instead of reducing and summing per block.
+    """Per-row partial sums of one pass's bias gradients, every layer's, for kernels that write
+    them per block (the `triton` backend) instead of reducing and summing per block.
 
-    Buffers `[G, B, H, T]` (the depth shift's groups) and `[B, H, T]` (the self bias's
-    diagonal), float32, allocated by the first reader (`buffers`); `hand_out` makes the
-    layer's shift and self bias tensors whose gradient, once every reader's backward has
-    run, is the reduction of the rows (plus what other readers returned).
+    Buffers `[L, G, B, H, T]` (the depth shift's groups; G the most one layer reads) and
+    `[L, B, H, T]` (the self bias's diagonal), float32, layers in REVERSE order like the
+    wavefront's weight stacks (a wave's cells are one strided view, `WaveBias`), allocated by
+    the first reader (`buffers`). `hand_out` makes one layer's shift and self bias tensors whose
+    gradient, once every reader's backward has run, is the reduction of that layer's rows (plus
+    what other readers returned); `hand_out_stacks` does the same for every layer's stacked
+    (the wavefront's), in one reduction.
     """
 
     length: int
     """T: the pass's tokens."""
+    groups: list[int]
+    """Per layer, how many finished groups it reads (|M(l)|)."""
     shift: Tensor | None = None
     diag: Tensor | None = None
 
-    def buffers(self, groups: int, batch: int, heads: int,
-                like: Tensor) -> tuple[Tensor, Tensor]:
+    def buffers(self, batch: int, heads: int, like: Tensor) -> tuple[Tensor, Tensor]:
         if self.shift is None:
             # Zeros: rows of blocks whose kernels write none (no groups yet) must add nothing.
-            self.shift = like.new_zeros(groups, batch, heads, self.length, dtype=torch.float32)
-            self.diag = like.new_zeros(batch, heads, self.length, dtype=torch.float32)
+            layers = len(self.groups)
+            self.shift = like.new_zeros(layers, max(self.groups), batch, heads, self.length,
+                                        dtype=torch.float32)
+            self.diag = like.new_zeros(layers, batch, heads, self.length, dtype=torch.float32)
         return self.shift, self.diag
 
-    def hand_out(self, bias: "AttentionBias") -> "AttentionBias":
-        """`bias` with its shift and self bias read through the reducing nodes (when they need
-        gradients)."""
-        def through(t: Tensor | None, kind: str) -> Tensor | None:
-            if t is None or not (t.requires_grad and torch.is_grad_enabled()):
-                return t
-            return _HandOutRows.apply(t, self, kind)
+    def slot(self, layer: int) -> int:
+        """Layer `layer`'s index in the buffers (reverse order)."""
+        return len(self.groups) - 1 - layer
 
-        return AttentionBias(bias.slope, through(bias.self_bias, "diag"),
-                             through(bias.group_shift, "shift"), self)
+    def layer_buffers(self, layer: int, batch: int, heads: int,
+                      like: Tensor) -> tuple[Tensor, Tensor]:
+        """Layer `layer`'s buffers `[G_l, B, H, T]` and `[B, H, T]`."""
+        shift, diag = self.buffers(batch, heads, like)
+        return shift[self.slot(layer), :self.groups[layer]], diag[self.slot(layer)]
+
+    def hand_out(self, bias: "AttentionBias", layer: int) -> "AttentionBias":
+        """Layer `layer`'s `bias` with its shift and self bias read through the reducing nodes
+        (when they need gradients)."""
+        index = (self.slot(layer), slice(0, self.groups[layer]))
+        return AttentionBias(bias.slope, self._through(bias.self_bias, "diag", index[0]),
+                             self._through(bias.group_shift, "shift", index), self)
+
+    def hand_out_stacks(self, shift: Tensor, self_bias: Tensor | None
+                        ) -> tuple[Tensor, Tensor | None]:
+        """Every layer's shifts `[L, G, H]` and self biases `[L]`, stacked in reverse layer
+        order, read through the reducing nodes (when they need gradients)."""
+        every = slice(None)
+        return self._through(shift, "shift", every), self._through(self_bias, "diag", every)
+
+    def _through(self, t: Tensor | None, kind: str, index: Any) -> Tensor | None:
+        if t is None or not (t.requires_grad and torch.is_grad_enabled()):
+            return t
+        return _HandOutRows.apply(t, self, kind, index)
 
 
 class _HandOutRows(torch.autograd.Function):
-    """Forward: the tensor as is. Backward, after every reader's: the rows' reduction (the
-    shift is subtracted from scores: minus its rows' sum; b_σ: the diagonal's sum)."""
+    """Forward: the tensor as is. Backward, after every reader's: the reduction of the rows at
+    `index` (the shift is subtracted from scores: minus its rows' sums over batch and position;
+    b_σ: the diagonal's sum)."""
 
     @staticmethod
-    def forward(ctx: Any, t: Tensor, rows: BiasRows, kind: str) -> Tensor:
-        ctx.rows, ctx.kind, ctx.dtype = rows, kind, t.dtype
+    def forward(ctx: Any, t: Tensor, rows: BiasRows, kind: str, index: Any) -> Tensor:
+        ctx.rows, ctx.kind, ctx.index = rows, kind, index
+        ctx.shape, ctx.dtype = t.shape, t.dtype
         ctx.set_materialize_grads(False)
         return t.view_as(t)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, None, None, None]:
         rows, ctx.rows = ctx.rows, None
         total = grad
         if rows.shift is not None:
-            part = (-rows.shift.sum((1, 3)) if ctx.kind == "shift"
-                    else rows.diag.sum().reshape(1)).to(ctx.dtype)
+            if ctx.kind == "shift":
+                part = -rows.shift[ctx.index].sum((-3, -1))
+            else:
+                part = rows.diag[ctx.index].sum((-3, -2, -1))
+            part = part.reshape(ctx.shape).to(ctx.dtype)
             total = part if total is None else total + part
-        return total, None, None
+        return total, None, None, None
 
 
 @dataclass(frozen=True)
@@ -130,6 +159,39 @@ class AttentionBias:
 
 NO_BIAS = AttentionBias()
 """The control arms' scores: plain causal attention."""
+
+
+@dataclass(frozen=True)
+class WaveBias:
+    """The score biases of a wave's n cells (spec §5, model/wavefront.py), oldest cell first:
+    strided views of one pass's stacks of every layer's biases (reverse layer order, as the
+    wave's weights), so that a wave reads them without copying."""
+
+    slope: Tensor | None
+    """λ per cell and head `[n, H]`; None: no depth bias."""
+    self_bias: Tensor | None
+    """b_σ per cell `[n]`; None: no self-slot bias."""
+    group_shift: Tensor
+    """`[n, G, H]` float32: λ_h·(m - l) per group of each cell's layer (G the most groups any
+    layer reads; entries past a cell's groups are not read)."""
+    rows: BiasRows | None
+    """The pass's gradient rows (None: no kernel leaves rows)."""
+    cells: slice
+    """The cells' entries in `rows`' buffers."""
+
+    def cell(self, i: int) -> AttentionBias:
+        """Cell i's slope and self bias: what the backends that attend cell by cell read."""
+        return AttentionBias(None if self.slope is None else self.slope[i],
+                             None if self.self_bias is None else self.self_bias[i:i + 1])
+
+    def row_buffers(self, batch: int, heads: int,
+                    like: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The cells' gradient-row buffers `[n, G, B, H, T]` and `[n, B, H, T]`, when a pass
+        collects them and gradients are wanted."""
+        if self.rows is None or not torch.is_grad_enabled():
+            return None
+        shift, diag = self.rows.buffers(batch, heads, like)
+        return shift[self.cells], diag[self.cells]
 
 
 def group_rows(window: int, layer: int, source: int, start: int) -> slice:
@@ -255,21 +317,22 @@ class AttentionBackend(Protocol):
                dropout_p: float) -> Tensor:
         """Output `[B, H, n, d_h]` of queries `q [B, H, n, d_h]` of `layer` over `keys`."""
 
-    def attend_wave(self, q: list[Tensor], keys: list[KeySet], biases: list[AttentionBias], *,
+    def attend_wave(self, q: list[Tensor], keys: list[KeySet], bias: WaveBias, *,
                     layers: list[int], dropout_p: float) -> Tensor:
-        """A wave's cells (spec §5, model/wavefront.py), equal-shaped: cell i's queries
-        `q[i] [B, H, c, d_h]` of `layers[i]` over `keys[i]` with `biases[i]`. Outputs
-        `[n, B, c, H, d_h]` (heads last, as the output projection reads them)."""
+        """A wave's cells (spec §5, model/wavefront.py), equal-shaped, on consecutive blocks,
+        oldest first: cell i's queries `q[i] [B, H, c, d_h]` of `layers[i]` over `keys[i]`,
+        with the cells' biases `bias`. Outputs `[n, B, c, H, d_h]` (heads last, as the output
+        projection reads them)."""
 
 
 class CellByCell:
     """`attend_wave` as one `attend` per cell, for backends without a batched wave."""
 
     def attend_wave(self: AttentionBackend, q: list[Tensor], keys: list[KeySet],
-                    biases: list[AttentionBias], *, layers: list[int],
-                    dropout_p: float) -> Tensor:
-        return torch.stack([self.attend(q_i, k_i, b_i, layer=l, dropout_p=dropout_p)
-                            .transpose(1, 2) for q_i, k_i, b_i, l in zip(q, keys, biases, layers)])
+                    bias: WaveBias, *, layers: list[int], dropout_p: float) -> Tensor:
+        return torch.stack([self.attend(q_i, k_i, bias.cell(i), layer=l, dropout_p=dropout_p)
+                            .transpose(1, 2)
+                            for i, (q_i, k_i, l) in enumerate(zip(q, keys, layers))])
 
 
 def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float) -> Tensor:

@@ -1,4 +1,5 @@
-"""`triton`: a block's whole key set in one fused Triton kernel per (block, layer).
+"""`triton`: a block's whole key set in one fused Triton kernel per (block, layer), or a wave's
+cells in one.
 
 The kernel (`megabeta/kernels/triton_attention.py`) reads what spec §3 gives the queries of block
 b at layer l straight from the history buffers: the block's own keys (causal, b_σ on the
@@ -10,6 +11,10 @@ value gradients into the history's gradient buffers in place.
 The buffers are the whole sequence's (`[L, B, H_kv, T, d_h]`) and the block's start is read from
 a device tensor, so every block launches the same shapes: nothing here depends on the block
 index but the tensors' contents (what `torch.compile` and CUDA graphs need).
+
+On the wavefront schedule (spec §5) the cells of a wave, on consecutive blocks at layers that
+step down by k+1, go to the same kernels as one call of stacked cells (`attend_wave`): one
+launch forward and one backward per wave, whatever the number of cells.
 
 Decoding and the explicit reference hand attention the history as pieces; those calls go to the
 merged path of the device (`merged.py`: ATen's CUDA or CPU kernels), which computes the same
@@ -30,6 +35,8 @@ from megabeta.model.attention.backend import (
     CellByCell,
     KeyLayout,
     KeySet,
+    StoredHistory,
+    WaveBias,
     after_backward,
 )
 
@@ -46,8 +53,7 @@ class TritonAttention(CellByCell):
 
     def attend(self, q: Tensor, keys: KeySet, bias: AttentionBias, *, layer: int,
                dropout_p: float) -> Tensor:
-        if dropout_p:
-            raise ValueError("triton attention has no dropout (select the sdpa backend)")
+        _no_dropout(dropout_p)
         stored = keys.stored
         if stored is None and (keys.finished or keys.history_pieces()[0]):
             return self.pieces.attend(q, keys, bias, layer=layer, dropout_p=dropout_p)
@@ -58,26 +64,73 @@ class TritonAttention(CellByCell):
             return triton_attention.block_attention(
                 q, keys.k.to(q.dtype), keys.v.to(q.dtype), empty, empty, empty, empty,
                 q.new_zeros((), dtype=torch.int64), q.new_empty(0, q.shape[1]), bias.self_bias,
-                sources=[], layer=layer, window=0, scale=scale, **_rows(bias, q))
+                sources=[], layer=layer, window=0, scale=scale)
         # In the buffers' dtype: the kernels take one, and autocast does not reach them.
         dtype = stored.dtype
-        sources = stored.sources(layer)
         hist_k, hist_v = stored.buffers()
-        grad_k, grad_v = (stored.gradient_buffers() if torch.is_grad_enabled()
-                          else (hist_k.new_empty(0), hist_k.new_empty(0)))
+        grad_k, grad_v = _gradient_buffers(stored)
+        rows = {}
+        if bias.rows is not None and torch.is_grad_enabled():
+            shift_rows, diag_rows = bias.rows.layer_buffers(layer, q.shape[0], q.shape[1], q)
+            rows = dict(shift_rows=shift_rows, diag_rows=diag_rows)
         q = after_backward(q.to(dtype), stored.done_reading)
         return triton_attention.block_attention(
             q, keys.k.to(dtype), keys.v.to(dtype), hist_k, hist_v, grad_k, grad_v,
-            stored.start_index(), bias.group_shift, bias.self_bias, sources=sources, layer=layer,
-            window=stored.window, scale=scale, anchor=stored.anchor,
-            **_rows(bias, q))
+            stored.start_index(), bias.group_shift, bias.self_bias, sources=stored.sources(layer),
+            layer=layer, window=stored.window, scale=scale, anchor=stored.anchor, **rows)
+
+    def attend_wave(self, q: list[Tensor], keys: list[KeySet], bias: WaveBias, *,
+                    layers: list[int], dropout_p: float) -> Tensor:
+        """The wave's cells in one kernel call (module doc). The newest cell reads history in
+        any wave of several cells (its block is not the first); a wave of one cell at block 0
+        reads none and goes to `attend`."""
+        _no_dropout(dropout_p)
+        stored = [k.stored for k in keys]
+        last = stored[-1]
+        if last is None:
+            return super().attend_wave(q, keys, bias, layers=layers, dropout_p=dropout_p)
+        n = q[0].shape[2]
+        hist_k, hist_v = last.buffers()
+        cells = triton_attention.Cells.of(last.sources(layers[-1]), layers, hist_k.shape[0] - 1)
+        _check_wave(stored, layers, cells, n)
+        dtype = last.dtype
+        # Each cell's reader reports when its backward is done (history.py's order check).
+        q = torch.stack([q_i if s is None else after_backward(q_i, s.done_reading)
+                         for q_i, s in zip(q, stored)]).to(dtype)
+        grad_k, grad_v = _gradient_buffers(last)
+        row_buffers = bias.row_buffers(q.shape[1], q.shape[2], q)
+        rows = {} if row_buffers is None else dict(zip(("shift_rows", "diag_rows"), row_buffers))
+        out = triton_attention.wave_attention(
+            q, torch.stack([k.k for k in keys]).to(dtype),
+            torch.stack([k.v for k in keys]).to(dtype), hist_k, hist_v, grad_k, grad_v,
+            last.start_index(), bias.group_shift, bias.self_bias, sources=last.sources(layers[-1]),
+            layers=layers, top=cells.top, window=last.window, scale=1.0 / math.sqrt(q.shape[-1]),
+            anchor=last.anchor, **rows)
+        return out.transpose(2, 3)
 
 
-def _rows(bias: AttentionBias, q: Tensor) -> dict[str, Tensor]:
-    """The pass's buffers for the biases' gradient rows (`BiasRows`), when training (beta12
-    builds them with the group shifts)."""
-    if bias.rows is None or not torch.is_grad_enabled():
-        return {}
-    shift, diag = bias.rows.buffers(bias.group_shift.shape[0], q.shape[0], q.shape[1], q)
-    return dict(shift_rows=shift, diag_rows=diag)
+def _no_dropout(dropout_p: float) -> None:
+    if dropout_p:
+        raise ValueError("triton attention has no dropout (select the sdpa backend)")
 
+
+def _gradient_buffers(stored: StoredHistory) -> tuple[Tensor, Tensor]:
+    """The history's gradient buffers when training (empty stand-ins otherwise)."""
+    if torch.is_grad_enabled():
+        return stored.gradient_buffers()
+    empty = stored.buffers()[0].new_empty(0)
+    return empty, empty
+
+
+def _check_wave(stored: list[StoredHistory | None], layers: list[int],
+                cells: triton_attention.Cells, n: int) -> None:
+    """The kernels derive each cell's start and sources from the newest cell's: check that
+    they are what the history gives (consecutive blocks of n tokens; M(l) of spec §3)."""
+    last = stored[-1].block_start
+    for i, (s, layer) in enumerate(zip(stored, layers)):
+        start = last - (len(stored) - 1 - i) * n
+        got = (0, []) if s is None else (s.block_start, s.sources(layer))
+        if got[0] != start or (s is not None and got[1] != cells.sources(i)):
+            raise ValueError(f"triton wave attention: cell {i} (layer {layer}) starts at "
+                             f"{got[0]} reading sources {got[1]}; the kernels would read "
+                             f"{start} and {cells.sources(i)}")
