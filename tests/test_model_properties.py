@@ -140,11 +140,13 @@ def test_sequence_longer_than_max_seq_len_is_refused() -> None:
 @pytest.mark.parametrize("checkpoint,schedule", [("none", "block"), ("block", "block"),
                                                  ("none", "wavefront"), ("wave", "wavefront")])
 def test_a_training_step_frees_its_history(checkpoint: str, schedule: str, monkeypatch) -> None:
-    """After backward the step's finished-KV buffers are gone, and without checkpointing the
-    whole history (buffers, gradient buffers, graph) is freed by reference counting once the loss
-    is dropped, with no cycle left for the garbage collector: a cycle kept every step's buffers
-    alive and grew memory by ~1 GB a step at the benchmark shape. (torch's non-reentrant
-    checkpoint keeps its inputs in a cycle of its own, hence the buffers are dropped explicitly.)"""
+    """After backward the step's finished-KV buffers are back in the model's pool (held by
+    nothing else, and lent to the next step again, so memory does not grow per step), and
+    without checkpointing the whole history (graph included) is freed by reference counting
+    once the loss is dropped, with no cycle left for the garbage collector: a cycle kept every
+    step's buffers alive and grew memory by ~1 GB a step at the benchmark shape. (torch's
+    non-reentrant checkpoint keeps its inputs in a cycle of its own, hence the buffers are
+    handed back explicitly.)"""
     histories = []
     make = Beta12Transformer._history
 
@@ -169,11 +171,42 @@ def test_a_training_step_frees_its_history(checkpoint: str, schedule: str, monke
         if history is not None:
             assert history.keys is None and history.values is None and history.grad_keys is None
         del history, loss
-        assert all(buffer() is None for buffer in buffers)
+        pooled = model.history_pool._free
+
+        def in_pool() -> bool:
+            return {id(b()) for b in buffers} <= {id(t) for t in pooled.values()}
+
+        assert in_pool()
         if checkpoint == "none":
             assert histories[0]() is None
+        # The next step borrows the same buffers and gives them back; nothing else holds them.
+        model(x[:, :-1], x[:, 1:]).backward()
+        assert in_pool()
+        pooled.clear()
+        assert all(buffer() is None for buffer in buffers)
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("schedule,checkpoint", [("block", "block"), ("wavefront", "none")])
+def test_a_pass_between_a_forward_and_its_backward_does_not_touch_its_history(
+        schedule: str, checkpoint: str) -> None:
+    """The pooled history buffers are lent to one pass at a time: an evaluation forward and
+    a second training forward on other tokens, while the first step's backward is pending,
+    leave its gradients as they are without them."""
+    model = tiny_model(schedule=schedule, activation_checkpoint=checkpoint)
+    x, y, other = tokens(length=T), tokens(length=T, seed=2), tokens(length=T, seed=3)
+    model(x, y).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss = model(x, y)
+    with torch.no_grad():
+        model(other)
+    unused = model(other, y)
+    loss.backward()
+    del unused
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, want[n]), n
 
 
 def test_merged_attention_refuses_key_groups_it_cannot_differentiate() -> None:

@@ -29,6 +29,7 @@ from megabeta.model.block_graphs import BlockGraphs, CudaCapture
 from megabeta.model.cache import DecodeCache
 from megabeta.model.config import ConfigError
 from megabeta.model.history import (
+    BufferPool,
     BufferedHistory,
     BufferedView,
     PieceHistory,
@@ -329,7 +330,7 @@ class Beta12Transformer(DecoderLM):
         c = self.config
         if self.attention_backend.reads_buffers and length > c.block_size:
             return BufferedHistory(self._sources(), c.deep_token_window, length,
-                                   check_order=not static)
+                                   check_order=not static, pool=self.history_pool)
         return PieceHistory(self._sources(), c.deep_token_window)
 
     def _finished_dtype(self, x: Tensor, cos: Tensor) -> torch.dtype:
@@ -346,8 +347,13 @@ class Beta12Transformer(DecoderLM):
     block_graphs: BlockGraphs | None = None
     """The block step captured in CUDA graphs (`execution.cuda_graphs`, on CUDA); None: not."""
 
+    history_pool: BufferPool | None = None
+    """The history buffers kept from one pass for the next, on CPU (history.py, "Reuse")."""
+
     def _select_kernels(self) -> None:
         super()._select_kernels()
+        cpu = self.tok_embeddings.weight.device.type == "cpu"
+        self.history_pool = BufferPool() if cpu else None
         self.block_graphs = None
         if self.execution.cuda_graphs and self.tok_embeddings.weight.device.type == "cuda":
             self._check_static("execution.cuda_graphs = true")

@@ -30,6 +30,12 @@ Instead:
   when a finished KV's gradient is handed out, every reader of it has added to it. `release`
   checks it. A publish is a set of cells (block start, layer): all layers of one block in the
   block schedule, one cell per layer of a wave in the wavefront (model/wavefront.py).
+- Reuse. On CPU a fresh tensor this large is mapped anew and page-faulted on first touch in
+  every pass (about a tenth of a beta_1.2_test step went to the buffers' allocation and first
+  writes); a `BufferPool` the model holds lends the same buffers to one pass after another
+  (CUDA's caching allocator reuses its blocks already: no pool there). A pass gives them back
+  when its first publish's gradients are handed out (nothing reads them after that) or, when
+  no backward comes, once the history is gone.
 - The static block step (beta12 `compile_block_step`, CUDA graphs) reads a `StepView` instead:
   the same buffers, allocated before block 0 (`allocate`), and the block's start as a 0-d
   tensor, so that nothing a traced graph sees differs between blocks. Its readers cannot call
@@ -38,6 +44,7 @@ Instead:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -121,12 +128,56 @@ class PieceHistory:
         """End of the forward pass (nothing to release: the pieces are ordinary graph tensors)."""
 
 
+class BufferPool:
+    """History buffers kept from one pass for the next (module doc, "Reuse"): one tensor per
+    (kind, shape, dtype, device), lent to one pass at a time. A pass that starts while another
+    still holds them (an evaluation forward between a forward and its backward) gets fresh
+    ones."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[Any, ...], Tensor] = {}
+
+    def lend(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> Tensor:
+        """A tensor of `shape` (contents undefined), the kept one when it is free."""
+        kept = self._free.pop((kind, tuple(shape), dtype, torch.device(device)), None)
+        return torch.empty(shape, dtype=dtype, device=device) if kept is None else kept
+
+    def give_back(self, kind: str, t: Tensor) -> None:
+        self._free[(kind, tuple(t.shape), t.dtype, t.device)] = t
+
+
+class _Loan:
+    """What one history borrowed from a pool, given back once (`settle`)."""
+
+    def __init__(self, pool: BufferPool) -> None:
+        self.pool = pool
+        self.items: list[tuple[str, Tensor]] = []
+
+    def take(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> Tensor:
+        t = self.pool.lend(kind, shape, dtype, device)
+        self.items.append((kind, t))
+        return t
+
+    def settle(self) -> None:
+        for kind, t in self.items:
+            self.pool.give_back(kind, t)
+        self.items.clear()
+
+
 class BufferedHistory:
-    """The history of one forward pass in stacked buffers (module doc); one per forward call."""
+    """The history of one forward pass in stacked buffers (module doc); one per forward call.
+    `pool`: where its buffers come from and go back to (None: fresh ones each pass)."""
 
     def __init__(self, sources: list[list[int]], window: int, length: int, *,
-                 check_order: bool = True) -> None:
+                 check_order: bool = True, pool: BufferPool | None = None) -> None:
         self.sources, self.window, self.length = sources, window, length
+        self._loan = None if pool is None else _Loan(pool)
+        if self._loan is not None:
+            # No backward (a forward without autograd, or a graph dropped unused): given back
+            # when this history goes. Every reader's graph holds it through the publishes.
+            weakref.finalize(self, self._loan.settle)
         self.check_order = check_order
         """Whether `release` checks that every later reader ran backward (readers report it
         through `done_reading`; a compiled block step cannot call back into Python)."""
@@ -177,8 +228,8 @@ class BufferedHistory:
             if torch.is_grad_enabled():
                 self.grad_keys, self.grad_values = grad_keys, grad_values
         else:
-            self.keys = torch.empty(shape, dtype=dtype, device=device)
-            self.values = torch.empty(shape, dtype=dtype, device=device)
+            self.keys, self.values = (self._new(kind, shape, dtype, device)
+                                      for kind in ("keys", "values"))
             if torch.is_grad_enabled():
                 self.gradient_buffers()
         self.positions = torch.arange(self.length, device=device)
@@ -218,7 +269,8 @@ class BufferedHistory:
             shape = (self.layers, batch, heads, self.length, width)
             # One dtype for both (the kernels take one): under autocast, RoPE's float32 tables
             # promote keys to float32 while values stay bf16.
-            self.keys, self.values = fin_k[0].new_empty(shape), fin_k[0].new_empty(shape)
+            self.keys, self.values = (self._new(kind, shape, fin_k[0].dtype, fin_k[0].device)
+                                      for kind in ("keys", "values"))
             self.positions = torch.arange(self.length, device=self.keys.device)
         n = fin_k[0].shape[2]
         for (start, m), k, v in zip(cells, fin_k, fin_v):
@@ -232,9 +284,17 @@ class BufferedHistory:
         if self.grad_keys is None:
             # Summed over every later block: in float32 even when the history is bf16.
             dtype = torch.promote_types(self.keys.dtype, torch.float32)
-            self.grad_keys = torch.zeros_like(self.keys, dtype=dtype)
-            self.grad_values = torch.zeros_like(self.values, dtype=dtype)
+            self.grad_keys, self.grad_values = (
+                self._new(kind, self.keys.shape, dtype, self.keys.device).zero_()
+                for kind in ("grad_keys", "grad_values"))
         return self.grad_keys, self.grad_values
+
+    def _new(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> Tensor:
+        """A buffer (contents undefined): from the pool where there is one."""
+        if self._loan is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return self._loan.take(kind, shape, dtype, device)
 
     def grads(self, sources: slice, rows: slice) -> tuple[Tensor, Tensor]:
         """The gradient buffers (K, V) of `sources`' history `rows` (`[g, B, H_kv, rows, d]`),
@@ -269,6 +329,10 @@ class BufferedHistory:
             # in a reference cycle until the garbage collector runs: with block checkpointing,
             # this history would otherwise outlive the step.
             self.keys = self.values = self.grad_keys = self.grad_values = self.positions = None
+            if self._loan is not None:
+                # The gradients above are views of the gradient buffers: the rest of this
+                # backward reads them before any later pass takes the buffers again.
+                self._loan.settle()
         return grads
 
 
