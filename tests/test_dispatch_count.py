@@ -88,3 +88,19 @@ def test_the_wavefront_launches_its_matmuls_and_attention_per_wave_not_per_cell(
     assert wave["megabeta::finished_groups_backward"] == waves - 2
     assert counts["block"].by_op["megabeta::finished_groups_backward"] == 7 * 6
     assert counts["wavefront"].total <= 0.6 * counts["block"].total
+
+
+def test_the_gpu_path_wavefront_launches_at_most_035x_the_block_schedule() -> None:
+    """The issue's dispatch target on the path a GPU takes (Triton attention and cell kernels):
+    a beta_1.2_test-shaped step (L = 20, k = 2, 16 blocks of 32) on the wavefront with wave
+    checkpointing launches at most 0.35x the block schedule's kernels, and t19_flash's (about
+    4/3 cells a wave) no more than the block schedule's. Triton launches are counted, not
+    run (the counts do not depend on the numbers)."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install 'megabeta[gpu]')")
+    from megabeta.bench.wavefront import Settings, dispatches
+
+    settings = Settings(attention="triton", cell_kernels="triton")
+    beta = dispatches("beta_1.2_test", settings, torch.device("cpu"))
+    t19 = dispatches("t19_flash", settings, torch.device("cpu"))
+    assert beta["wavefront"] <= 0.35 * beta["block"], beta
+    assert t19["wavefront"] <= t19["block"], t19

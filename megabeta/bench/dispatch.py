@@ -47,10 +47,10 @@ from their schema)."""
 class DispatchCount(TorchDispatchMode):
     """Kernel-launching operators run while active (`total`, and per operator in `by_op`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, run_kernels: bool = True) -> None:
         super().__init__()
         self.by_op: Counter[str] = Counter()
-        self._launches = ops.LaunchCount()
+        self._launches = ops.LaunchCount(run=run_kernels)
 
     @property
     def total(self) -> int:
@@ -82,12 +82,13 @@ class DispatchCount(TorchDispatchMode):
         return dict(self._launches.by_kernel)
 
 
-def count_step(model: torch.nn.Module, tokens: torch.Tensor) -> DispatchCount:
+def count_step(model: torch.nn.Module, tokens: torch.Tensor, *,
+               run_kernels: bool = True) -> DispatchCount:
     """The kernel launches of one training step (forward + backward) of `model` on `tokens`,
     from no gradients (as after the optimizer's `zero_grad`; existing ones would add an
-    accumulation per parameter)."""
+    accumulation per parameter). `run_kernels=False`: Triton launches counted, not run."""
     model.zero_grad(set_to_none=True)
-    with DispatchCount() as count:
+    with DispatchCount(run_kernels=run_kernels) as count:
         model(tokens, tokens).backward()
     return count
 

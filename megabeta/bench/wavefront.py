@@ -53,8 +53,10 @@ class Settings:
     block_size: int = 32
     rounds: int = 4
     attention: str = "auto"
+    cell_kernels: str = "auto"
     checkpoint: bool = False
     t19_len: int = 2048
+    dispatches_only: bool = False
     shape: dict[str, Any] = field(default_factory=dict)
     """Model fields both arms of the paired speed take instead of their presets' (a smaller
     model for a quick run); the dispatch counts keep the presets' structure."""
@@ -86,8 +88,9 @@ def _model(preset: str, execution: ExecutionConfig, device: torch.device,
     return build_model(get_preset(preset, **overrides), execution).to(device)
 
 
-def _execution(schedule: str, attention: str, checkpoint: bool) -> ExecutionConfig:
-    return ExecutionConfig(schedule=schedule, attention=attention,
+def _execution(schedule: str, settings: Settings, checkpoint: bool) -> ExecutionConfig:
+    return ExecutionConfig(schedule=schedule, attention=settings.attention,
+                           cell_kernels=settings.cell_kernels,
                            activation_checkpoint=SCHEDULES[schedule] if checkpoint else "none")
 
 
@@ -125,16 +128,18 @@ def paired(arms: dict[str, Callable[[], float]], rounds: int) -> dict[str, float
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def dispatches(preset: str, attention: str, device: torch.device) -> dict[str, int]:
-    """Kernel-launching operators of one training step per schedule (16 blocks of 32)."""
+def dispatches(preset: str, settings: Settings, device: torch.device) -> dict[str, int]:
+    """Kernel-launching operators of one training step per schedule (16 blocks of 32). Triton
+    kernels run only on a GPU: under the interpreter they are counted, not run (the count
+    does not depend on the numbers)."""
     config = counting_config(**_counting_shape(preset))
     tokens = torch.randint(0, config.vocab_size, (1, 16 * config.block_size),
                            generator=torch.Generator().manual_seed(0)).to(device)
     out = {}
     for schedule in SCHEDULES:
         torch.manual_seed(0)
-        model = build_model(config, _execution(schedule, attention, checkpoint=True)).to(device)
-        out[schedule] = count_step(model, tokens).total
+        model = build_model(config, _execution(schedule, settings, checkpoint=True)).to(device)
+        out[schedule] = count_step(model, tokens, run_kernels=device.type == "cuda").total
     return out
 
 
@@ -150,11 +155,12 @@ def measure(settings: Settings, device: torch.device) -> Figures:
     s = settings
     shape = dict(s.shape, vocab_size=s.vocab, max_seq_len=s.seq_len)
     beta = dict(shape, block_size=s.block_size)
-    models = {"standard": _model(s.control, ExecutionConfig(attention=s.attention), device,
-                                 **shape)}
+    models = {"standard": _model(s.control, ExecutionConfig(attention=s.attention,
+                                                            cell_kernels=s.cell_kernels),
+                                 device, **shape)}
     for schedule in SCHEDULES:
-        models[schedule] = _model(s.preset, _execution(schedule, s.attention, s.checkpoint),
-                                  device, **beta)
+        models[schedule] = _model(s.preset, _execution(schedule, s, s.checkpoint), device,
+                                  **beta)
     tokens = torch.randint(0, s.vocab, (s.batch, s.seq_len + 1),
                            generator=torch.Generator().manual_seed(0)).to(device)
     seconds = paired({name: _step(m, tokens) for name, m in models.items()}, s.rounds)
@@ -164,10 +170,10 @@ def measure(settings: Settings, device: torch.device) -> Figures:
                                                          s.seq_len)
     rate = {name: s.batch * flops[name] / t for name, t in seconds.items()}
     figures = Figures(seconds, rate, {name: r / rate["standard"] for name, r in rate.items()},
-                      {p: dispatches(p, s.attention, device) for p in (s.preset, "t19_flash")})
+                      {p: dispatches(p, s, device) for p in (s.preset, "t19_flash")})
     if s.t19_len:
         t19 = dict(s.shape, vocab_size=s.vocab, max_seq_len=s.t19_len)
-        pair = {name: _model("t19_flash", _execution(name, s.attention, True), device, **t19)
+        pair = {name: _model("t19_flash", _execution(name, s, True), device, **t19)
                 for name in SCHEDULES}
         t19_tokens = torch.randint(0, s.vocab, (1, s.t19_len + 1),
                                    generator=torch.Generator().manual_seed(1)).to(device)
@@ -213,16 +219,30 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="c (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=d.rounds, help="timed rounds (median)")
     parser.add_argument("--attention", default=d.attention, help="execution.attention")
+    parser.add_argument("--cell-kernels", default=d.cell_kernels,
+                        help="execution.cell_kernels (%(default)s)")
     parser.add_argument("--checkpoint", action="store_true",
                         help="time each schedule with its activation checkpointing (block / wave)")
     parser.add_argument("--t19-len", type=int, default=d.t19_len,
                         help="t19_flash tokens per sequence (batch 1; 0 skips it)")
+    parser.add_argument("--dispatches-only", action="store_true",
+                        help="only count the dispatches (e.g. the GPU path on a CPU, its "
+                             "Triton launches counted, not run: TRITON_INTERPRET=1 ... "
+                             "--attention triton --cell-kernels triton)")
     return Settings(**vars(parser.parse_args(argv)))
 
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if settings.dispatches_only:
+        for preset in (settings.preset, "t19_flash"):
+            counts = dispatches(preset, settings, device)
+            print(f"- dispatches per step, {preset} ({settings.attention} attention, "
+                  f"{settings.cell_kernels} cell kernels, {device}): block {counts['block']}, "
+                  f"wavefront {counts['wavefront']}: "
+                  f"{counts['wavefront'] / counts['block']:.2f}x")
+        return
     print(f"# wavefront benchmark: {settings.preset} c={settings.block_size} vs "
           f"{settings.control}, {device}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")

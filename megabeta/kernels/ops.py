@@ -43,9 +43,13 @@ def implementation(qualified: str) -> Callable[..., Any] | None:
 
 
 class LaunchCount:
-    """Triton kernel launches made while active (`with LaunchCount() as count: …; count.total`)."""
+    """Triton kernel launches made while active (`with LaunchCount() as count: …; count.total`).
+    `run=False` counts them without running them (their outputs keep whatever memory held):
+    the count does not depend on the numbers, and Triton's CPU interpreter would take minutes
+    for a model's step."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, run: bool = True) -> None:
+        self.run = run
         self.total = 0
         self.by_kernel: dict[str, int] = {}
         self._depth = 0
@@ -71,6 +75,8 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
         name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None),
                                                            "__name__", "triton")
         count.by_kernel[name] = count.by_kernel.get(name, 0) + 1
+    if not all(count.run for count in _counters):
+        return
     # Outside any dispatch mode: Triton's CPU interpreter copies each tensor argument with ATen
     # operators, which a dispatch counter would otherwise charge to the launch.
     with _disable_current_modes():

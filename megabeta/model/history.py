@@ -460,9 +460,10 @@ class _Publish(torch.autograd.Function):
         # publish's backward then runs after this one's.
         history.write_finished(cells, kv[:len(cells)], kv[len(cells):])
         ctx.history, ctx.epoch, ctx.n = history, len(history.publishes) - 1, kv[0].shape[2]
-        # The anchor's gradient is never read: not zero-filled either (readers return none).
+        # The anchor's gradient is never read: not zero-filled either (readers return none);
+        # nor is its value (readers take it for the edge alone): no kernel writes it.
         ctx.set_materialize_grads(False)
-        return kv[0].new_zeros(())
+        return kv[0].new_empty(())
 
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:

@@ -49,8 +49,8 @@ from megabeta.model.layers import HandOut, Projection, autocast_dtype, fused_inp
 if TYPE_CHECKING:  # only for annotations: beta12 imports this module
     from megabeta.model.beta12 import Beta12Transformer, CellWeights
 
-KV = tuple[Tensor, Tensor, Tensor]
-"""A cell's queries, construction keys and values `[B, heads, c, d_h]`."""
+QKV = tuple[Tensor, Tensor, Tensor]
+"""A wave's cells' queries, construction keys and values, stacked `[n, B, heads, c, d_h]`."""
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,16 @@ class StackedWeight:
         self.tensor = HandOut.apply(self.weight, self) if self.accumulates else self.weight
 
     def add_rows(self, sel: slice, rows: Tensor) -> None:
-        """Add `rows [n, M, out]`, summed over M, to the gradient of the (bias) layers `sel`."""
-        self.zero_grad_buffer()[sel].add_(rows.sum(1))
+        """Add `rows [n, M, out]`, summed over M, to the gradient of the (bias) layers `sel`:
+        one batched product with ones, added in place."""
+        grad = self.zero_grad_buffer()[sel]
+        if grad.dtype != rows.dtype:
+            grad.add_(rows.sum(1))
+            return
+        ones = self._ones.get(rows.shape[1])
+        if ones is None:
+            ones = self._ones[rows.shape[1]] = rows.new_ones(1, 1, rows.shape[1])
+        grad.unsqueeze(1).baddbmm_(ones.expand(rows.shape[0], -1, -1), rows)
 
     def zero_grad_buffer(self) -> Tensor:
         """`grad`, zero-filled on first use."""
@@ -219,39 +227,48 @@ def _next_projection(model: "Beta12Transformer", layer: int) -> Projection:
 
 @dataclass
 class WaveOutput:
-    """What one wave hands on (`run_wave`)."""
+    """What one wave hands on (`run_wave`): the next wave's inputs, the finished K/V to
+    publish and the leaving block's hidden states."""
 
     x: Tensor | None
-    """The continuing cells' residual streams `[n, B, c, d]` (None: none continue)."""
-    kv: list[KV]
-    """Their next layer's queries and construction K/V."""
+    """The next wave's residual streams `[n, B, c, d]`: the continuing cells' and the entering
+    block's embeddings (None: none)."""
+    qkv: QKV | None
+    """Their queries and construction K/V (layer l+1's for a continuing cell of layer l,
+    layer 0's for the entering block)."""
     finished: list[tuple[Tensor, Tensor]]
     """Every cell's finished K, V (oldest cell first), in the backend's layout."""
     hidden: Tensor | None
     """The leaving block's final hidden states `[B, c, d]`."""
 
 
-def run_wave(model: "Beta12Transformer", x: Tensor | None, kv: list[KV], entering: Tensor | None,
-             views: list[Any], wave: Wave, weights: WaveWeights, cos: Tensor, sin: Tensor, *,
+@dataclass(frozen=True)
+class Entering:
+    """The block that enters the next wave at layer 0: its embeddings `[B, c, d]` and RoPE
+    tables `[c, d_h]`."""
+
+    x: Tensor
+    cos: Tensor
+    sin: Tensor
+
+
+def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], wave: Wave,
+             weights: WaveWeights, cos: Tensor, sin: Tensor, entering: Entering | None, *,
              dropout: float) -> WaveOutput:
-    """One wave's cells (module doc). `x`, `kv`: the residual streams and next queries and
-    construction KVs of the cells carried over from the previous wave; `entering`: the
-    embeddings `[B, c, d]` of the block entering at layer 0; `views`: each cell's history
-    view; `cos/sin [blocks, c, d_h]`: RoPE tables per block."""
+    """One wave's cells (module doc). `x`, `qkv`: the cells' residual streams and queries and
+    construction KVs (stacked, oldest cell first); `views`: each cell's history view;
+    `cos/sin [blocks, c, d_h]`: RoPE tables per block; `entering`: the block that enters the
+    next wave, whose layer-0 projection is laid next to the continuing cells' here."""
     kernels, eps = model.cell_kernels, model.config.norm_eps
     attention = model.attention_backend
     layout = attention.layout
     cell = weights.cell
-    if entering is not None:
-        b = wave.first + len(wave.layers) - 1
-        kv = [*kv, tuple(cell.input(0, False)(kernels.rms_normalize(entering, eps),
-                                               cos[b], sin[b]))]
-        x = entering[None] if x is None else torch.cat([x, entering[None]])
     n, batch, c, d = x.shape
-    keys = [view.key_set(l, k, v) for (_, k, v), view, l in zip(kv, views, wave.layers)]
+    q, k, v = qkv
+    keys = [view.key_set(l, k[i], v[i]) for i, (view, l) in enumerate(zip(views, wave.layers))]
     sel = wave.stack()
-    o = attention.attend_wave([q for q, _, _ in kv], keys, cell.pass_biases.wave(sel),
-                              layers=wave.layers, dropout_p=dropout).reshape(n, batch * c, -1)
+    o = attention.attend_wave(q, k, v, keys, cell.pass_biases.wave(sel), layers=wave.layers,
+                              dropout_p=dropout).reshape(n, batch * c, -1)
     residual_dropout = model.config.dropout if model.training else 0.0
 
     def branch(delta: Tensor) -> Tensor:
@@ -265,23 +282,64 @@ def run_wave(model: "Beta12Transformer", x: Tensor | None, kv: list[KV], enterin
     finished: list[tuple[Tensor, Tensor]] = []
     hidden = None
     if wave.exits:
-        fk, fv = cell.last_finished(normalized[0], cos[wave.first], sin[wave.first])
+        # Split, not indexed: one concatenation in backward instead of a zero-filled gradient
+        # per part and their sum.
+        (hidden, x), (leaving, normalized) = (t.split([1, n - 1]) for t in (x, normalized))
+        hidden = hidden.squeeze(0)
+        fk, fv = cell.last_finished(leaving.squeeze(0), cos[wave.first], sin[wave.first])
         finished.append((layout.keys(fk, wave.top), layout.values(fv)))
-        hidden, x, normalized = x[0], x[1:], normalized[1:]
-    out_kv: list[KV] = []
+    continuing = None
     if len(x):
         first = wave.first + int(wave.exits)
         below = wave.layers[int(wave.exits):]
-        out_kv, fin = _next_inputs(normalized, weights, wave.next_stack(),
-                                   cos[first:first + len(below)], sin[first:first + len(below)])
+        continuing, fin = _next_inputs(normalized, weights, wave.next_stack(),
+                                       cos[first:first + len(below)],
+                                       sin[first:first + len(below)])
         finished += [(layout.keys(fk, l), layout.values(fv)) for (fk, fv), l in zip(fin, below)]
-    return WaveOutput(x if len(x) else None, out_kv, finished, hidden)
+    block = None
+    if entering is not None:
+        block = _enter(model, weights, entering)
+        x = torch.cat([x, entering.x[None]]) if len(x) else entering.x[None]
+    return WaveOutput(x if len(x) else None, _stack_cells(continuing, block, c), finished,
+                      hidden)
+
+
+def _enter(model: "Beta12Transformer", weights: WaveWeights, block: Entering) -> QKV:
+    """A block's layer-0 queries and construction K/V `[B, heads, c, d_h]` each."""
+    normalized = model.cell_kernels.rms_normalize(block.x, model.config.norm_eps)
+    return tuple(weights.cell.input(0, False)(normalized, block.cos, block.sin))
+
+
+def _stack_cells(continuing: QKV | None, entering: QKV | None, block_size: int) -> QKV | None:
+    """The next wave's queries and construction K/V stacked per cell `[n, B, heads, c, d_h]`:
+    the continuing cells' (`[B, heads, n'·c, d_h]`, cells end to end: the projection's
+    outputs), then the entering block's (`[B, heads, c, d_h]`). The continuing cells' are
+    views of tensors that also hold their finished K/V, which are copied into the history:
+    what the next wave keeps (and its checkpoint holds until backward) is a copy, one per
+    tensor (the concatenation where a block enters), so that their storage goes once they are
+    published."""
+    if continuing is None:
+        return None if entering is None else tuple(t[None] for t in entering)
+    if entering is None:
+        # Copied in the projection's layout and stacked as a view: the attention kernels take
+        # the strides, and the gradient comes back in that layout (stacked contiguously, it
+        # would be copied back in backward).
+        return tuple(_cells(t.clone(memory_format=torch.contiguous_format), block_size)
+                     for t in continuing)
+    return tuple(torch.cat([_cells(t, block_size), e[None]])
+                 for t, e in zip(continuing, entering))
+
+
+def _cells(t: Tensor, block_size: int) -> Tensor:
+    """`[B, heads, n·c, d_h]`, n cells end to end, as `[n, B, heads, c, d_h]` (a view)."""
+    return t.unflatten(2, (-1, block_size)).movedim(2, 0)
 
 
 def _next_inputs(normalized: Tensor, weights: WaveWeights, sel: slice, cos: Tensor,
-                 sin: Tensor) -> tuple[list[KV], list[tuple[Tensor, Tensor]]]:
-    """The next layer's fused input projection of the cells `normalized [n, B, c, d]`: per cell
-    its next queries and construction K/V, and its own finished K/V."""
+                 sin: Tensor) -> tuple[QKV, list[tuple[Tensor, Tensor]]]:
+    """The next layer's fused input projection of the cells `normalized [n, B, c, d]`: their
+    next queries and construction K/V (`[B, heads, n·c, d_h]`, the cells' tokens end to end),
+    and per cell its own finished K/V."""
     n, batch, c, d = normalized.shape
     y = wave_linear(normalized.flatten(1, 2), weights.next_input, sel, weights.next_bias)
     # The cells' tokens end to end, `[B, n·c, W]`: one split into heads and RoPE for all.
@@ -292,13 +350,8 @@ def _next_inputs(normalized: Tensor, weights: WaveWeights, sel: slice, cos: Tens
         head_norm = norms.transpose(0, 1)[:, :, None].expand(-1, -1, c, -1).flatten(1, 2)
     fk, q, k, v, fv = weights.next_template.split(y, cos.flatten(0, 1), sin.flatten(0, 1),
                                                   head_norm)
-    # The split's parts are views of two tensors that also hold the finished K/V. Those are
-    # copied into the history; what the next wave keeps (and its checkpoint holds until
-    # backward) is copied out, so that their storage goes once they are published.
-    kept = (q.clone(), k.clone(), v.clone())
-    per_cell = [p.unflatten(2, (n, c)).unbind(2) for p in (fk, *kept, fv)]
-    fk, q, k, v, fv = per_cell
-    return list(zip(q, k, v)), list(zip(fk, fv))
+    fk, fv = (p.unflatten(2, (n, c)).unbind(2) for p in (fk, fv))
+    return (q, k, v), list(zip(fk, fv))
 
 
 def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tensor,
@@ -315,19 +368,29 @@ def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tenso
     plan = WavePlan(blocks, layers, min(model.config.depth_window, layers - 1) + 1)
     weights = WaveWeights(model, cell)
     embeddings = x.split(c, dim=1)
+
+    def entering(t: int) -> Entering | None:
+        """The block entering at wave t, if any."""
+        if t >= plan.waves or not plan.wave(t).entering:
+            return None
+        b = t // plan.period
+        return Entering(embeddings[b], cos[b], sin[b])
+
     hidden: list[Tensor] = []
-    state, kv = None, []
+    # Block 0 enters before the first wave; each later block is laid out by the wave before
+    # the one it enters.
+    state, qkv = embeddings[0][None], tuple(t[None] for t in _enter(model, weights,
+                                                                      entering(0)))
     for t in range(plan.waves):
         wave = plan.wave(t)
-        entering = embeddings[wave.first + len(wave.layers) - 1] if wave.entering else None
         views = [history.view(b * c) for b, _ in wave.cells]
-        out = model._run(run_wave, model, state, kv, entering, views, wave, weights, cos, sin,
-                         dropout=dropout)
+        out = model._run(run_wave, model, state, qkv, views, wave, weights, cos, sin,
+                         entering(t + 1), dropout=dropout)
         cells = [(b * c, l) for b, l in wave.cells if b < blocks - 1]
         if cells:
             history.publish(cells, [k for k, _ in out.finished[:len(cells)]],
                             [v for _, v in out.finished[:len(cells)]])
         if out.hidden is not None:
             hidden.append(out.hidden)
-        state, kv = out.x, out.kv
+        state, qkv = out.x, out.qkv
     return torch.cat(hidden, dim=1)[:, :length]

@@ -317,22 +317,24 @@ class AttentionBackend(Protocol):
                dropout_p: float) -> Tensor:
         """Output `[B, H, n, d_h]` of queries `q [B, H, n, d_h]` of `layer` over `keys`."""
 
-    def attend_wave(self, q: list[Tensor], keys: list[KeySet], bias: WaveBias, *,
-                    layers: list[int], dropout_p: float) -> Tensor:
-        """A wave's cells (spec §5, model/wavefront.py), equal-shaped, on consecutive blocks,
-        oldest first: cell i's queries `q[i] [B, H, c, d_h]` of `layers[i]` over `keys[i]`,
-        with the cells' biases `bias`. Outputs `[n, B, c, H, d_h]` (heads last, as the output
-        projection reads them)."""
+    def attend_wave(self, q: Tensor, k: Tensor, v: Tensor, keys: list[KeySet], bias: WaveBias,
+                    *, layers: list[int], dropout_p: float) -> Tensor:
+        """A wave's n cells (spec §5, model/wavefront.py) on consecutive blocks, oldest first,
+        stacked: queries `q [n, B, H, c, d_h]`, construction keys and values
+        `k, v [n, B, H_kv, c, d_h]`; cell i of `layers[i]` reads `keys[i]` (whose own keys are
+        k[i], v[i]), with the cells' biases `bias`. Outputs `[n, B, c, H, d_h]` (heads last,
+        as the output projection reads them)."""
 
 
 class CellByCell:
     """`attend_wave` as one `attend` per cell, for backends without a batched wave."""
 
-    def attend_wave(self: AttentionBackend, q: list[Tensor], keys: list[KeySet],
-                    bias: WaveBias, *, layers: list[int], dropout_p: float) -> Tensor:
-        return torch.stack([self.attend(q_i, k_i, bias.cell(i), layer=l, dropout_p=dropout_p)
-                            .transpose(1, 2)
-                            for i, (q_i, k_i, l) in enumerate(zip(q, keys, layers))])
+    def attend_wave(self: AttentionBackend, q: Tensor, k: Tensor, v: Tensor,
+                    keys: list[KeySet], bias: WaveBias, *, layers: list[int],
+                    dropout_p: float) -> Tensor:
+        return torch.stack([self.attend(q[i], keys[i], bias.cell(i), layer=l,
+                                        dropout_p=dropout_p).transpose(1, 2)
+                            for i, l in enumerate(layers)])
 
 
 def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float) -> Tensor:

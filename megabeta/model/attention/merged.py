@@ -323,19 +323,17 @@ class _MergedAttention(CellByCell):
                                 bias, scale, kernels=self.kernels)
 
 
-    def attend_wave(self, q: list[Tensor], keys: list[KeySet], bias: WaveBias, *,
-                    layers: list[int], dropout_p: float) -> Tensor:
+    def attend_wave(self, q: Tensor, k: Tensor, v: Tensor, keys: list[KeySet], bias: WaveBias,
+                    *, layers: list[int], dropout_p: float) -> Tensor:
         """On the fused kernels, a wave of several cells in one `fused_cells` call; otherwise
         cell by cell."""
-        stored = [k.stored for k in keys]
-        dtype = next((s.dtype for s in stored if s is not None), q[0].dtype)
-        if len(q) == 1 or dropout_p or not self.kernels.fuses_groups(dtype):
-            return super().attend_wave(q, keys, bias, layers=layers, dropout_p=dropout_p)
+        stored = [key_set.stored for key_set in keys]
+        dtype = next((s.dtype for s in stored if s is not None), q.dtype)
+        if len(keys) == 1 or dropout_p or not self.kernels.fuses_groups(dtype):
+            return super().attend_wave(q, k, v, keys, bias, layers=layers, dropout_p=dropout_p)
         batches = [s.batches(layer) if s is not None else [] for s, layer in zip(stored, layers)]
-        out = fused_cells(torch.stack(q).to(dtype), torch.stack([k.k for k in keys]).to(dtype),
-                          torch.stack([k.v for k in keys]).to(dtype), bias.self_bias,
-                          bias.slope, batches,
-                          1.0 / math.sqrt(q[0].shape[-1]),
+        out = fused_cells(q.to(dtype), k.to(dtype), v.to(dtype), bias.self_bias, bias.slope,
+                          batches, 1.0 / math.sqrt(q.shape[-1]),
                           anchors=[s.anchor for s in stored if s is not None],
                           on_backward=[s.done_reading for s in stored if s is not None])
         return out.transpose(2, 3)

@@ -79,32 +79,30 @@ class TritonAttention(CellByCell):
             stored.start_index(), bias.group_shift, bias.self_bias, sources=stored.sources(layer),
             layer=layer, window=stored.window, scale=scale, anchor=stored.anchor, **rows)
 
-    def attend_wave(self, q: list[Tensor], keys: list[KeySet], bias: WaveBias, *,
-                    layers: list[int], dropout_p: float) -> Tensor:
+    def attend_wave(self, q: Tensor, k: Tensor, v: Tensor, keys: list[KeySet], bias: WaveBias,
+                    *, layers: list[int], dropout_p: float) -> Tensor:
         """The wave's cells in one kernel call (module doc). The newest cell reads history in
         any wave of several cells (its block is not the first); a wave of one cell at block 0
         reads none and goes to `attend`."""
         _no_dropout(dropout_p)
-        stored = [k.stored for k in keys]
+        stored = [key_set.stored for key_set in keys]
         last = stored[-1]
         if last is None:
-            return super().attend_wave(q, keys, bias, layers=layers, dropout_p=dropout_p)
-        n = q[0].shape[2]
+            return super().attend_wave(q, k, v, keys, bias, layers=layers, dropout_p=dropout_p)
         hist_k, hist_v = last.buffers()
         cells = triton_attention.Cells.of(last.sources(layers[-1]), layers, hist_k.shape[0] - 1)
-        _check_wave(stored, layers, cells, n)
+        _check_wave(stored, layers, cells, q.shape[3])
         dtype = last.dtype
         # Each cell's reader reports when its backward is done (history.py's order check).
-        q = torch.stack([q_i if s is None else after_backward(q_i, s.done_reading)
-                         for q_i, s in zip(q, stored)]).to(dtype)
+        readers = [s.done_reading for s in stored if s is not None]
+        q = after_backward(q.to(dtype), lambda: [done() for done in readers])
         grad_k, grad_v = _gradient_buffers(last)
         row_buffers = bias.row_buffers(q.shape[1], q.shape[2], q)
         rows = {} if row_buffers is None else dict(zip(("shift_rows", "diag_rows"), row_buffers))
         out = triton_attention.wave_attention(
-            q, torch.stack([k.k for k in keys]).to(dtype),
-            torch.stack([k.v for k in keys]).to(dtype), hist_k, hist_v, grad_k, grad_v,
-            last.start_index(), bias.group_shift, bias.self_bias, sources=last.sources(layers[-1]),
-            layers=layers, top=cells.top, window=last.window, scale=1.0 / math.sqrt(q.shape[-1]),
+            q, k.to(dtype), v.to(dtype), hist_k, hist_v, grad_k, grad_v, last.start_index(),
+            bias.group_shift, bias.self_bias, sources=last.sources(layers[-1]), layers=layers,
+            top=cells.top, window=last.window, scale=1.0 / math.sqrt(q.shape[-1]),
             anchor=last.anchor, **rows)
         return out.transpose(2, 3)
 
