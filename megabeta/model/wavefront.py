@@ -10,8 +10,10 @@ matmul (beta12.CellWeights). Here they are first read one wave after cell (b, m)
 (b+1, m-k), which runs in the same wave as (b, m+1): so a cell is layer l's attention and MLP
 followed by layer l+1's fused input projection (layer l's finished K/V, layer l+1's queries and
 construction K/V): the same matmuls of the same numbers as the block schedule, done one wave
-earlier. A block enters at layer 0 with its plain input projection; its last layer's cell ends
-with `last_finished`.
+earlier. A block enters at layer 0 with its plain input projection, computed by the wave
+before the one it enters (block 0's before the first), so that the carried cells' and its
+queries and construction K/V become the next wave's stacked inputs in one copy; its last
+layer's cell ends with `last_finished`.
 
 Batching. A wave's cells hold different layers' weights. Each kind of weight is stacked once
 per pass in reverse layer order (`WaveWeights`): a wave's cells, blocks ascending and layers
@@ -20,9 +22,11 @@ batched matmul (`wave_linear`, which adds the stacks' gradients in place, as
 layers.SharedWeight does, instead of a zero-filled stack gradient per wave). Norms, SwiGLU and
 the residual adds run once on the stacked cells, the split into heads and RoPE once on the
 cells' tokens laid end to end. The wave's attention is one `attend_wave` call of the model's
-backend, each cell reading its layer's key set at its block's start: on `cpu_fused` one
-own-keys kernel and one finished-groups kernel for the whole wave (attention/merged.py,
-`fused_cells`); the other backends attend cell by cell.
+backend on the cells' stacked queries and construction K/V `[n, B, H, c, d_h]`, each cell
+reading its layer's key set at its block's start and its layer's biases (strided views of the
+pass's stacks, beta12.PassBiases): on `cpu_fused` one own-keys kernel and one finished-groups
+kernel for the whole wave (attention/merged.py, `fused_cells`), on `triton` one launch each
+way (attention/triton_backend.py); the other backends attend cell by cell.
 
 Finished KVs are published per wave, one cell per layer (history.py), except the last block's,
 which nobody reads. With `activation_checkpoint = wave` one wave is the recompute unit: backward
