@@ -44,15 +44,21 @@ def test_rope_matches_rotate_half_and_finite_differences() -> None:
     assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos, sin), (x,))
 
 
-def test_rope_promotes_like_the_tables_and_returns_the_input_dtype_gradient() -> None:
-    """Under autocast the projections are bf16 and the tables float32: keys come out float32
-    (as `x * cos` would), and the gradient goes back in bf16."""
+def test_rope_computes_in_the_tables_precision_and_keeps_the_input_dtype() -> None:
+    """Under autocast the projections are bf16 and the tables float32: the rotation is computed
+    in float32 and rounded once to bf16 (the attention kernels then read bf16), forward and
+    backward."""
     x = torch.randn(1, 2, 3, 4, dtype=torch.bfloat16, requires_grad=True)
     cos, sin = (t.float() for t in rope_tables(4, 0, 3, 10000.0))
     y = apply_rope(x, cos, sin)
-    assert y.dtype == torch.float32
-    y.sum().backward()
-    assert x.grad.dtype == torch.bfloat16
+    assert y.dtype == torch.bfloat16
+    wide = x.detach().float().requires_grad_()
+    want = apply_rope(wide, cos, sin)
+    assert torch.equal(y, want.bfloat16())
+    grad = torch.randn(y.shape, dtype=torch.bfloat16)
+    y.backward(grad)
+    want.backward(grad.float())
+    assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad, wide.grad.bfloat16())
 
 
 @pytest.mark.parametrize("dtype,autocast", [(torch.float64, False), (torch.bfloat16, True),

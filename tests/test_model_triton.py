@@ -98,3 +98,36 @@ def test_triton_wavefront_attends_each_wave_in_one_launch() -> None:
             assert p.grad is None or not p.grad.any(), name
             continue
         torch.testing.assert_close(p.grad.double(), q.grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("schedule,checkpoint", [("block", "block"), ("wavefront", "wave")])
+def test_triton_attention_reads_autocast_dtype_history(schedule: str, checkpoint: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under autocast the attention kernels read queries and history in the autocast dtype
+    (RoPE keeps the projections' dtype), not float32, and add the keys' gradients into float32
+    buffers; loss and gradients follow the float64 reference at that precision. float16 stands
+    in for bf16, whose tl.dot is wrong in the interpreter."""
+    from megabeta.kernels import triton_attention
+
+    seen = []
+    for name in ("block_attention", "wave_attention"):
+        def spy(q, k, v, hist_k, hist_v, grad_k, grad_v, *args, _run=getattr(
+                triton_attention, name), **kwargs):
+            if hist_k.numel():
+                seen.append((q.dtype, k.dtype, hist_k.dtype, hist_v.dtype, grad_k.dtype))
+            return _run(q, k, v, hist_k, hist_v, grad_k, grad_v, *args, **kwargs)
+        monkeypatch.setattr(triton_attention, name, spy)
+    model, reference = _pair("c2_k1_gqa_window", activation_checkpoint=checkpoint,
+                             schedule=schedule)
+    x = tokens(batch=1, length=T)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x, x)
+    loss.backward()
+    half, full = torch.float16, torch.float32
+    assert seen and set(seen) == {(half, half, half, half, full)}
+    want = reference(x, x)
+    want.backward()
+    torch.testing.assert_close(loss.double(), want, atol=1e-2, rtol=1e-2)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad.double(), q.grad, atol=1e-2, rtol=5e-2, msg=name)

@@ -120,6 +120,26 @@ def test_add_rms_normalize_matches_torch_and_float64(dtype: torch.dtype) -> None
     _check(got, [want, want64], mutated, dtype)
 
 
+def test_add_rms_normalize_promotes_like_torch() -> None:
+    """Under autocast the residual stream is float32 and a projection's output bf16: the sum
+    and its norm are float32 as `x + delta` makes them, each input's gradient in its dtype."""
+    x = _rand(2, 3, 40, seed=24).requires_grad_()
+    delta = _rand(2, 3, 40, seed=25).bfloat16().requires_grad_()
+    weights = [_rand(2, 3, 40, seed=26), _rand(2, 3, 40, seed=27)]
+    outs = tc.add_rms_normalize(x, delta, EPS)
+    x_ref, delta_ref = (t.detach().clone().requires_grad_() for t in (x, delta))
+    a = x_ref + delta_ref
+    want = a, layers.rms_normalize(a, EPS)
+    for got, ref in zip(outs, want):
+        assert got.dtype == ref.dtype == torch.float32
+        torch.testing.assert_close(got, ref)
+    sum((o * w).sum() for o, w in zip(outs, weights)).backward()
+    sum((o * w).sum() for o, w in zip(want, weights)).backward()
+    assert (x.grad.dtype, delta.grad.dtype) == (torch.float32, torch.bfloat16)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(delta.grad, delta_ref.grad)
+
+
 # ---- split_heads_rope --------------------------------------------------------------------------
 
 HEAD_DIM = 12  # half = 6: masked tiles
@@ -180,14 +200,15 @@ def test_split_heads_rope_matches_torch_and_float64(dtype: torch.dtype, n: int, 
 
 
 def test_split_heads_rope_dtypes_follow_torch() -> None:
-    # bfloat16 projection with float32 tables: torch promotes the rotary heads to float32.
+    # bfloat16 projection with float32 tables (autocast): both kinds of heads stay bfloat16,
+    # the rotation computed in float32 and rounded once, as `layers.apply_rope` does.
     y = _rand(1, 4, 3 * HEAD_DIM, seed=7).bfloat16().requires_grad_()
     cos, sin = _tables(0, 4, torch.float32)
     rot, plain = tc.split_heads_rope(y, cos, sin, rotary_heads=2, head_dim=HEAD_DIM)
     want_rot, want_plain = _torch_split(y, cos, sin, 2)
-    assert (rot.dtype, plain.dtype) == (want_rot.dtype, want_plain.dtype)
+    assert rot.dtype == plain.dtype == want_rot.dtype == want_plain.dtype == torch.bfloat16
     torch.testing.assert_close(rot, want_rot)
-    torch.testing.assert_close(plain, want_plain)
+    assert torch.equal(plain, want_plain)
     (rot.sum() + plain.sum()).backward()
     assert y.grad.dtype == torch.bfloat16
 

@@ -101,20 +101,23 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _rms_meta(x: Tensor, add: bool) -> dict[str, Any]:
+def _rms_meta(x: Tensor, add: bool, dtype: torch.dtype) -> dict[str, Any]:
+    """Tile settings for rows like `x`'s, computed in `dtype`'s arithmetic."""
     block = triton.next_power_of_2(x.shape[-1])
-    return dict(BLOCK_D=block, COMPUTE=_compute_type(x.dtype), ADD=add,
+    return dict(BLOCK_D=block, COMPUTE=_compute_type(dtype), ADD=add,
                 num_warps=_num_warps(block))
 
 
 def _rms_forward(x: Tensor, delta: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-    """`(x + delta, rms_normalize(x + delta))`, or `(x, rms_normalize(x))` without delta."""
+    """`(x + delta, rms_normalize(x + delta))`, or `(x, rms_normalize(x))` without delta; in
+    the dtype of the sum (`_sum_dtype`)."""
     rows = _rows(x)
-    y = x.new_empty(x.shape)
     # Without delta the kernel's ADD branch is compiled out; x stands in for its pointers.
-    a, deltas = (x, rows) if delta is None else (x.new_empty(x.shape), _rows(delta))
+    a, deltas = ((x, rows) if delta is None
+                 else (x.new_empty(x.shape, dtype=_sum_dtype(x, delta)), _rows(delta)))
+    y = a.new_empty(x.shape)
     launch(_rms_forward_kernel, (rows.shape[0],), rows, deltas, a, y, *rows.stride(),
-           *deltas.stride(), rows.shape[1], eps, **_rms_meta(x, delta is not None))
+           *deltas.stride(), rows.shape[1], eps, **_rms_meta(x, delta is not None, a.dtype))
     return a, y
 
 
@@ -124,7 +127,8 @@ def _rms_backward_launch(dy: Tensor, da: Tensor | None, x: Tensor, eps: float) -
     stream = grads if da is None else _rows(da)
     dx = x.new_empty(x.shape)
     launch(_rms_backward_kernel, (rows.shape[0],), grads, stream, rows, dx, *grads.stride(),
-           *stream.stride(), *rows.stride(), rows.shape[1], eps, **_rms_meta(x, da is not None))
+           *stream.stride(), *rows.stride(), rows.shape[1], eps,
+           **_rms_meta(x, da is not None, x.dtype))
     return dx
 
 
@@ -163,9 +167,15 @@ _rms_normalize_op.register_autograd(_rms_backward, setup_context=_rms_setup_cont
 
 
 def _check_add(x: Tensor, delta: Tensor) -> None:
-    if x.shape != delta.shape or x.dtype != delta.dtype:
-        raise ValueError(f"add_rms_normalize: x {tuple(x.shape)} {x.dtype} and delta "
-                         f"{tuple(delta.shape)} {delta.dtype} must have one shape and dtype")
+    if x.shape != delta.shape:
+        raise ValueError(f"add_rms_normalize: x {tuple(x.shape)} and delta "
+                         f"{tuple(delta.shape)} must have one shape")
+
+
+def _sum_dtype(x: Tensor, delta: Tensor) -> torch.dtype:
+    """The residual sum's dtype, torch's promotion of the two: under autocast the stream is
+    float32 and a projection's output `delta` bf16."""
+    return torch.promote_types(x.dtype, delta.dtype)
 
 
 @custom_op("add_rms_normalize")
@@ -177,7 +187,8 @@ def _add_rms_normalize_op(x: Tensor, delta: Tensor, eps: float) -> tuple[Tensor,
 @_add_rms_normalize_op.register_fake
 def _(x: Tensor, delta: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     _check_add(x, delta)
-    return x.new_empty(x.shape), x.new_empty(x.shape)
+    dtype = _sum_dtype(x, delta)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape, dtype=dtype)
 
 
 @custom_op("add_rms_normalize_backward")
@@ -192,15 +203,16 @@ def _(da: Tensor, dy: Tensor, a: Tensor, eps: float) -> Tensor:
 
 def _add_rms_setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, float],
                            output: tuple[Tensor, Tensor]) -> None:
+    x, delta, ctx.eps = inputs
     ctx.save_for_backward(output[0])
-    ctx.eps = inputs[2]
+    ctx.dtypes = x.dtype, delta.dtype
 
 
 def _add_rms_backward(ctx: Any, da: Tensor, dy: Tensor) -> tuple[Tensor, Tensor, None]:
     (a,) = ctx.saved_tensors
     grad = _add_rms_normalize_backward_op(da, dy, a, ctx.eps)
-    # x and delta enter only through their sum: one gradient serves both.
-    return grad, grad, None
+    # x and delta enter only through their sum: one gradient serves both (in each one's dtype).
+    return grad.to(ctx.dtypes[0]), grad.to(ctx.dtypes[1]), None
 
 
 _add_rms_normalize_op.register_autograd(_add_rms_backward, setup_context=_add_rms_setup_context)
@@ -214,8 +226,8 @@ def rms_normalize(x: Tensor, eps: float) -> Tensor:
 
 
 def add_rms_normalize(x: Tensor, delta: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """`(a, rms_normalize(a, eps))` for the residual sum `a = x + delta` (one shape and dtype):
-    a residual add fused into the norm that reads it. One launch forward, one backward, which
+    """`(a, rms_normalize(a, eps))` for the residual sum `a = x + delta` (one shape; the sum in
+    the dtype torch promotes the two to): a residual add fused into the norm that reads it. One launch forward, one backward, which
     also adds `a`'s own gradient to the norm's, the sum autograd would otherwise launch."""
     return _add_rms_normalize_op(x, delta, eps)
 
@@ -325,12 +337,10 @@ def _split_launch_args(batch: int, n: int, heads: int, head_dim: int,
 
 def _split_outputs(y: Tensor, cos: Tensor, sin: Tensor, rotary_heads: int,
                    head_dim: int) -> tuple[Tensor, Tensor]:
-    """Empty contiguous `(rotary [B, Hr, n, d_h], plain [B, Hp, n, d_h])`: the rotary heads in
-    the dtype torch's RoPE gives (promoted with the tables'), the plain ones in `y`'s."""
+    """Empty contiguous `(rotary [B, Hr, n, d_h], plain [B, Hp, n, d_h])` in `y`'s dtype."""
     batch, n, plain_heads = _split_shapes(y, cos, sin, rotary_heads, head_dim)
-    rot = y.new_empty((batch, rotary_heads, n, head_dim),
-                      dtype=torch.promote_types(y.dtype, cos.dtype))
-    return rot, y.new_empty((batch, plain_heads, n, head_dim))
+    return (y.new_empty((batch, rotary_heads, n, head_dim)),
+            y.new_empty((batch, plain_heads, n, head_dim)))
 
 
 @custom_op("split_heads_rope")
@@ -338,7 +348,8 @@ def _split_heads_rope_op(y: Tensor, cos: Tensor, sin: Tensor, rotary_heads: int,
                          head_dim: int) -> tuple[Tensor, Tensor]:
     rot, plain = _split_outputs(y, cos, sin, rotary_heads, head_dim)
     batch, n, _ = y.shape
-    grid, meta = _split_launch_args(batch, n, rotary_heads + plain.shape[1], head_dim, rot.dtype)
+    grid, meta = _split_launch_args(batch, n, rotary_heads + plain.shape[1], head_dim,
+                                    torch.promote_types(y.dtype, cos.dtype))
     launch(_split_rope_forward_kernel, grid, y, cos, sin, rot, plain, n, rotary_heads,
            head_dim // 2, *y.stride(), *cos.stride(), *sin.stride(), **meta)
     return rot, plain
@@ -356,7 +367,8 @@ def _split_heads_rope_backward_op(drot: Tensor, dplain: Tensor, cos: Tensor, sin
     batch, rotary_heads, n, head_dim = drot.shape
     heads = rotary_heads + dplain.shape[1]
     dy = drot.new_empty((batch, n, heads * head_dim), dtype=dtype)
-    grid, meta = _split_launch_args(batch, n, heads, head_dim, drot.dtype)
+    grid, meta = _split_launch_args(batch, n, heads, head_dim,
+                                    torch.promote_types(drot.dtype, cos.dtype))
     launch(_split_rope_backward_kernel, grid, drot, dplain, cos, sin, dy, n, rotary_heads,
            head_dim // 2, *drot.stride(), *dplain.stride(), *cos.stride(), *sin.stride(),
            **meta)
@@ -394,8 +406,8 @@ def split_heads_rope(y: Tensor, cos: Tensor, sin: Tensor, *, rotary_heads: int,
     `layers.apply_rope`: rotate-half, the tables `[n, head_dim]` with equal halves
     (`layers.rope_tables` sliced to the block). The tables may have any floating dtype the
     device supports; pass them in `y`'s dtype (as `DecoderLM.rope` does) or float32, not
-    float64 on a GPU: float64 tables make float64 rotary heads, as in torch's type promotion.
-    The rotary heads have dtype `result_type(y, cos)`, the plain heads `y`'s. The tables get no
+    float64 on a GPU. The rotation is computed in float32 (float64 where `y` or the tables are)
+    and both outputs have `y`'s dtype, as with `layers.apply_rope`. The tables get no
     gradient."""
     return _split_heads_rope_op(y, cos, sin, rotary_heads, head_dim)
 

@@ -275,7 +275,7 @@ class Beta12Transformer(DecoderLM):
         cos, sin = self.rope(0, length, x)
         history = self._history(length, static=static)
         if static:
-            self._prepare_static(history, weights, x, cos)
+            self._prepare_static(history, weights, x)
         hidden = []
         try:
             # Split, not sliced per block: one concatenation in backward instead of a zero-filled
@@ -297,12 +297,11 @@ class Beta12Transformer(DecoderLM):
             history.close()
         return self.head(torch.cat(hidden, dim=1), targets)
 
-    def _prepare_static(self, history: BufferedHistory, weights: CellWeights, x: Tensor,
-                        cos: Tensor) -> None:
+    def _prepare_static(self, history: BufferedHistory, weights: CellWeights, x: Tensor) -> None:
         """Allocate the history before block 0 (the captured step's own buffers with CUDA
         graphs, which also take this pass's weights)."""
         c, graphs = self.config, self.block_graphs
-        heads, width, dtype = c.num_kv_heads, c.head_dim, self._finished_dtype(x, cos)
+        heads, width, dtype = c.num_kv_heads, c.head_dim, self._finished_dtype(x)
         buffers = None
         if graphs is not None:
             buffers = graphs.history_buffers(history.shape(x.shape[0], heads, width), dtype,
@@ -333,13 +332,13 @@ class Beta12Transformer(DecoderLM):
                                    check_order=not static, pool=self.history_pool)
         return PieceHistory(self._sources(), c.deep_token_window)
 
-    def _finished_dtype(self, x: Tensor, cos: Tensor) -> torch.dtype:
+    def _finished_dtype(self, x: Tensor) -> torch.dtype:
         """The finished keys' dtype, which the history buffers take: the projections' (under
-        autocast its dtype), promoted with the RoPE tables' (history.BufferedHistory)."""
+        autocast its dtype; RoPE keeps it, `layers.apply_rope`)."""
         kind = x.device.type
-        matmul = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
-                  else self.layers[0].attention.wq.weight.dtype)
-        return torch.promote_types(matmul, cos.dtype)
+        if torch.is_autocast_enabled(kind):
+            return torch.get_autocast_dtype(kind)
+        return self.layers[0].attention.wq.weight.dtype
 
     # ---- the static block step ------------------------------------------------------------------
     block_step: Callable[..., BlockOutput] | None = None

@@ -267,8 +267,8 @@ class BufferedHistory:
         if self.keys is None:
             batch, heads, _, width = fin_k[0].shape
             shape = (self.layers, batch, heads, self.length, width)
-            # One dtype for both (the kernels take one): under autocast, RoPE's float32 tables
-            # promote keys to float32 while values stay bf16.
+            # One dtype for both (the kernels take one); under autocast the projections' (RoPE
+            # keeps it), so that the attention kernels read bf16.
             self.keys, self.values = (self._new(kind, shape, fin_k[0].dtype, fin_k[0].device)
                                       for kind in ("keys", "values"))
             self.positions = torch.arange(self.length, device=self.keys.device)

@@ -82,19 +82,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
     """Halves `(x₁c - sign·x₂s, x₂c + sign·x₁s)`: RoPE's rotation (sign 1) or its transpose (-1).
-    The tables' halves are equal (`rope_tables`); the result has their promoted dtype."""
+    The tables' halves are equal (`rope_tables`). Computed in the dtype promoted with the
+    tables', returned in `x`'s: under autocast the projections are bf16 and the tables float32,
+    and the queries and keys stay bf16 (rounded once, after the rotation) for the attention
+    kernels, which would otherwise run in float32."""
     half = x.shape[-1] // 2
     x1, x2 = x.split(half, dim=-1)
     c, s = cos[..., :half], sin[..., :half]
     if torch.compiler.is_compiling():
         # Traced (the compiled block step): the compiler fuses the elementwise work, and
         # writing into the halves (`out=`) does not trace.
-        return torch.cat([x1 * c - sign * x2 * s, x2 * c + sign * x1 * s], dim=-1)
+        return torch.cat([x1 * c - sign * x2 * s, x2 * c + sign * x1 * s], dim=-1).to(x.dtype)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
     out1, out2 = out.split(half, dim=-1)
     torch.mul(x1, c, out=out1).addcmul_(x2, s, value=-sign)
     torch.mul(x2, c, out=out2).addcmul_(x1, s, value=sign)
-    return out
+    return out.to(x.dtype)
 
 
 class _Rope(torch.autograd.Function):
@@ -106,14 +109,14 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         ctx.save_for_backward(cos, sin)
-        ctx.dtype = x.dtype
         return _rotate(x, cos, sin, 1.0)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         cos, sin = ctx.saved_tensors
-        return _rotate(grad, cos, sin, -1.0).to(ctx.dtype), None, None
+        # The gradient comes in the output's dtype, which is x's.
+        return _rotate(grad, cos, sin, -1.0), None, None
 
 
 def split_heads_rope(y: Tensor, cos: Tensor, sin: Tensor, *, rotary_heads: int,
@@ -334,7 +337,8 @@ class Projection:
             rot, plain = y.split([width, y.shape[-1] - width], dim=-1)
             rot = rot.unflatten(-1, (self.rotary_heads, d)).transpose(1, 2)
             rot = rms_normalize(rot, self.head_norm_eps) * head_norm
-            rot = apply_rope(rot, cos, sin)
+            # In y's dtype like every other part (the norm's weights may promote it).
+            rot = apply_rope(rot, cos, sin).to(y.dtype)
             plain = plain.unflatten(-1, (-1, d)).transpose(1, 2)
         heads = [*rot.split(self._rotary_heads, dim=1), *plain.split(self._plain_heads, dim=1)]
         return [heads[i] for i in self._order]

@@ -318,7 +318,7 @@ class _MergedAttention(CellByCell):
             hist_k, hist_v, _ = keys.history_pieces()
             return causal_sdpa(q, torch.cat([*hist_k, keys.k], dim=2),
                                torch.cat([*hist_v, keys.v], dim=2), 0.0, scale)
-        # One dtype for the kernels (under autocast RoPE leaves q and k float32, v bf16).
+        # One dtype for the kernels (a per-head norm may leave q and k in another than v's).
         return merged_attention(q, keys.k.to(q.dtype), keys.v.to(q.dtype), _piece_batches(keys),
                                 bias, scale, kernels=self.kernels)
 
