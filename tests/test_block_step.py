@@ -64,6 +64,33 @@ def test_one_graph_for_every_block(dtype: torch.dtype, checkpoint: str, flags: d
     assert len(calls) == 5 * 2 * (2 if checkpoint == "block" else 1) - traced_at // 4
 
 
+def test_one_graph_under_bf16_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.precision = bf16 with a compiled step: the projections compute in bf16 and the
+    fused kernels, which take float32 and float64, read a float32 history
+    (`KeyLayout.stored_dtype`); loss and gradients as the eager loop's under autocast."""
+    from megabeta.model.history import BufferedHistory
+
+    dtypes = []
+    allocate = BufferedHistory.allocate
+    monkeypatch.setattr(BufferedHistory, "allocate", lambda self, *args, **kwargs: (
+        dtypes.append(self.dtype), allocate(self, *args, **kwargs))[1])
+    model = tiny_model(torch.float32, attention="cpu_fused", block_size=4)
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    apply_compile(model)
+    x, y = tokens(2, 14), tokens(2, 14, seed=10)
+    for m in (model, eager):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # backward outside, as TorchEngine
+            loss = m(x, y)
+        loss.backward()
+        m.loss = loss.detach()
+    torch.testing.assert_close(model.loss, eager.loss, rtol=1e-2, atol=1e-2)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3, msg=name)
+    assert _graphs() == 1 and dtypes == [torch.float32]
+
+
 def test_compile_needs_a_backend_that_reads_the_start_from_a_tensor() -> None:
     model = build_model(tiny_config(), ExecutionConfig(attention="sdpa"))
     with pytest.raises(ConfigError, match="execution.attention = 'sdpa'"):

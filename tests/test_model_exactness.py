@@ -131,6 +131,6 @@ def test_buffered_history_checks_its_ordering() -> None:
     views[0].done_reading()
     views[1].done_reading()  # the view at 8: one of its two layers has not run backward
     with pytest.raises(RuntimeError, match="ordering"):
-        history.release(0, 4)
+        history.release(0, 4, [torch.float64] * 4)
     views[1].done_reading()
-    assert history.release(0, 4) == [None] * 4  # no reader gradient yet: nothing to hand out
+    assert history.release(0, 4, [torch.float64] * 4) == [None] * 4  # no reader gradient yet: nothing to hand out

@@ -262,7 +262,7 @@ class Beta12Transformer(DecoderLM):
             padded = -(-length // c) * c
             weights = CellWeights(self, finished=True, length=padded, ends_only=True)
             cos, sin = self.rope(0, padded, x)
-            history = self._history(length, static=False)
+            history = self._history(x, static=False)
             try:
                 hidden = run_wavefront(self, x, cos, sin, weights, history, dropout=dropout)
             finally:
@@ -273,7 +273,7 @@ class Beta12Transformer(DecoderLM):
         weights = CellWeights(self, finished=length > c, length=length, traced=static)
         # The tables of the whole sequence, once per pass; each block reads a slice (no copy).
         cos, sin = self.rope(0, length, x)
-        history = self._history(length, static=static)
+        history = self._history(x, static=static)
         if static:
             self._prepare_static(history, weights, x)
         hidden = []
@@ -301,14 +301,13 @@ class Beta12Transformer(DecoderLM):
         """Allocate the history before block 0 (the captured step's own buffers with CUDA
         graphs, which also take this pass's weights)."""
         c, graphs = self.config, self.block_graphs
-        heads, width, dtype = c.num_kv_heads, c.head_dim, self._finished_dtype(x)
+        heads, width = c.num_kv_heads, c.head_dim
         buffers = None
         if graphs is not None:
-            buffers = graphs.history_buffers(history.shape(x.shape[0], heads, width), dtype,
-                                             x.device)
+            buffers = graphs.history_buffers(history.shape(x.shape[0], heads, width),
+                                             history.dtype, x.device)
             graphs.begin_pass(weights, blocks=history.length // c.block_size)
-        history.allocate(x.shape[0], heads, width, dtype=dtype, device=x.device,
-                         buffers=buffers)
+        history.allocate(x.shape[0], heads, width, device=x.device, buffers=buffers)
 
     def _static_block(self, x: Tensor, rope: tuple[Tensor, Tensor], view: StepView,
                       weights: CellWeights, *, dropout: float) -> BlockOutput:
@@ -323,20 +322,21 @@ class Beta12Transformer(DecoderLM):
         with _saved_unchecked():
             return self._run(step, x, rope, view, weights, **kwargs)
 
-    def _history(self, length: int, *, static: bool) -> BufferedHistory | PieceHistory:
+    def _history(self, x: Tensor, *, static: bool) -> BufferedHistory | PieceHistory:
         """Zero-copy buffers for the backends that read them; per-block pieces for the others
         (and for a single block, which reads no history)."""
-        c = self.config
-        if self.attention_backend.reads_buffers and length > c.block_size:
+        c, backend, length = self.config, self.attention_backend, x.shape[1]
+        if backend.reads_buffers and length > c.block_size:
             return BufferedHistory(self._sources(), c.deep_token_window, length,
+                                   dtype=backend.layout.stored_dtype(self._finished_dtype(x)),
                                    check_order=not static, pool=self.history_pool)
         return PieceHistory(self._sources(), c.deep_token_window)
 
     def _finished_dtype(self, x: Tensor) -> torch.dtype:
-        """The finished keys' dtype, which the history buffers take: the projections' (under
-        autocast its dtype; RoPE keeps it, `layers.apply_rope`)."""
+        """The finished keys' dtype: the projections' (under autocast its dtype; RoPE keeps it,
+        `layers.apply_rope`)."""
         kind = x.device.type
-        if torch.is_autocast_enabled(kind):
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
             return torch.get_autocast_dtype(kind)
         return self.layers[0].attention.wq.weight.dtype
 

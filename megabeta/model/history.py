@@ -168,11 +168,15 @@ class _Loan:
 
 class BufferedHistory:
     """The history of one forward pass in stacked buffers (module doc); one per forward call.
-    `pool`: where its buffers come from and go back to (None: fresh ones each pass)."""
+    `dtype`: the buffers' (the attention backend's choice, `KeyLayout.stored_dtype`; None: the
+    first publish's keys'); `pool`: where its buffers come from and go back to (None: fresh ones
+    each pass)."""
 
     def __init__(self, sources: list[list[int]], window: int, length: int, *,
-                 check_order: bool = True, pool: BufferPool | None = None) -> None:
+                 dtype: torch.dtype | None = None, check_order: bool = True,
+                 pool: BufferPool | None = None) -> None:
         self.sources, self.window, self.length = sources, window, length
+        self.dtype = dtype
         self._loan = None if pool is None else _Loan(pool)
         if self._loan is not None:
             # No backward (a forward without autograd, or a graph dropped unused): given back
@@ -182,9 +186,8 @@ class BufferedHistory:
         """Whether `release` checks that every later reader ran backward (readers report it
         through `done_reading`; a compiled block step cannot call back into Python)."""
         self.layers = len(sources)
-        # Allocated at the first publish in the finished keys' shape and dtype (under autocast
-        # whatever the projections and RoPE made of them, not necessarily the embedding's),
-        # which readers then compute in.
+        # Allocated at the first publish (or by `allocate`) in the finished keys' shape, in
+        # `dtype`, which readers then compute in.
         self.keys: Tensor | None = None
         """`[L, B, H_kv, T, d]`: finished keys of every layer (source)."""
         self.values: Tensor | None = None
@@ -214,15 +217,14 @@ class BufferedHistory:
         """The buffers' shape for `batch` sequences of `heads` KV heads of `width`."""
         return (self.layers, batch, heads, self.length, width)
 
-    def allocate(self, batch: int, heads: int, width: int, *, dtype: torch.dtype,
-                 device: torch.device,
+    def allocate(self, batch: int, heads: int, width: int, *, device: torch.device,
                  buffers: tuple[Tensor, Tensor, Tensor, Tensor] | None = None) -> None:
         """Allocate the buffers (and, under autograd, the gradient buffers) before the first
         block, for `step_view`: a static block step reads the same tensors from block 0 on.
         `buffers`: keys, values and zeroed gradient buffers to use instead (a captured step's,
         at fixed addresses). The first block's anchor is a leaf that asks for a gradient, like
-        every later one."""
-        shape = self.shape(batch, heads, width)
+        every later one. Needs `dtype`."""
+        shape, dtype = self.shape(batch, heads, width), self.dtype
         if buffers is not None:
             self.keys, self.values, grad_keys, grad_values = buffers
             if torch.is_grad_enabled():
@@ -261,15 +263,12 @@ class BufferedHistory:
             if start != self.published[m]:
                 raise RuntimeError(f"finished KVs published out of order (layer {m}, block at "
                                    f"{start}, expected {self.published[m]})")
-        if self.keys is not None and fin_k[0].dtype != self.keys.dtype:
-            raise RuntimeError(f"finished keys in {fin_k[0].dtype}, history buffers allocated "
-                               f"in {self.keys.dtype}")
         if self.keys is None:
             batch, heads, _, width = fin_k[0].shape
             shape = (self.layers, batch, heads, self.length, width)
-            # One dtype for both (the kernels take one); under autocast the projections' (RoPE
-            # keeps it), so that the attention kernels read bf16.
-            self.keys, self.values = (self._new(kind, shape, fin_k[0].dtype, fin_k[0].device)
+            # One dtype for both (the kernels take one); the copies below cast to it.
+            self.dtype = self.dtype or fin_k[0].dtype
+            self.keys, self.values = (self._new(kind, shape, self.dtype, fin_k[0].device)
                                       for kind in ("keys", "values"))
             self.positions = torch.arange(self.length, device=self.keys.device)
         n = fin_k[0].shape[2]
@@ -302,9 +301,10 @@ class BufferedHistory:
         grad_keys, grad_values = self.gradient_buffers()
         return grad_keys[sources, :, :, rows], grad_values[sources, :, :, rows]
 
-    def release(self, epoch: int, n: int) -> list[Tensor | None]:
+    def release(self, epoch: int, n: int, dtypes: list[torch.dtype]) -> list[Tensor | None]:
         """Gradients (keys, then values) of the finished KVs of publish `epoch`'s cells, of `n`
-        tokens each: every reader created after that publish must have run backward."""
+        tokens each, in `dtypes` (the KVs'): every reader created after that publish must have
+        run backward."""
         # Publishes are released in reverse order: only the views since the previous release
         # are left to check.
         reads, first = self.reads, self._checked
@@ -320,9 +320,9 @@ class BufferedHistory:
         else:
             # Views where no cast is needed: every reader of these rows is done, nothing
             # writes them again.
-            dtype = self.keys.dtype
-            grads = [g[m, :, :, start:start + n].to(dtype)
-                     for g in (self.grad_keys, self.grad_values) for start, m in cells]
+            rows = [g[m, :, :, start:start + n]
+                    for g in (self.grad_keys, self.grad_values) for start, m in cells]
+            grads = [g.to(dtype) for g, dtype in zip(rows, dtypes)]
         if epoch == 0:
             # The first publish's gradients are the last to go: nobody reads the buffers again.
             # Dropped here because torch's non-reentrant checkpoint keeps its inputs (our views)
@@ -460,11 +460,13 @@ class _Publish(torch.autograd.Function):
         # publish's backward then runs after this one's.
         history.write_finished(cells, kv[:len(cells)], kv[len(cells):])
         ctx.history, ctx.epoch, ctx.n = history, len(history.publishes) - 1, kv[0].shape[2]
+        ctx.dtypes = [t.dtype for t in kv]
         # The anchor's gradient is never read: not zero-filled either (readers return none);
-        # nor is its value (readers take it for the edge alone): no kernel writes it.
+        # nor is its value (readers take it for the edge alone): no kernel writes it. In the
+        # buffers' dtype, as `allocate`'s first anchor (a compiled step sees one dtype).
         ctx.set_materialize_grads(False)
-        return kv[0].new_empty(())
+        return history.keys.new_empty(())
 
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:
-        return (None, None, None, *ctx.history.release(ctx.epoch, ctx.n))
+        return (None, None, None, *ctx.history.release(ctx.epoch, ctx.n, ctx.dtypes))

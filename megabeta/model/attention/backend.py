@@ -29,11 +29,18 @@ from torch import Tensor
 @dataclass(frozen=True)
 class KeyLayout:
     """How a backend stores keys and values: `head_dim` features, then (sdpa backend only) a
-    depth column (the source layer's index) and a self column (the sink marker)."""
+    depth column (the source layer's index) and a self column (the sink marker), in the dtypes
+    its kernels take."""
 
     head_dim: int
     depth: bool = False
     self_slot: bool = False
+    dtypes: frozenset[torch.dtype] | None = None
+    """The dtypes its history buffers can have (None: any); others are stored as float32."""
+
+    def stored_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The history buffers' dtype for finished KVs computed in `dtype`."""
+        return dtype if self.dtypes is None or dtype in self.dtypes else torch.float32
 
     @property
     def extra(self) -> int:

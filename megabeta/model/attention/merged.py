@@ -88,6 +88,10 @@ class PartKernels(Protocol):
         """Whether the groups run on the fused kernels of `megabeta/kernels/finished_groups.py`
         (merged in place; `group_forward`/`group_backward` are then not called)."""
 
+    @property
+    def stored_dtypes(self) -> frozenset[torch.dtype] | None:
+        """The dtypes a history these kernels read can have (`KeyLayout.dtypes`)."""
+
     def own_forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None,
                     scale: float) -> tuple[Tensor, Tensor]:
         """Output and lse over the block's own keys, causal, `mask` (`_self_mask`, or None
@@ -125,6 +129,12 @@ class CpuKernels:
 
     def fuses_groups(self, dtype: torch.dtype) -> bool:
         return self.fused_groups and finished_groups.supports(dtype)
+
+    @property
+    def stored_dtypes(self) -> frozenset[torch.dtype] | None:
+        # Under bf16 autocast the fused kernels (and the static block step, which needs them)
+        # read a float32 history rather than fall back to the per-group ATen kernels.
+        return frozenset(finished_groups.DTYPES) if self.fused_groups else None
 
     def own_forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None,
                     scale: float) -> tuple[Tensor, Tensor]:
@@ -179,6 +189,10 @@ class CudaKernels:
 
     def fuses_groups(self, dtype: torch.dtype) -> bool:
         return False  # the fused kernels are CPU code
+
+    @property
+    def stored_dtypes(self) -> frozenset[torch.dtype] | None:
+        return None  # whatever the model computes in (float64 is refused by `attend`)
 
     def _flash_fits(self, q: Tensor) -> bool:
         # Flash's own limits on the head size (multiple of 8, at most 256).
@@ -295,7 +309,7 @@ class _MergedAttention(CellByCell):
     name: str
 
     def __init__(self, head_dim: int, *, kernels: PartKernels) -> None:
-        self.layout = KeyLayout(head_dim)
+        self.layout = KeyLayout(head_dim, dtypes=kernels.stored_dtypes)
         self.kernels = kernels
 
     def attend(self, q: Tensor, keys: KeySet, bias: AttentionBias, *, layer: int,
@@ -304,14 +318,17 @@ class _MergedAttention(CellByCell):
             raise ValueError(f"{self.name} attention has no dropout (select the sdpa backend)")
         scale = 1.0 / math.sqrt(q.shape[-1])
         if keys.stored is not None:
-            # In the buffers' dtype: the kernels take one, and autocast does not reach them.
+            # In the buffers' dtype (the kernels take one, and autocast does not reach them),
+            # returned in the queries' (`KeyLayout.stored_dtype` may have widened it).
             stored, dtype = keys.stored, keys.stored.dtype
             if stored.block_start is None:
-                return self._static(q.to(dtype), keys.k.to(dtype), keys.v.to(dtype), stored,
-                                    bias, layer=layer, scale=scale)
-            return merged_attention(q.to(dtype), keys.k.to(dtype), keys.v.to(dtype),
-                                    stored.batches(layer), bias, scale, kernels=self.kernels,
-                                    anchor=stored.anchor, on_backward=stored.done_reading)
+                out = self._static(q.to(dtype), keys.k.to(dtype), keys.v.to(dtype), stored,
+                                   bias, layer=layer, scale=scale)
+            else:
+                out = merged_attention(q.to(dtype), keys.k.to(dtype), keys.v.to(dtype),
+                                       stored.batches(layer), bias, scale, kernels=self.kernels,
+                                       anchor=stored.anchor, on_backward=stored.done_reading)
+            return out.to(q.dtype)
         if bias.self_bias is None and not keys.finished:
             # No groups and no self slot: the depth bias would shift every key alike, which
             # softmax ignores, so plain causal SDPA over (prefix, own keys) is exact.
@@ -336,7 +353,7 @@ class _MergedAttention(CellByCell):
                           batches, 1.0 / math.sqrt(q.shape[-1]),
                           anchors=[s.anchor for s in stored if s is not None],
                           on_backward=[s.done_reading for s in stored if s is not None])
-        return out.transpose(2, 3)
+        return out.transpose(2, 3).to(q.dtype)
 
     def _static(self, q: Tensor, k: Tensor, v: Tensor, stored: StoredHistory,
                 bias: AttentionBias, *, layer: int, scale: float) -> Tensor:
