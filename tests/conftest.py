@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The virtual environment's tools first, as if it were activated, for this process and every
+# child: JIT builds (the fused CPU kernels, DeepSpeed's shm op) then always run its `ninja`. Two
+# ninja versions sharing a build directory discard each other's build logs and rebuild from
+# scratch, about 40 s a switch between a job on the test SLURM cluster and a torchrun.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
 
 # Triton kernels run under Triton's CPU interpreter where no GPU is present. `@triton.jit` reads
 # the variable when a kernel is defined, so it is set before any test module imports one.

@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -140,8 +139,7 @@ def local_cluster(root: Path) -> Iterator[Cluster]:
     conf.write_text(SLURM_CONF.format(host=socket.gethostname(), root=root, ctld_port=free_port(),
                                       node_port=node_port, node_port_2=node_port + 1,
                                       cpus=os.cpu_count()))
-    environ = {**launcher_free_environ(SLURM_CONF=str(conf)),
-               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    environ = launcher_free_environ(SLURM_CONF=str(conf))  # PATH: conftest.py's
     cluster = Cluster(root, environ)
     try:
         subprocess.run(["slurmctld", "-f", str(conf)], env=environ, check=True, timeout=30)
