@@ -116,7 +116,7 @@ def test_buffered_history_checks_its_ordering() -> None:
     error, not a silent wrong gradient."""
     from megabeta.model.history import BufferedHistory, block_cells
 
-    history = BufferedHistory([[0, 1], [1]], 0, 12)
+    history = BufferedHistory([[0, 1], [1]], 0, 12, dtype=torch.float64)
     fin = [torch.randn(1, 1, 4, 8, dtype=torch.float64) for _ in range(2)]
     history.publish(block_cells(0, 2), fin, fin)
     with pytest.raises(RuntimeError, match="out of order"):

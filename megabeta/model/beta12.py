@@ -37,7 +37,7 @@ from megabeta.model.history import (
     StepView,
     block_cells,
 )
-from megabeta.model.layers import Projection, fused_input_rows
+from megabeta.model.layers import Projection, autocast_dtype, fused_input_rows
 from megabeta.model.transformer import DecoderLM
 from megabeta.model.wavefront import run_wavefront
 
@@ -335,10 +335,7 @@ class Beta12Transformer(DecoderLM):
     def _finished_dtype(self, x: Tensor) -> torch.dtype:
         """The finished keys' dtype: the projections' (under autocast its dtype; RoPE keeps it,
         `layers.apply_rope`)."""
-        kind = x.device.type
-        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-            return torch.get_autocast_dtype(kind)
-        return self.layers[0].attention.wq.weight.dtype
+        return autocast_dtype(x.device) or self.layers[0].attention.wq.weight.dtype
 
     # ---- the static block step ------------------------------------------------------------------
     block_step: Callable[..., BlockOutput] | None = None

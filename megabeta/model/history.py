@@ -168,12 +168,11 @@ class _Loan:
 
 class BufferedHistory:
     """The history of one forward pass in stacked buffers (module doc); one per forward call.
-    `dtype`: the buffers' (the attention backend's choice, `KeyLayout.stored_dtype`; None: the
-    first publish's keys'); `pool`: where its buffers come from and go back to (None: fresh ones
-    each pass)."""
+    `dtype`: the buffers' (the attention backend's choice, `KeyLayout.stored_dtype`); `pool`:
+    where its buffers come from and go back to (None: fresh ones each pass)."""
 
     def __init__(self, sources: list[list[int]], window: int, length: int, *,
-                 dtype: torch.dtype | None = None, check_order: bool = True,
+                 dtype: torch.dtype, check_order: bool = True,
                  pool: BufferPool | None = None) -> None:
         self.sources, self.window, self.length = sources, window, length
         self.dtype = dtype
@@ -223,7 +222,7 @@ class BufferedHistory:
         block, for `step_view`: a static block step reads the same tensors from block 0 on.
         `buffers`: keys, values and zeroed gradient buffers to use instead (a captured step's,
         at fixed addresses). The first block's anchor is a leaf that asks for a gradient, like
-        every later one. Needs `dtype`."""
+        every later one."""
         shape, dtype = self.shape(batch, heads, width), self.dtype
         if buffers is not None:
             self.keys, self.values, grad_keys, grad_values = buffers
@@ -267,7 +266,6 @@ class BufferedHistory:
             batch, heads, _, width = fin_k[0].shape
             shape = (self.layers, batch, heads, self.length, width)
             # One dtype for both (the kernels take one); the copies below cast to it.
-            self.dtype = self.dtype or fin_k[0].dtype
             self.keys, self.values = (self._new(kind, shape, self.dtype, fin_k[0].device)
                                       for kind in ("keys", "values"))
             self.positions = torch.arange(self.length, device=self.keys.device)
