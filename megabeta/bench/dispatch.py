@@ -28,7 +28,6 @@ from collections import Counter
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megabeta.kernels import ops
 from megabeta.model import ExecutionConfig, ModelConfig, build_model, get_preset
@@ -44,8 +43,9 @@ NO_KERNEL = {
 from their schema)."""
 
 
-class DispatchCount(TorchDispatchMode):
-    """Kernel-launching operators run while active (`total`, and per operator in `by_op`)."""
+class DispatchCount(ops.RunImplementations):
+    """Kernel-launching operators run while active (`total`, and per operator in `by_op`): a
+    megabeta custom op counts as what it runs, its ATen operators and its launches."""
 
     def __init__(self, *, run_kernels: bool = True) -> None:
         super().__init__()
@@ -64,15 +64,8 @@ class DispatchCount(TorchDispatchMode):
         super().__exit__(*exc)
         self._launches.__exit__(*exc)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+    def other(self, func: Any, args: tuple, kwargs: dict) -> Any:
         name = func._schema.name
-        impl = ops.implementation(name)
-        if impl is not None:
-            # Counted as what it runs: its ATen operators (through this mode) and its launches.
-            with self:
-                return impl(*args, **kwargs)
         if not func.is_view and name not in NO_KERNEL:
             self.by_op[name.removeprefix("aten::")] += 1
         return func(*args, **kwargs)

@@ -56,6 +56,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megabeta.bench.model import peak_mib, timed  # noqa: E402
+from megabeta.bench.roofline import device_for, step_bound  # noqa: E402
 from megabeta.model import (ConfigError, DecoderLM, ExecutionConfig, ModelConfig,  # noqa: E402
                             build_model, get_preset)
 from megabeta.model.attention.backend import per_query_head  # noqa: E402
@@ -976,6 +977,16 @@ def _speed_config(run: Run, arch: str, length: int) -> ModelConfig:
     return config.replace(arch=arch) if arch == "standard" else config
 
 
+def _roofline_s(run: Run, config: ModelConfig, batch: int, length: int,
+                mode: str) -> float | None:
+    """The roofline's lower bound on s/step (megabeta/bench/roofline.py) of a beta arm on a GPU
+    of its table; None for the standard arm, on a CPU or on another GPU."""
+    device = device_for(torch.cuda.get_device_name(run.device)) if run.cuda else None
+    if device is None or config.arch != "beta12":
+        return None
+    return step_bound(config, ExecutionConfig(**MODES[mode]), length, batch, device).seconds
+
+
 def _speed_row(run: Run, arm: str, config: ModelConfig, batch: int, length: int, mode: str,
                timing: Timing, peak: float, base: Timing | None) -> dict[str, Any]:
     flops = batch * training_flops(config, length)
@@ -983,6 +994,9 @@ def _speed_row(run: Run, arm: str, config: ModelConfig, batch: int, length: int,
                s_per_step=timing.seconds, tokens_per_s=batch * length / timing.seconds,
                MFU=flops / timing.seconds / peak, first_step_s=timing.first_s,
                timed_steps=timing.timed_steps, peak_GiB=timing.peak_gib)
+    bound = _roofline_s(run, config, batch, length, mode)
+    if bound is not None:
+        row["of_bound"] = bound / timing.seconds
     if mode == "graphed":
         row["graphs_captured"] = timing.captures
     if base is not None:
@@ -1000,6 +1014,9 @@ def section_speed(run: Run) -> None:
                      f"{args.repeats} steps after {args.warmup + 1} untimed ones (the first, "
                      "with compilation or capture, is shown apart; timed_steps says how many "
                      "fitted in the budget, 0: the first step's time)")
+    report.note(key, "of_bound: the roofline's lower bound on the step (megabeta bench "
+                     "roofline: the Triton kernels' loop structure, no L2 reuse) over the "
+                     "measured s/step, on the GPUs of its table")
     attention, why = _beta_attention(run)
     if why:
         report.note(key, why)

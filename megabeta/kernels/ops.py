@@ -5,7 +5,9 @@ a fake implementation, so it traces under `torch.compile` and CUDA-graph capture
 call. One opaque call may launch several kernels, though, and a count of dispatches that took
 each op as one would flatter it. So:
 
-- every Triton launch goes through `launch`, which counts it while a `LaunchCount` is active;
+- every Triton launch goes through `launch`, which shows it to the active `LaunchObserver`s: a
+  `LaunchCount` counts it, a compile check (`megabeta.kernels.compile_target`) compiles it for
+  a GPU target instead of running it;
 - `custom_op` keeps each op's Python implementation (`implementation(name)`), so that a
   dispatch counter (`megabeta.bench.dispatch`) can run it in place of the opaque op and count
   the ATen operators inside it too.
@@ -16,12 +18,12 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 NAMESPACE = "megabeta"
 
 _IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {}
-_counters: list["LaunchCount"] = []
+_observers: list["LaunchObserver"] = []
 
 
 def custom_op(name: str, *, mutates_args: Iterable[str] = ()) -> Callable[[Callable[..., Any]],
@@ -42,40 +44,97 @@ def implementation(qualified: str) -> Callable[..., Any] | None:
     return _IMPLEMENTATIONS.get(qualified)
 
 
-class LaunchCount:
-    """Triton kernel launches made while active (`with LaunchCount() as count: …; count.total`).
-    `run=False` counts them without running them (their outputs keep whatever memory held):
-    the count does not depend on the numbers, and Triton's CPU interpreter would take minutes
-    for a model's step."""
+class RunImplementations(TorchDispatchMode):
+    """While active, each megabeta custom op runs as its Python implementation, under this
+    mode, so that the operators and launches inside it are seen (and, under `FakeTensorMode`,
+    launched with fake tensors instead of answered by the op's fake implementation); every
+    other operator goes to `other`, which runs it."""
 
-    def __init__(self, *, run: bool = True) -> None:
-        self.run = run
-        self.total = 0
-        self.by_kernel: dict[str, int] = {}
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        impl = implementation(func._schema.name)
+        if impl is not None:
+            with self:
+                return impl(*args, **kwargs)
+        return self.other(func, args, kwargs)
+
+    def other(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An operator that is not a megabeta custom op."""
+        return func(*args, **kwargs)
+
+
+class LaunchObserver:
+    """Sees every Triton launch made while active (`with observer: …`; re-entrant: a dispatch
+    counter re-enters itself to count inside custom ops, and is counted once however deep).
+
+    `run = False`: the launches are not run (their outputs keep whatever memory held).
+    `device_type`: the device the launches are prepared for, when not the tensors' own
+    (`target_device_type`): a compile check builds CUDA kernels from CPU tensors."""
+
+    run: bool = True
+    device_type: str | None = None
+
+    def __init__(self) -> None:
         self._depth = 0
 
-    def __enter__(self) -> "LaunchCount":
-        # Re-entrant (a dispatch counter re-enters itself to count inside custom ops): counted
-        # once however deep.
+    def __enter__(self) -> "LaunchObserver":
         if not self._depth:
-            _counters.append(self)
+            _observers.append(self)
         self._depth += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._depth -= 1
         if not self._depth:
-            _counters.remove(self)
+            _observers.remove(self)
+
+    def launched(self, kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        """Called for each launch (before it runs, if it runs)."""
+
+
+class LaunchCount(LaunchObserver):
+    """Triton kernel launches made while active (`with LaunchCount() as count: …; count.total`).
+    `run=False` counts them without running them: the count does not depend on the numbers,
+    and Triton's CPU interpreter would take minutes for a model's step."""
+
+    def __init__(self, *, run: bool = True) -> None:
+        super().__init__()
+        self.run = run
+        self.total = 0
+        self.by_kernel: dict[str, int] = {}
+
+    def __enter__(self) -> "LaunchCount":
+        return super().__enter__()  # type: ignore[return-value]
+
+    def launched(self, kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        self.total += 1
+        name = kernel_name(kernel)
+        self.by_kernel[name] = self.by_kernel.get(name, 0) + 1
+
+
+def kernel_name(kernel: Any) -> str:
+    """The Python name of a Triton kernel (a `JITFunction` or the interpreter's wrapper)."""
+    return getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__",
+                                                        "triton")
+
+
+def target_device_type(device: torch.device) -> str:
+    """The device type kernels for tensors on `device` are prepared for: the active observers'
+    `device_type` where one sets it, else the device's own."""
+    for observer in _observers:
+        if observer.device_type is not None:
+            return observer.device_type
+    return device.type
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """Launch the Triton `kernel` on `grid` (counted by every active `LaunchCount`)."""
-    for count in _counters:
-        count.total += 1
-        name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None),
-                                                           "__name__", "triton")
-        count.by_kernel[name] = count.by_kernel.get(name, 0) + 1
-    if not all(count.run for count in _counters):
+    """Launch the Triton `kernel` on `grid` (seen first by every active `LaunchObserver`)."""
+    for observer in _observers:
+        observer.launched(kernel, grid, args, kwargs)
+    if not all(observer.run for observer in _observers):
         return
     # Outside any dispatch mode: Triton's CPU interpreter copies each tensor argument with ATen
     # operators, which a dispatch counter would otherwise charge to the launch.

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megabeta.kernels.ops import anchor_gradient, custom_op, launch
+from megabeta.kernels.ops import anchor_gradient, custom_op, launch, target_device_type
 
 try:
     import triton
@@ -76,20 +76,46 @@ def available() -> bool:
     return triton is not None
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel's tile sizes and launch options."""
+
+    block_m: int
+    """Query rows per tile."""
+    block_n: int
+    """Key rows per tile."""
+    num_warps: int
+    num_stages: int | None
+    """Software-pipelining depth of the key loops (None: Triton's default)."""
+
+
+INTERPRETER_TILES = Tiles(16, 16, 1, None)
+"""Under Triton's CPU interpreter every program runs in numpy: small tiles keep test grids
+cheap."""
+
+
 @functools.lru_cache(maxsize=None)
-def _tiles(device_type: str, block_d: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): the one place tile sizes are chosen. The interpreter runs
-    every program in numpy: small tiles keep test grids cheap. On a GPU (sizes from sm_90
-    builds' register counts, not timed): 16-bit inputs 64x64 tiles, 32x32 on 8 warps for heads
-    over 128 wide, so the key programs' float32 [BLOCK_N, BLOCK_D] accumulators stay near 255
-    registers; float32 inputs (exact products without tensor cores) 16x16."""
-    if device_type != "cuda":
-        return 16, 16, 1
+def cuda_tiles(block_d: int, dtype: torch.dtype, *, backward: bool) -> Tiles:
+    """The tiles of the forward or the backward kernel on a CUDA GPU, for heads padded to
+    `block_d` columns: the one place they are chosen. The figures behind them are ptxas's
+    register and spill counts of sm_80 and sm_90 builds (`megabeta bench kernels`; table in
+    docs/benchmarks/2026-12-04-kernels.md), not timings.
+
+    - Forward, 16-bit: 64x64 tiles on 4 warps (wgmma on sm_90) up to 128 columns; wider heads
+      32x32 on 8 warps (a 64-wide key tile spills at 256 columns).
+    - Backward, 16-bit: each key program holds two float32 [BLOCK_N, BLOCK_D] accumulators
+      (dK, dV) and recomputes [BLOCK_M, BLOCK_N] scores: 32x64 on 4 warps up to 128 columns
+      (64x64 spills 160 B a thread); wider heads 32x16 on 8 warps (32x32 spills).
+    - float32 (exact IEEE products, no tensor cores): 16x16; the backward without software
+      pipelining (num_stages = 1), whose prefetch buffers otherwise push ptxas to spill
+      kilobytes a thread at 256 columns.
+    """
+    wide = block_d > 128
     if dtype == torch.float32:
-        return 16, 16, 4 if block_d <= 128 else 8
-    if block_d <= 128:
-        return 64, 64, 4
-    return 32, 32, 8
+        return Tiles(16, 16, 8 if wide else 4, 1 if backward else None)
+    if not backward:
+        return Tiles(32, 32, 8, None) if wide else Tiles(64, 64, 4, None)
+    return Tiles(32, 16, 8, None) if wide else Tiles(32, 64, 4, None)
 
 
 @dataclass(frozen=True)
@@ -165,9 +191,11 @@ def _per_cell(t: Tensor) -> Tensor:
     return t if t[:1].is_contiguous() else t.contiguous()
 
 
-def _hist_strides(t: Tensor, groups: int) -> tuple[int, ...]:
-    """Strides (l, b, h, t) of a history buffer; zeros when no group reads it (any shape)."""
-    return tuple(t.stride()[:4]) if groups else (0, 0, 0, 0)
+def _hist_strides(t: Tensor, groups: int, width: int) -> tuple[int, ...]:
+    """Strides (l, b, h, t) of a history buffer. When no group reads it (any shape): zeros and
+    the row stride a real one has (`width`), so that Triton specialises a first block's launch
+    like the others' (no compile of its own)."""
+    return tuple(t.stride()[:4]) if groups else (0, 0, 0, width)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, shift: Tensor,
@@ -245,8 +273,11 @@ if triton is not None:
         """Where (source layer, batch, KV head) starts in a `[L, B, H_kv, T, d]` buffer."""
         return ptr + source.to(tl.int64) * s_l + b * s_b + hkv * s_h
 
+    # Not specialised: the runtime geometry (one compiled kernel for every block and wave), and
+    # the bias entries' strides and pointers (one scalar load each: alignment buys nothing).
     @triton.jit(do_not_specialize=["n", "CELLS", "G", "src0", "src_step", "src_top", "layer0",
-                                   "layer_step", "window"])
+                                   "layer_step", "window", "ssh_c", "ssb_c"],
+                do_not_specialize_on_alignment=["shift_ptr", "sb_ptr"])
     def _forward_kernel(q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, start_ptr, shift_ptr, sb_ptr,
                         out_ptr, lse_ptr,
                         sq_c, sq_b, sq_h, sq_n, sk_c, sk_b, sk_h, sk_n, sv_c, sv_b, sv_h, sv_n,
@@ -496,7 +527,9 @@ if triton is not None:
             tl.store(diag_ptr + (b * H + h) * rows_t + row0 + offs_m, diag, mask=m_mask)
 
     @triton.jit(do_not_specialize=["n", "CELLS", "G", "T_TILES", "src0", "src_step", "src_top",
-                                   "layer0", "layer_step", "window"])
+                                   "layer0", "layer_step", "window", "ssh_c", "ssb_c", "srows_c",
+                                   "sdiag_c"],
+                do_not_specialize_on_alignment=["shift_ptr", "sb_ptr"])
     def _backward_kernel(q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr, lse_ptr, start_ptr,
                          shift_ptr, sb_ptr, dq_ptr, dk_ptr, dv_ptr, ghk_ptr, ghv_ptr, rows_ptr,
                          diag_ptr, rows_t,
@@ -552,22 +585,26 @@ if triton is not None:
                            DOT_PREC)
 
 
-def _meta(q: Tensor) -> dict:
-    """The constexpr parameters and launch options shared by both kernels."""
+def _meta(q: Tensor, *, backward: bool) -> dict:
+    """The constexpr parameters and launch options of the forward or the backward kernel."""
     block_d = max(16, triton.next_power_of_2(q.shape[-1]))
-    block_m, block_n, warps = _tiles(q.device.type, block_d, q.dtype)
-    meta = dict(D=q.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+    cuda = target_device_type(q.device) == "cuda"
+    tiles = cuda_tiles(block_d, q.dtype, backward=backward) if cuda else INTERPRETER_TILES
+    meta = dict(D=q.shape[-1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d,
                 DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
-    if q.device.type == "cuda":
-        meta["num_warps"] = warps
+    if cuda:
+        meta["num_warps"] = tiles.num_warps
+        if tiles.num_stages is not None:
+            meta["num_stages"] = tiles.num_stages
     return meta
 
 
 def _bias_entries(shift: Tensor, self_bias: Tensor | None) -> tuple[Tensor, Tensor, int, int]:
     """The biases as the kernels read them: shift (float32, each cell's `[G, H]` contiguous),
-    b_σ (or a stand-in the kernels do not read) and their cell strides."""
+    b_σ (float32 too: one compiled kernel whatever the parameters' dtype; or a stand-in the
+    kernels do not read) and their cell strides."""
     shift = _per_cell(shift)
-    sb = shift if self_bias is None else self_bias
+    sb = shift if self_bias is None else _per_cell(self_bias)
     return shift, sb, shift.stride(0), sb.stride(0) if sb.dim() else 0
 
 
@@ -584,11 +621,12 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tenso
     out = q.new_empty(count, batch, n, heads, width).transpose(2, 3)
     lse = q.new_empty(count, batch, heads, n, dtype=torch.float32)
     shift, sb, s_shift, s_sb = _bias_entries(shift, self_bias)
-    meta = _meta(q)
+    meta = _meta(q, backward=False)
     grid = (triton.cdiv(n, meta["BLOCK_M"]), batch * heads, count)
     launch(_forward_kernel, grid, q, k, v, hist_k, hist_v, start, shift, sb, out, lse,
            *q.stride()[:4], *k.stride()[:4], *v.stride()[:4],
-           *_hist_strides(hist_k, cells.groups), *_hist_strides(hist_v, cells.groups),
+           *_hist_strides(hist_k, cells.groups, width),
+           *_hist_strides(hist_v, cells.groups, width),
            *out.stride()[:4], s_shift, s_sb,
            batch, heads, k.shape[2], n, *cells.args(), window, scale * LOG2E,
            HAS_SELF=self_bias is not None, **meta)
@@ -615,7 +653,7 @@ def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor
     if groups:
         hist_k, hist_v = _rows(hist_k), _rows(hist_v)
     lse = lse.contiguous()
-    count, batch, heads, n, _ = q.shape
+    count, batch, heads, n, width = q.shape
     dq, dk, dv = _like(q), _like(k), _like(v)
     # Per-row partial sums of the score gradient, reduced below in a fixed order, or left in
     # the pass's buffers (`shift_rows [cells, G, B, H, T]`, `diag_rows [cells, B, H, T]`, each
@@ -636,17 +674,17 @@ def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor
         diag = (lse.new_empty(count, batch, heads, n) if self_bias is not None
                 else lse.new_empty(count, 0))
     shift, sb, s_shift, s_sb = _bias_entries(shift, self_bias)
-    meta = _meta(q)
+    meta = _meta(q, backward=True)
     t_tiles = triton.cdiv(hist_k.shape[3], meta["BLOCK_N"]) if groups else 0
     key_programs = (triton.cdiv(n, meta["BLOCK_N"]) + groups * t_tiles) * batch * k.shape[2]
     grid = (count * (key_programs + triton.cdiv(n, meta["BLOCK_M"]) * batch * heads),)
     launch(_backward_kernel, grid, q, k, v, hist_k, hist_v, grad, out, lse, start, shift, sb,
            dq, dk, dv, grad_hist_k, grad_hist_v, rows, diag, rows_t,
            *q.stride()[:4], *k.stride()[:4], *v.stride()[:4],
-           *_hist_strides(hist_k, groups), *_hist_strides(hist_v, groups),
+           *_hist_strides(hist_k, groups, width), *_hist_strides(hist_v, groups, width),
            *grad.stride()[:4], *out.stride()[:4], *dq.stride()[:4], *dk.stride()[:4],
-           *dv.stride()[:4], *_hist_strides(grad_hist_k, groups),
-           *_hist_strides(grad_hist_v, groups), s_shift, s_sb, rows.stride(0), diag.stride(0),
+           *dv.stride()[:4], *_hist_strides(grad_hist_k, groups, width),
+           *_hist_strides(grad_hist_v, groups, width), s_shift, s_sb, rows.stride(0), diag.stride(0),
            batch, heads, k.shape[2], n, count, groups, t_tiles, *cells.args()[2:], window,
            scale, scale * LOG2E, HAS_SELF=self_bias is not None, ROWS_AT_START=in_pass, **meta)
     if in_pass:

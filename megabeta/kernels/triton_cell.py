@@ -300,10 +300,12 @@ def _split_rope_backward_kernel(DROT, DPLAIN, COS, SIN, DY, n, rotary_heads, hal
     else:
         src = (DPLAIN + b * stride_pb + (head - rotary_heads) * stride_ph
                + rows[:, None] * stride_pn + cols[None, :] * stride_pd)
-        g1 = tl.load(src, mask=mask, other=0.0)
-        g2 = tl.load(src + half * stride_pd, mask=mask, other=0.0)
-        tl.store(dst, g1.to(DY.dtype.element_ty), mask=mask)
-        tl.store(dst + half, g2.to(DY.dtype.element_ty), mask=mask)
+        # Names of their own: the compiler types a name once across both branches, and these
+        # keep the gradients' dtype (a copy) where the rotation computes in COMPUTE.
+        copy1 = tl.load(src, mask=mask, other=0.0)
+        copy2 = tl.load(src + half * stride_pd, mask=mask, other=0.0)
+        tl.store(dst, copy1.to(DY.dtype.element_ty), mask=mask)
+        tl.store(dst + half, copy2.to(DY.dtype.element_ty), mask=mask)
 
 
 def _split_shapes(y: Tensor, cos: Tensor, sin: Tensor, rotary_heads: int,

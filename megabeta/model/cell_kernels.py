@@ -8,15 +8,18 @@ import os
 
 import torch
 
+from megabeta.kernels.ops import target_device_type
 from megabeta.model.config import ConfigError
 from megabeta.model.layers import TORCH_KERNELS, CellKernels
 
 
 def triton_runs_on(device: torch.device) -> bool:
-    """Whether Triton kernels run on `device`: triton installed, and a CUDA device or, on CPU,
-    Triton's interpreter (`TRITON_INTERPRET=1`, read when the kernels are defined)."""
+    """Whether Triton kernels run on `device`: triton installed, and a CUDA device (or kernels
+    prepared for one: `megabeta.kernels.compile_target`) or, on CPU, Triton's interpreter
+    (`TRITON_INTERPRET=1`, read when the kernels are defined)."""
     return importlib.util.find_spec("triton") is not None and (
-        device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"))
+        target_device_type(device) == "cuda"
+        or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"))
 
 
 def require_triton(device: torch.device, setting: str) -> None:

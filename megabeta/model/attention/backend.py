@@ -187,9 +187,11 @@ class WaveBias:
     """The cells' entries in `rows`' buffers."""
 
     def cell(self, i: int) -> AttentionBias:
-        """Cell i's slope and self bias: what the backends that attend cell by cell read."""
+        """Cell i's slope and self bias, and the pass's gradient rows: what the backends that
+        attend cell by cell read (the rows: a wave of one cell with no history, at block 0)."""
         return AttentionBias(None if self.slope is None else self.slope[i],
-                             None if self.self_bias is None else self.self_bias[i:i + 1])
+                             None if self.self_bias is None else self.self_bias[i:i + 1],
+                             rows=self.rows)
 
     def row_buffers(self, batch: int, heads: int,
                     like: Tensor) -> tuple[Tensor, Tensor] | None:

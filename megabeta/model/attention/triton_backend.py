@@ -58,21 +58,26 @@ class TritonAttention(CellByCell):
         if stored is None and (keys.finished or keys.history_pieces()[0]):
             return self.pieces.attend(q, keys, bias, layer=layer, dropout_p=dropout_p)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        if stored is None:
-            # A block with no history (the first, or a sequence of at most c tokens): own keys.
-            empty = q.new_empty(0)
-            return triton_attention.block_attention(
-                q, keys.k.to(q.dtype), keys.v.to(q.dtype), empty, empty, empty, empty,
-                q.new_zeros((), dtype=torch.int64), q.new_empty(0, q.shape[1]), bias.self_bias,
-                sources=[], layer=layer, window=0, scale=scale)
-        # In the buffers' dtype: the kernels take one, and autocast does not reach them.
-        dtype = stored.dtype
-        hist_k, hist_v = stored.buffers()
-        grad_k, grad_v = _gradient_buffers(stored)
+        # The bias gradients' rows go to the pass's buffers wherever it has them, the first
+        # block's too (its diagonal at positions 0…n-1): every training launch is then one
+        # kind of kernel (ROWS_AT_START), one compile.
         rows = {}
         if bias.rows is not None and torch.is_grad_enabled():
             shift_rows, diag_rows = bias.rows.layer_buffers(layer, q.shape[0], q.shape[1], q)
             rows = dict(shift_rows=shift_rows, diag_rows=diag_rows)
+        if stored is None:
+            # A block with no history (the first, or a sequence of at most c tokens): own keys.
+            # Empty stand-ins for the history, its gradient buffers float32 like a real one's
+            # (the same compiled kernel).
+            empty, grads = q.new_empty(0), q.new_empty(0, dtype=torch.float32)
+            return triton_attention.block_attention(
+                q, keys.k.to(q.dtype), keys.v.to(q.dtype), empty, empty, grads, grads,
+                q.new_zeros((), dtype=torch.int64), q.new_empty(0, q.shape[1]), bias.self_bias,
+                sources=[], layer=layer, window=0, scale=scale, **rows)
+        # In the buffers' dtype: the kernels take one, and autocast does not reach them.
+        dtype = stored.dtype
+        hist_k, hist_v = stored.buffers()
+        grad_k, grad_v = _gradient_buffers(stored)
         q = after_backward(q.to(dtype), stored.done_reading)
         return triton_attention.block_attention(
             q, keys.k.to(dtype), keys.v.to(dtype), hist_k, hist_v, grad_k, grad_v,

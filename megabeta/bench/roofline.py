@@ -1,0 +1,535 @@
+"""An analytic roofline of one beta_1.2 training step: FLOPs and HBM bytes per part.
+
+    python -m megabeta.bench.roofline                          # t19_flash, its 16K tokens, H200
+    python -m megabeta.bench.roofline --config t19_flash --device h100 --batch 2
+    python -m megabeta.bench.roofline --preset beta_1.2_test --seq-len 2048 --no-sweeps
+    python -m megabeta.bench.roofline --model.block_size=256 --model.num_kv_heads=2
+
+Nothing runs on a device: every figure is counted from the shapes. The step is one forward, one
+backward and the recomputation that `execution.activation_checkpoint` implies, at the
+per-sequence shape of `--seq-len` tokens and `--batch` sequences on one GPU, in bf16 as in
+training. Each part's time is max(FLOPs / peak, bytes / bandwidth); the step's lower bound is
+the sum over parts (a part cannot hide behind another: they run as separate launches, except the
+in-block and finished attention, which share one; the fully overlapped max(total compute, total
+memory) is printed too). MFU ceiling = useful training FLOPs (`model/flops.py`, the MFU
+convention: 3x the forward, no recomputation) / (peak x bound).
+
+The parts and what they count:
+
+- dense: every weight matmul of the block loop (the fused input projection with the previous
+  layer's finished K/V, W_O, SwiGLU's gate+up and w2, the last layer's finished K/V; none for the
+  last block, as in flops.py). The loop runs each layer once per block of c tokens, so each
+  weight is read once per (block, layer, pass): that is HBM traffic, and at small c the largest
+  dense term. Forward: weight (bf16) + input + output. Backward: dX reads dY and the weight and
+  writes dX; dW reads dY and X and adds into a float32 accumulator in place (read + write,
+  4 + 4 B a parameter) once per block (float32 parameters; with bf16 ones, FSDP's
+  fsdp_param_dtype = bf16 as in configs/t19_flash.toml, it is 2 + 2 B). Not counted: elementwise kernels (norms, RoPE, SwiGLU's
+  product, residual adds), autocast's casts of float32 weights, per-step one-offs (embedding,
+  zeroing and handing out the history's gradient buffers, optimizer).
+- head + loss: `model/loss.py` as written: chunks of 512 rows; per chunk the head weight is read
+  by the logits' and the input gradient's matmuls, and the weight gradient is formed in bf16 and
+  added into a float32 one (`LOGIT_BYTES`, `HEAD_WGRAD_BYTES`). FLOPs 3x the forward's (the head
+  is never recomputed).
+- attention: the Triton kernels' loops (`megabeta/kernels/triton_attention.py`), tile sizes from
+  `cuda_tiles` (heads padded to block_d, a power of two >= 16, which is also what the tensor
+  cores compute: executed FLOPs count whole padded tiles; useful ones are flops.py's).
+  Forward grid (query tile, b·head): every program reads its query tile, its own keys up to its
+  last row (causal) and then ALL rows [lo_g, start) of every group of its KV head: a group's rows
+  are read once per (query tile, query head), so GQA does not reduce the forward's bytes.
+  Backward, key programs per (b, kv head, own keys or group, key tile): the tile's K/V once,
+  then for each query head of the kv head every query tile's q, dO, O and lse (re-read per key
+  tile), dK/dV written (own keys) or added into the float32 gradient rows (read + write);
+  query programs per (query tile, b·head): q, dO, O, lse once, every own and group K/V row,
+  dQ and the per-row bias sums written. Rows past `start` and masked columns are not loaded.
+  - "in-block": the own keys' share of both kernels (queries, outputs, lse, dQ included);
+  - "finished fwd" / "finished bwd": the groups' share (GQA and the deep-token window enter
+    through the rows; the gradient RMW at `--grad-dtype`).
+- recompute: block and wave checkpointing recompute every block's (wave's) forward once in
+  backward: dense forward + both attention forwards again (not the head). None for `none`.
+
+`--l2-reuse` assumes what programs running together share comes from L2 once: the forward's
+group and own K/V once per (b, kv head) instead of per (query tile, query head); the backward's
+q, dO, O, lse once per (b, head) for all key programs; the query programs' K/V once per
+(b, kv head). Without it every load is HBM traffic (a bound on this loop structure, pessimistic
+where L2 holds a block's small tensors). The float32 gradient RMW and the weights are HBM
+traffic either way (a layer's bf16 weights, 61 MB at t19_flash, and a group's history rows
+outgrow a 50 MB L2).
+
+Devices (`DEVICES`): bf16 dense peak (no sparsity) from megabeta.train.metrics.GPU_PEAKS, the
+vendors' data sheets, and HBM bandwidth from the same sheets: H100 SXM 989 TFLOP/s, 3.35 TB/s;
+H200 SXM 989 TFLOP/s, 4.8 TB/s; A100 SXM 80 GB 312 TFLOP/s, 2.039 TB/s; B200 (HGX) 2250 TFLOP/s,
+8 TB/s. Peaks are not reachable: a bound, not a forecast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+from megabeta.config import load_config
+from megabeta.model.config import ConfigError, ModelConfig, preset_names
+from megabeta.model.execution import ExecutionConfig
+from megabeta.model.flops import attention_flops, dense_flops, training_flops
+from megabeta.model.transformer import LOSS_CHUNK
+from megabeta.train.metrics import GPU_PEAKS
+
+PROG = "megabeta bench roofline"
+DEFAULT_PRESET = "t19_flash"
+DEFAULT_VOCAB = 55000
+"""t19_flash's vocabulary comes from the data; the article's was about 55 K (spec §6)."""
+
+ACT_BYTES = 2
+"""bf16: activations, the weights as the matmuls read them, the history's K/V."""
+STAT_BYTES = 4
+"""float32 per-row statistics: lse, the bias gradients' row sums."""
+WEIGHT_GRAD_BYTES = 4
+"""Weight-gradient accumulators: float32 (float32 master parameters)."""
+GRAD_DTYPES = {"float32": 4, "bfloat16": 2}
+"""The history's gradient buffers: float32 today; bfloat16 as a what-if."""
+LOGIT_BYTES = (2            # z = h·Wᵀ written in bf16
+               + 2 + 4      # copied into the float32 softmax buffer
+               + 4          # amax
+               + 8 + 8      # sub_ and exp_ in place
+               + 4          # sum
+               + 8          # mul_ by keep / sums in place
+               + 4 + 2      # copied back to bf16
+               + 2 + 2)     # read by the input- and weight-gradient matmuls
+"""HBM bytes per logit of `loss._chunked` under bf16 autocast (the softmax in float32)."""
+HEAD_WGRAD_BYTES = 2 + 2 + 4 + 4 + 4 + 4
+"""Per head parameter and chunk: `grad_w += (g.t() @ part).to(float32)`: the bf16 product
+written and read, the float32 copy written, then `+=` reads both and writes."""
+
+PART_NAMES = ("dense", "head+loss", "in-block attn", "finished fwd", "finished bwd",
+              "recompute")
+
+
+@dataclass(frozen=True)
+class Device:
+    """Peak bf16 dense FLOP/s and HBM bandwidth of one GPU."""
+
+    name: str
+    peak_flops: float
+    bandwidth: float
+    """Bytes per second."""
+
+
+DEVICES: dict[str, Device] = {
+    "h100": Device("H100", GPU_PEAKS["H100"][0], 3.35e12),
+    "h200": Device("H200", GPU_PEAKS["H200"][0], 4.8e12),
+    "a100": Device("A100", GPU_PEAKS["A100"][0], 2.039e12),
+    "b200": Device("B200", GPU_PEAKS["B200"][0], 8.0e12),
+}
+
+
+def device_for(gpu_name: str) -> Device | None:
+    """The table's device whose name `gpu_name` (torch.cuda.get_device_name) contains."""
+    for device in DEVICES.values():
+        if device.name in gpu_name:
+            return device
+    return None
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a step: executed FLOPs, useful FLOPs (flops.py's share) and HBM bytes."""
+
+    name: str
+    flops: float
+    useful: float
+    bytes: float
+    compute_s: float
+    memory_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def bound_by(self) -> str:
+        if not self.flops and not self.bytes:
+            return "-"
+        return "memory" if self.memory_s > self.compute_s else "compute"
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The parts of one training step on one device and what they add up to."""
+
+    parts: list[Part]
+    device: Device
+    useful_flops: float
+    """flops.py's training FLOPs of the batch (the MFU numerator)."""
+
+    def part(self, name: str) -> Part:
+        return next(p for p in self.parts if p.name == name)
+
+    @property
+    def flops(self) -> float:
+        return sum(p.flops for p in self.parts)
+
+    @property
+    def bytes(self) -> float:
+        return sum(p.bytes for p in self.parts)
+
+    @property
+    def seconds(self) -> float:
+        """The lower bound: each part at its own roof, parts one after another."""
+        return sum(p.seconds for p in self.parts)
+
+    @property
+    def overlapped_s(self) -> float:
+        """The looser bound of all compute overlapping all memory traffic."""
+        return max(self.flops / self.device.peak_flops, self.bytes / self.device.bandwidth)
+
+    @property
+    def mfu_ceiling(self) -> float:
+        return self.useful_flops / (self.device.peak_flops * self.seconds)
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """What the counts need of the attention kernels: tiles and the padded head width."""
+
+    fwd_m: int
+    fwd_n: int
+    bwd_m: int
+    bwd_n: int
+    block_d: int
+
+    @staticmethod
+    def of(head_dim: int) -> "_Kernel":
+        # Lazily: the kernels' module imports triton.
+        import torch
+
+        from megabeta.kernels.triton_attention import cuda_tiles
+
+        block_d = max(16, 1 << (head_dim - 1).bit_length())
+        fwd = cuda_tiles(block_d, torch.bfloat16, backward=False)
+        bwd = cuda_tiles(block_d, torch.bfloat16, backward=True)
+        return _Kernel(fwd.block_m, fwd.block_n, bwd.block_m, bwd.block_n, block_d)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _loaded(ends: list[int], tile: int, n: int) -> int:
+    """Own-key rows the query tiles load: keys [0, end) in whole tiles of `tile` rows, masked
+    only at the block's n rows (the causal mask acts on scores, not on loads)."""
+    return sum(min(n, _cdiv(end, tile) * tile) for end in ends)
+
+
+class _Tally:
+    """FLOPs and bytes added up per part."""
+
+    def __init__(self) -> None:
+        self.flops = dict.fromkeys(PART_NAMES, 0.0)
+        self.bytes = dict.fromkeys(PART_NAMES, 0.0)
+
+    def add(self, part: str, flops: float = 0.0, nbytes: float = 0.0) -> None:
+        self.flops[part] += flops
+        self.bytes[part] += nbytes
+
+
+def _matmuls(config: ModelConfig, layer: int, finished: bool) -> list[tuple[int, int]]:
+    """(in, out) of the weight matmuls of one layer on one block (architecture.md, "Fused
+    per-pass weights"); `finished`: the block has a successor, so it makes finished K/V."""
+    d, hd, heads, kv = config.d_model, config.head_dim, config.num_heads, config.num_kv_heads
+    fin = 2 * kv * hd if finished else 0
+    shapes = [(d, (heads + 2 * kv) * hd + (fin if layer > 0 else 0)),  # fused input projection
+              (heads * hd, d), (d, 2 * config.hidden_dim), (config.hidden_dim, d)]
+    if finished and layer == config.num_layers - 1:
+        shapes.append((d, fin))  # the last layer's finished K/V, of the block's final states
+    return shapes
+
+
+def _group_rows(config: ModelConfig, layer: int, start: int) -> list[int]:
+    """History rows each group of `layer` reads for a block at `start` (spec §3)."""
+    w = config.deep_token_window
+    return [start - (max(0, start - w) if w > 0 and m > layer else 0)
+            for m in config.source_layers(layer)]
+
+
+def _attention(tally: _Tally, config: ModelConfig, kernel: _Kernel, n: int, rows: list[int],
+               batch: int, grad_bytes: int, l2_reuse: bool, recompute: bool) -> None:
+    """One (block, layer)'s attention: forward, backward and, with `recompute`, the forward
+    again. `n` query rows (the block), `rows[g]` history rows of group g. Per b, the counts
+    follow the kernels' programs (module doc)."""
+    heads, kv, bd = config.num_heads, config.num_kv_heads, kernel.block_d
+    per_kv = heads // kv
+    row = config.head_dim * ACT_BYTES            # one K, V, q, dO or O row
+    q_side = 3 * row + STAT_BYTES                # q, dO, O and lse of one query row
+    history = sum(rows)
+
+    # Forward: programs (query tile of fwd_m rows, head). Each reads its tile's queries, writes
+    # out and lse, loads own keys up to its last row, then every row of every group.
+    fm, fn = kernel.fwd_m, kernel.fwd_n
+    tiles = _cdiv(n, fm)
+    ends = [min(n, (i + 1) * fm) for i in range(tiles)]
+    own_kv = kv * n if l2_reuse else heads * _loaded(ends, fn, n)
+    own_bytes = heads * n * (2 * row + STAT_BYTES) + own_kv * 2 * row
+    own_flops = heads * sum(_cdiv(end, fn) for end in ends) * 4 * fm * fn * bd
+    group_bytes = (kv if l2_reuse else heads * tiles) * history * 2 * row
+    group_flops = heads * tiles * sum(_cdiv(r, fn) for r in rows) * 4 * fm * fn * bd
+    tally.add("in-block attn", batch * own_flops, batch * own_bytes)
+    tally.add("finished fwd", batch * group_flops, batch * group_bytes)
+    if recompute:
+        tally.add("recompute", batch * (own_flops + group_flops),
+                  batch * (own_bytes + group_bytes))
+
+    # Backward, key programs (kv head, key tile of bwd_n rows): K/V of the tile once; for each
+    # of the kv head's query heads, the query tiles' q, dO, O, lse again (with l2_reuse, one
+    # pass per head for the whole launch: `shared`); dK/dV written, or the group's float32
+    # gradient rows read and written.
+    bm, bn = kernel.bwd_m, kernel.bwd_n
+    key_tile_flops = 8 * bm * bn * bd            # S, dP, dV += Pᵀ·dO, dK += dSᵀ·Q
+    query_tile_flops = 6 * bm * bn * bd          # S, dP, dQ += dS·K
+    # Own key tile t meets the query tiles from the one holding its first key on (causal).
+    own_q_rows = [n - t * bn // bm * bm for t in range(_cdiv(n, bn))]
+    key_own_bytes = kv * (4 * n * row + (0 if l2_reuse else per_kv * sum(own_q_rows) * q_side))
+    key_own_flops = heads * sum(_cdiv(r, bm) for r in own_q_rows) * key_tile_flops
+    group_tiles = sum(_cdiv(r, bn) for r in rows)
+    key_group_bytes = kv * (history * (2 * row + 4 * config.head_dim * grad_bytes)
+                            + (0 if l2_reuse else per_kv * group_tiles * n * q_side))
+    key_group_flops = heads * group_tiles * _cdiv(n, bm) * key_tile_flops
+    shared = heads * n * q_side if l2_reuse else 0
+
+    # Backward, query programs (query tile of bwd_m rows, head): q, dO, O, lse once; every own
+    # and group K/V row (with l2_reuse once per kv head); dQ, b_σ's and each group's row sums.
+    tiles = _cdiv(n, bm)
+    ends = [min(n, i * bm + bm) for i in range(tiles)]
+    own_kv = kv * n if l2_reuse else heads * _loaded(ends, bn, n)
+    query_own_bytes = (own_kv * 2 * row + heads * n * (row + STAT_BYTES * config.self_slot)
+                       + (0 if l2_reuse else heads * n * q_side))
+    query_own_flops = heads * sum(_cdiv(end, bn) for end in ends) * query_tile_flops
+    query_group_bytes = ((kv if l2_reuse else heads * tiles) * history * 2 * row
+                         + heads * n * STAT_BYTES * len(rows))
+    query_group_flops = heads * tiles * group_tiles * query_tile_flops
+
+    tally.add("in-block attn", batch * (key_own_flops + query_own_flops),
+              batch * (key_own_bytes + query_own_bytes + shared))
+    tally.add("finished bwd", batch * (key_group_flops + query_group_flops),
+              batch * (key_group_bytes + query_group_bytes))
+
+
+def _dense(tally: _Tally, shapes: Iterable[tuple[int, int]], rows: int, recompute: bool) -> None:
+    """Bytes of one block's weight matmuls (FLOPs come from flops.py, whole-pass)."""
+    e = ACT_BYTES
+    for d_in, d_out in shapes:
+        weight, io = d_in * d_out, rows * (d_in + d_out) * e
+        forward = weight * e + io
+        backward = weight * (e + 2 * WEIGHT_GRAD_BYTES) + 2 * io
+        tally.add("dense", nbytes=forward + backward)
+        if recompute:
+            tally.add("recompute", nbytes=forward)
+
+
+def step_bound(config: ModelConfig, execution: ExecutionConfig, seq_len: int, batch: int,
+               device: Device, *, vocab_size: int | None = None, grad_bytes: int = 4,
+               l2_reuse: bool = False) -> Bound:
+    """The roofline of one training step (module doc) of `batch` sequences of `seq_len` tokens.
+
+    `vocab_size`: the head's rows when the config takes its vocabulary from the data (-1);
+    `grad_bytes`: bytes per element of the history's gradient buffers (4 float32, 2 bf16)."""
+    if config.arch != "beta12":
+        raise ConfigError(f"model.arch = {config.arch!r}: the roofline models beta12's block "
+                          "loop and attention kernels")
+    vocab = config.vocab_size if config.vocab_size > 0 else vocab_size
+    if not vocab or vocab < 1:
+        raise ConfigError("model.vocab_size = -1: pass the vocabulary size (--vocab)")
+    if seq_len < 1 or batch < 1:
+        raise ConfigError(f"seq_len = {seq_len}, batch = {batch}: both must be >= 1")
+    recompute = execution.activation_checkpoint != "none"
+    kernel = _Kernel.of(config.head_dim)
+    tally = _Tally()
+    c, starts = config.block_size, range(0, seq_len, config.block_size)
+    last = starts[-1]
+    for start in starts:
+        n = min(c, seq_len - start)
+        for layer in range(config.num_layers):
+            _dense(tally, _matmuls(config, layer, start < last), batch * n, recompute)
+            _attention(tally, config, kernel, n, _group_rows(config, layer, start), batch,
+                       grad_bytes, l2_reuse, recompute)
+
+    d = config.d_model
+    head_fwd = 2 * d * vocab * seq_len * batch
+    tally.add("head+loss", 3 * head_fwd)
+    for chunk_start in range(0, seq_len * batch, LOSS_CHUNK):
+        chunk = min(LOSS_CHUNK, seq_len * batch - chunk_start)
+        tally.add("head+loss", nbytes=vocab * d * (2 * ACT_BYTES + HEAD_WGRAD_BYTES)
+                  + chunk * (vocab * LOGIT_BYTES + 3 * d * ACT_BYTES))
+
+    layers_fwd = batch * dense_flops(config, seq_len, vocab) - head_fwd
+    tally.add("dense", 3 * layers_fwd)
+    if recompute:
+        tally.add("recompute", layers_fwd)
+    # flops.py counts in-block and finished keys together; the in-block share is each query's
+    # own earlier keys and itself.
+    attention = batch * attention_flops(config, seq_len)
+    in_block = batch * 4 * config.head_dim * config.num_heads * config.num_layers * sum(
+        n * (n + 1) // 2 for n in (min(c, seq_len - s) for s in starts))
+    useful = {"dense": 3 * layers_fwd, "head+loss": 3 * head_fwd, "in-block attn": 3 * in_block,
+              "finished fwd": attention - in_block, "finished bwd": 2 * (attention - in_block),
+              "recompute": 0}
+    parts = [Part(name, tally.flops[name], useful[name], tally.bytes[name],
+                  tally.flops[name] / device.peak_flops, tally.bytes[name] / device.bandwidth)
+             for name in PART_NAMES]
+    return Bound(parts, device, batch * training_flops(config, seq_len, vocab))
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [header, ["-" * w for w in widths], *rows]
+    return "\n".join("  ".join(cell.rjust(w) if i else cell.ljust(w)
+                               for i, (cell, w) in enumerate(zip(line, widths)))
+                     for line in lines)
+
+
+def format_bound(bound: Bound) -> str:
+    """The per-part table and the bound's summary lines."""
+    rows = [[p.name, f"{p.flops / 1e12:.2f}", f"{p.useful / 1e12:.2f}", f"{p.bytes / 1e9:.1f}",
+             f"{p.compute_s * 1e3:.1f}", f"{p.memory_s * 1e3:.1f}", f"{p.seconds * 1e3:.1f}",
+             p.bound_by] for p in bound.parts]
+    rows.append(["total", f"{bound.flops / 1e12:.2f}", f"{bound.useful_flops / 1e12:.2f}",
+                 f"{bound.bytes / 1e9:.1f}", f"{bound.flops / bound.device.peak_flops * 1e3:.1f}",
+                 f"{bound.bytes / bound.device.bandwidth * 1e3:.1f}",
+                 f"{bound.seconds * 1e3:.1f}", ""])
+    table = _table(["part", "TFLOP", "useful TFLOP", "GB", "compute ms", "memory ms", "time ms",
+                    "bound by"], rows)
+    return (f"{table}\n"
+            f"bound: {bound.seconds:.3f} s/step (sum of the parts' max(compute, memory)); "
+            f"fully overlapped {bound.overlapped_s:.3f} s\n"
+            f"MFU ceiling: {bound.mfu_ceiling:.1%} ({bound.useful_flops / 1e12:.2f} useful "
+            f"TFLOP / ({bound.device.peak_flops / 1e12:.0f} TFLOP/s x {bound.seconds:.3f} s))")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Everything `step_bound` takes but the device: one row of a sweep."""
+
+    config: ModelConfig
+    execution: ExecutionConfig
+    seq_len: int
+    batch: int
+    vocab: int
+    grad_bytes: int = 4
+
+    def bound(self, device: Device, l2_reuse: bool) -> Bound:
+        return step_bound(self.config, self.execution, self.seq_len, self.batch, device,
+                          vocab_size=self.vocab, grad_bytes=self.grad_bytes, l2_reuse=l2_reuse)
+
+
+def sweeps(base: Setting) -> dict[str, list[tuple[str, Setting]]]:
+    """The knobs swept around `base`: c, KV heads, deep-token window, gradient-buffer dtype."""
+    config, t = base.config, base.seq_len
+    heads = config.num_heads
+    kv = sorted({h for h in (heads, 2, 1) if heads % h == 0}, reverse=True)
+    return {
+        "block_size c": [(str(c), replace(base, config=config.replace(block_size=c)))
+                         for c in (32, 64, 128, 256) if c <= t],
+        "num_kv_heads": [(str(h), replace(base, config=config.replace(num_kv_heads=h)))
+                         for h in kv],
+        "deep_token_window": [(str(w), replace(base, config=config.replace(deep_token_window=w)))
+                              for w in (0, 256, 1024, 4096) if w < t],
+        "history gradient dtype": [(name, replace(base, grad_bytes=size))
+                                   for name, size in GRAD_DTYPES.items()],
+    }
+
+
+def format_sweeps(base: Setting, device: Device) -> str:
+    out = []
+    for knob, settings in sweeps(base).items():
+        rows = []
+        for value, setting in settings:
+            plain, cached = setting.bound(device, False), setting.bound(device, True)
+            rows.append([value, f"{plain.bytes / 1e12:.3f}", f"{plain.flops / 1e12:.1f}",
+                         f"{plain.seconds:.3f}", f"{plain.mfu_ceiling:.1%}",
+                         f"{cached.bytes / 1e12:.3f}", f"{cached.seconds:.3f}",
+                         f"{cached.mfu_ceiling:.1%}"])
+        out.append(f"sweep {knob} (the rest as above)\n" + _table(
+            [knob, "TB", "TFLOP", "bound s", "MFU ceil", "TB (L2)", "bound s (L2)",
+             "MFU ceil (L2)"], rows))
+    return "\n\n".join(out)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Any --model.KEY=VALUE or --execution.KEY=VALUE after the options overrides the "
+               "config or preset, as in training (megabeta/config.py): e.g. "
+               "--model.block_size=256, --model.num_kv_heads=2, "
+               "--execution.schedule=wavefront --execution.activation_checkpoint=wave.")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", metavar="PATH",
+                        help="a training TOML (its [model] and [execution]), or the name of a "
+                             "shipped config (t19_flash)")
+    source.add_argument("--preset", choices=preset_names(), metavar="NAME",
+                        help=f"a model preset, run with block checkpointing (default "
+                             f"{DEFAULT_PRESET}; one of {', '.join(preset_names())})")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the "
+                                                    "config's max_seq_len)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per GPU (default 1)")
+    parser.add_argument("--device", choices=sorted(DEVICES), default="h200",
+                        help="peak bf16 FLOP/s and HBM bandwidth from this table (default h200)")
+    parser.add_argument("--vocab", type=int, default=DEFAULT_VOCAB,
+                        help=f"vocabulary when the config takes it from the data (default "
+                             f"{DEFAULT_VOCAB})")
+    parser.add_argument("--grad-dtype", choices=list(GRAD_DTYPES), default="float32",
+                        help="the history's gradient buffers (default float32, as trained; "
+                             "bfloat16 is a what-if)")
+    parser.add_argument("--l2-reuse", action="store_true",
+                        help="count loads that programs running together share once (module "
+                             "doc); sweeps show both")
+    parser.add_argument("--no-sweeps", action="store_true", help="only the per-part table")
+    args, overrides = parser.parse_known_args(argv)
+    for item in overrides:
+        if not item.startswith(("--model.", "--execution.")):
+            parser.error(f"unrecognized arguments: {item}")
+    for flag in ("seq_len", "batch", "vocab"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be >= 1, got {value}")
+    try:
+        if args.config:
+            run = load_config(args.config, overrides)
+        else:
+            run = load_config(None, [f"--model.preset={args.preset or DEFAULT_PRESET}",
+                                     "--execution.activation_checkpoint=block", *overrides])
+    except ConfigError as err:
+        parser.error(str(err))
+    if run.model.arch != "beta12":
+        parser.error(f"argument {'--config' if args.config else '--preset'}: model.arch = "
+                     f"{run.model.arch!r}: the roofline models beta12's block loop and kernels")
+    args.model, args.execution = run.model, run.execution
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    config, device = args.model, DEVICES[args.device]
+    seq_len = args.seq_len or config.max_seq_len
+    base = Setting(config, args.execution, seq_len, args.batch,
+                   config.vocab_size if config.vocab_size > 0 else args.vocab,
+                   GRAD_DTYPES[args.grad_dtype])
+    bound = base.bound(device, args.l2_reuse)
+    kernel = _Kernel.of(config.head_dim)
+    print(f"{PROG}: d_model {config.d_model}, {config.num_layers} layers, heads "
+          f"{config.num_heads} ({config.num_kv_heads} kv), head_dim {config.head_dim} (tiles "
+          f"padded to {kernel.block_d}), c = {config.block_size}, k = {config.depth_window}, "
+          f"s = {config.depth_stride}, w = {config.deep_token_window}, vocab {base.vocab}")
+    print(f"{seq_len} tokens x batch {args.batch}, bf16, activation_checkpoint = "
+          f"{args.execution.activation_checkpoint}, history gradients {args.grad_dtype}; "
+          f"{device.name}: {device.peak_flops / 1e12:.0f} TFLOP/s, "
+          f"{device.bandwidth / 1e12:.2f} TB/s; attention tiles fwd {kernel.fwd_m}x"
+          f"{kernel.fwd_n}, bwd {kernel.bwd_m}x{kernel.bwd_n}; L2 reuse "
+          f"{'assumed' if args.l2_reuse else 'not assumed'}\n")
+    print(format_bound(bound))
+    if not args.no_sweeps:
+        print("\n" + format_sweeps(base, device))
+
+
+if __name__ == "__main__":
+    main()
