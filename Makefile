@@ -10,6 +10,11 @@ PY          := $(VENV)/bin/python
 TORCH       ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
+# OLDEST_TRITON: the oldest triton the project supports (pyproject: triton >= 3.6; the GPU
+# machines' torch 2.11 ships 3.6.0), installed apart (`pip install --target`) so that the suite
+# compiles the GPU kernels with it too (tests/test_bench_kernels.py).
+OLDEST_TRITON ?= triton==3.6.0
+
 .PHONY: test demo bench-model bench-data venv
 
 $(VENV)/.installed: pyproject.toml
@@ -20,9 +25,13 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[dev,all]"
 	touch $@
 
+$(VENV)/triton-3.6/.installed: $(VENV)/.installed
+	$(VENV)/bin/pip install -q --no-deps --target $(VENV)/triton-3.6 "$(OLDEST_TRITON)"
+	touch $@
+
 venv: $(VENV)/.installed
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(VENV)/triton-3.6/.installed
 	$(PY) -m pytest tests
 
 demo: $(VENV)/.installed

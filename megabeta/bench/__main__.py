@@ -8,7 +8,8 @@ import sys
 BENCHMARKS = {"model": "megabeta.bench.model", "data": "megabeta.bench.data",
               "train": "megabeta.bench.train", "dispatch": "megabeta.bench.dispatch",
               "gpu": "megabeta.bench.gpu", "checkpoint": "megabeta.bench.checkpoint",
-              "step": "megabeta.bench.step", "wavefront": "megabeta.bench.wavefront"}
+              "step": "megabeta.bench.step", "wavefront": "megabeta.bench.wavefront",
+              "kernels": "megabeta.bench.kernels", "roofline": "megabeta.bench.roofline"}
 PROG = "megabeta bench"
 
 
@@ -24,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
               "  checkpoint  what fsync (durable commits) adds to a checkpoint save\n"
               "  step   the block step eager, compiled once, CUDA-graphed (paired)\n"
               "  wavefront  the wavefront schedule vs the block schedule and standard (paired)\n"
+              "  kernels  every Triton kernel compiled for sm_80/sm_90 (no GPU): registers, "
+              "spills\n"
+              "  roofline  the training step's FLOPs and HBM bytes per part, its time bound, "
+              "MFU ceiling\n"
               f"Each takes --help ({PROG} model --help).", file=sys.stderr)
         if argv and argv[0] not in ("-h", "--help"):
             print(f"{PROG}: error: unknown benchmark {argv[0]!r}; choose one of "

@@ -223,8 +223,9 @@ def main(argv: list[str] | None = None) -> None:
     chosen = [v for v in variants() if args.only in v.label]
     if not chosen:
         parser.error(f"--only {args.only!r} matches no variant")
-    print(f"{len(chosen)} variants; triton {_triton_version()}, torch {torch.__version__}")
-    print(HEADER)
+    print(f"{len(chosen)} variants; triton {_triton_version()}, torch {torch.__version__}",
+          flush=True)
+    print(HEADER, flush=True)
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: give at least 1")
     builds = list(compile_parallel(archs, chosen, args.jobs))

@@ -98,24 +98,30 @@ cheap."""
 def cuda_tiles(block_d: int, dtype: torch.dtype, *, backward: bool) -> Tiles:
     """The tiles of the forward or the backward kernel on a CUDA GPU, for heads padded to
     `block_d` columns: the one place they are chosen. The figures behind them are ptxas's
-    register and spill counts of sm_80 and sm_90 builds (`megabeta bench kernels`; table in
-    docs/benchmarks/2026-12-04-kernels.md), not timings.
+    register and spill counts of sm_80 and sm_90 builds with triton 3.6 and 3.9
+    (`megabeta bench kernels`; docs/benchmarks/2026-12-04-kernels.md), not timings: at c = 32
+    the finished groups' attention is bound by HBM bandwidth (`megabeta bench roofline`), so
+    tiles that never spill come before the widest MMA.
 
     - Forward, 16-bit: 64x64 tiles on 4 warps (wgmma on sm_90) up to 128 columns; wider heads
       32x32 on 8 warps (a 64-wide key tile spills at 256 columns).
     - Backward, 16-bit: each key program holds two float32 [BLOCK_N, BLOCK_D] accumulators
-      (dK, dV) and recomputes [BLOCK_M, BLOCK_N] scores: 32x64 on 4 warps up to 128 columns
-      (64x64 spills 160 B a thread); wider heads 32x16 on 8 warps (32x32 spills).
-    - float32 (exact IEEE products, no tensor cores): 16x16; the backward without software
-      pipelining (num_stages = 1), whose prefetch buffers otherwise push ptxas to spill
-      kilobytes a thread at 256 columns.
+      (dK, dV) and recomputes [BLOCK_M, BLOCK_N] scores: 32x32 on 4 warps up to 128 columns
+      (32x64 spills on sm_80, 64x64 everywhere); wider heads 32x16 on 8 warps (32x32 spills).
+    - float32 (exact IEEE products, no tensor cores): forward 32x16 on 4 warps up to 128
+      columns (16x16 spills with triton 3.6 on sm_90), 16x16 on 8 warps wider. Backward 16x16
+      without software pipelining (num_stages = 1), whose prefetch buffers otherwise push
+      ptxas to spill kilobytes a thread at 256 columns; it still spills about 0.6 KB a thread
+      there (every other tiling tried spills more).
     """
     wide = block_d > 128
-    if dtype == torch.float32:
-        return Tiles(16, 16, 8 if wide else 4, 1 if backward else None)
+    if dtype.itemsize > 2:
+        if backward:
+            return Tiles(16, 16, 8 if wide else 4, 1)
+        return Tiles(16, 16, 8, None) if wide else Tiles(32, 16, 4, None)
     if not backward:
         return Tiles(32, 32, 8, None) if wide else Tiles(64, 64, 4, None)
-    return Tiles(32, 16, 8, None) if wide else Tiles(32, 64, 4, None)
+    return Tiles(32, 16, 8, None) if wide else Tiles(32, 32, 4, None)
 
 
 @dataclass(frozen=True)
