@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from data_tools.corpus import BAD_UTF8_POLICIES, SPLIT_MODES, ReadOptions
+from data_tools.corpus import ACCEPTED, BAD_UTF8_POLICIES, SPLIT_MODES, ReadOptions
 from data_tools.inspect_dataset import InspectConfig, inspect
 from data_tools.merge import MergeConfig, merge
 from data_tools.mpi import MPI_MODES, FailedElsewhere
 from data_tools.tokenize_corpus import TokenizeConfig, TokenizeResult, tokenize
 from data_tools.train_tokenizer import MODEL_TYPES, TokenizerTrainingConfig, train_tokenizer
 from megabeta.data.errors import DataError
+from megabeta.extras import MissingExtra
 
 _DESCRIPTION = """\
 Offline data preparation for megabeta: train a sentencepiece tokenizer, tokenize a corpus into a
@@ -52,7 +53,7 @@ class _TopFormatter(argparse.RawDescriptionHelpFormatter):
 def _add_read_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("reading the inputs")
     group.add_argument("--text-key", default=ReadOptions.text_key, metavar="KEY",
-                       help="JSONL field holding each document's text")
+                       help="JSONL field (parquet column) holding each document's text")
     group.add_argument("--split", choices=SPLIT_MODES, default=ReadOptions.split,
                        help="how a .txt file splits into documents: none (whole file), line (one "
                             "per line), paragraph (blank-line separated); a JSONL line is always "
@@ -61,11 +62,16 @@ def _add_read_arguments(parser: argparse.ArgumentParser) -> None:
                        help="documents with undecodable UTF-8: replace bad bytes with U+FFFD, "
                             "skip the document, or stop with an error; replaced and skipped "
                             "documents are counted and reported at the end")
+    group.add_argument("--skip-bad", action="store_true",
+                       help="skip a record that is not JSON, lacks the --text-key field (or "
+                            "--segments-key) or is null, counting it, instead of stopping with "
+                            "an error naming it")
 
 
 def _read_options(args: argparse.Namespace) -> ReadOptions:
     return ReadOptions(args.text_key, args.split, args.on_bad_utf8,
-                       getattr(args, "segments_key", None))
+                       getattr(args, "segments_key", None), getattr(args, "keep_empty", False),
+                       args.skip_bad)
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +109,12 @@ def _warn_skipped(args: argparse.Namespace, report: dict) -> None:
     if report.get("empty_documents_skipped"):
         _say(args, f"warning: {report['empty_documents_skipped']} empty document(s) skipped "
                    f"(first at {report['first_empty_document']})")
+    if report.get("bad_records_skipped"):
+        _say(args, f"warning: {report['bad_records_skipped']} bad record(s) skipped (first at "
+                   f"{report['first_bad_record']}); --skip-bad was given")
+    if report.get("empty_documents_kept"):
+        _say(args, f"note: {report['empty_documents_kept']} empty document(s) written without "
+                   "tokens (--keep-empty)")
     if report.get("undecodable_documents"):
         action = ("bad bytes replaced by U+FFFD" if report["undecodable_policy"] == "replace"
                   else "skipped")
@@ -207,15 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "each rank tokenizes a contiguous share of the input files into a part next "
                     "to the output, and rank 0 merges the parts. "
                     "The output is byte-identical for any number of workers or ranks.")
-    tok.add_argument("--tokenizer", required=True, metavar="MODEL",
-                     help="sentencepiece .model from train-tokenizer")
-    tok.add_argument("--inputs", nargs="+", required=True, metavar="FILE",
-                     help="corpus files: .txt, .jsonl, .txt.gz, .jsonl.gz")
+    tok.add_argument("--tokenizer", required=True, metavar="FILE",
+                     help="sentencepiece .model, or Hugging Face tokenizer.json (any *.json; "
+                          "pip install 'megabeta[hf]'), e.g. from train-tokenizer")
+    tok.add_argument("--inputs", nargs="+", required=True, metavar="PATH",
+                     help=f"corpus files, directories or globs: {ACCEPTED} (.zst needs "
+                          "'megabeta[zstd]', .parquet 'megabeta[parquet]')")
     tok.add_argument("--output-prefix", required=True, metavar="PREFIX",
                      help="writes PREFIX.bin, PREFIX.idx and PREFIX.json")
     tok.add_argument("--workers", type=int, default=TokenizeConfig.workers, metavar="N",
-                     help="encoding processes per rank, the reading process included (it encodes "
-                          "whenever the others are busy); 1 encodes in the reading process only")
+                     help="sentencepiece: encoding processes per rank, the reading process "
+                          "included (it encodes whenever the others are busy; default 1). "
+                          "tokenizer.json: the tokenizers library's threads (default: every "
+                          "core), no processes")
     tok.add_argument("--chunk-mb", type=float, default=TokenizeConfig.chunk_bytes / 1e6,
                      metavar="MB", help="input megabytes per unit of work sent to a worker")
     tok.add_argument("--mpi", choices=MPI_MODES, default=TokenizeConfig.mpi,
@@ -228,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "marks the tokens of the segments with loss true as the scored "
                           "targets (each segment is encoded on its own; the EOS is not scored). "
                           "Off: the text of --text-key, every target scored")
+    tok.add_argument("--keep-empty", action="store_true",
+                     help="write an empty document as a document of no tokens (as Megatron "
+                          "does), so document indices follow the input's records; default: "
+                          "skip it with a warning")
     _add_output_arguments(tok)
     tok.set_defaults(run=_run_tokenize)
 
@@ -269,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except FailedElsewhere:
         return 2
-    except DataError as err:
+    except (DataError, MissingExtra) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

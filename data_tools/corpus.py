@@ -1,8 +1,11 @@
 """Reading a corpus: which files are accepted, how they split into documents, how bytes become text.
 
-Accepted inputs: ``.txt``, ``.jsonl`` and their ``.gz`` variants. A JSONL line is one document (its
-``--text-key`` field, or with ``--segments-key`` a list of ``{"text", "loss"}`` segments that mark
-the scored spans); a ``.txt`` file is one document, or one per line (``--split line``) or per
+Accepted inputs: ``.txt``, ``.jsonl``, their ``.gz`` and ``.zst`` variants (a bare ``.zst`` is
+JSONL; zstandard is the extra ``megabeta[zstd]``) and ``.parquet`` (pyarrow, ``megabeta[parquet]``),
+given as files, directories (their accepted files, sorted) or globs. A JSONL line is one document
+(its ``--text-key`` field, or with ``--segments-key`` a list of ``{"text", "loss"}`` segments that
+mark the scored spans); a parquet row is one document (its ``--text-key`` string column, read one
+row group at a time); a ``.txt`` file is one document, or one per line (``--split line``) or per
 blank-line-separated paragraph (``--split paragraph``). Reading yields raw byte records so the
 expensive part (UTF-8 and JSON decoding) can run in worker processes; :func:`decode_document`
 turns a record into text and :func:`decode_segments` into segments, counting what they skip or
@@ -11,7 +14,9 @@ repair.
 
 from __future__ import annotations
 
+import glob
 import gzip
+import io
 import json
 import re
 import zlib
@@ -21,10 +26,13 @@ from pathlib import Path
 from typing import BinaryIO
 
 from megabeta.data.errors import DataError
+from megabeta.extras import require
 
 SPLIT_MODES = ("none", "line", "paragraph")
 BAD_UTF8_POLICIES = ("replace", "skip", "error")
-_KINDS = {".txt": "txt", ".jsonl": "jsonl"}
+_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
+_COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
+ACCEPTED = ".txt, .jsonl, .parquet, .txt.gz, .jsonl.gz, .txt.zst, .jsonl.zst, .zst"
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,12 @@ class ReadOptions:
     segments_key: str | None = None
     """JSONL field holding a document as ``[{"text": str, "loss": bool}, ...]`` (None: plain
     text from ``text_key``)."""
+    keep_empty: bool = False
+    """Write an empty document as a document without tokens (as Megatron does) instead of
+    skipping it, so document indices follow the input's records."""
+    skip_bad: bool = False
+    """Skip (and count) a record that is not valid JSON or lacks the text field, instead of
+    stopping with an error."""
 
 
 @dataclass(frozen=True)
@@ -48,37 +62,88 @@ class InputFile:
 
     path: Path
     kind: str
-    """txt or jsonl"""
-    compressed: bool
+    """txt, jsonl or parquet"""
+    compression: str | None
+    """gzip, zstd or None"""
     size: int
-    """Bytes on disk (compressed size for .gz)."""
+    """Bytes on disk (compressed size for .gz and .zst)."""
+
+    def where(self, record: int) -> str:
+        """Where record ``record`` (1-based line, or row of a parquet file) is, for messages."""
+        return f"{self.path} row {record}" if self.kind == "parquet" else f"{self.path}:{record}"
+
+
+def file_type(path: Path) -> tuple[str, str | None] | None:
+    """(kind, compression) of an accepted input file's name, None for any other."""
+    name = path.name
+    compression = next((c for suffix, c in _COMPRESSIONS.items() if name.endswith(suffix)), None)
+    base = name.rsplit(".", 1)[0] if compression else name
+    kind = next((kind for suffix, kind in _KINDS.items() if base.endswith(suffix)), None)
+    if kind is None and compression == "zstd":
+        kind = "jsonl"  # a bare .zst: corpora so compressed (The Pile's) are JSONL
+    if kind is None or (kind == "parquet" and compression):
+        return None
+    return kind, compression
+
+
+def _expand(given: str | Path) -> list[Path]:
+    """The files ``given`` stands for: itself, a directory's accepted files, or a glob's matches,
+    sorted (so a run's input order does not depend on the file system)."""
+    path = Path(given)
+    if path.is_dir():
+        found = sorted(p for p in path.rglob("*")
+                       if p.is_file() and not p.name.startswith(".") and file_type(p))
+        if not found:
+            raise DataError(f"{path}: a directory without input files ({ACCEPTED})")
+        return found
+    if not path.exists() and glob.has_magic(str(given)):
+        found = sorted(Path(p) for p in glob.glob(str(given), recursive=True)
+                       if Path(p).is_file() and file_type(Path(p)))
+        if not found:
+            raise DataError(f"{given}: the pattern matches no input files ({ACCEPTED})")
+        return found
+    return [path]
 
 
 def input_files(paths: list[str] | list[Path]) -> list[InputFile]:
-    """Check every input up front (exists, a file, non-empty, known type); DataError if not."""
+    """Check every input up front (exists, a file, non-empty, known type); DataError if not.
+    Directories and globs stand for their accepted files."""
     if not paths:
         raise DataError("no input files; pass one or more files to --inputs")
     files = []
-    for given in paths:
-        path = Path(given)
+    for path in (path for given in paths for path in _expand(given)):
         if not path.exists():
             raise DataError(f"{path}: no such file; check the path given to --inputs")
-        if path.is_dir():
-            raise DataError(f"{path}: is a directory; pass the files in it (e.g. {path}/*.jsonl)")
-        compressed = path.name.endswith(".gz")
-        base = path.name[:-3] if compressed else path.name
-        kind = next((kind for suffix, kind in _KINDS.items() if base.endswith(suffix)), None)
-        if kind is None:
-            raise DataError(f"{path}: unsupported file type; inputs must end in .txt, .jsonl, "
-                            ".txt.gz or .jsonl.gz (rename it or convert it)")
+        kind_compression = file_type(path)
+        if kind_compression is None:
+            raise DataError(f"{path}: unsupported file type; inputs must end in {ACCEPTED} "
+                            "(rename it or convert it)")
         size = path.stat().st_size
         if size == 0:
             raise DataError(f"{path}: empty file; remove it from --inputs")
-        files.append(InputFile(path, kind, compressed, size))
+        kind, compression = kind_compression
+        # The extras are needed now or not at all: say so before reading a byte.
+        if compression == "zstd":
+            require("zstandard", "zstd", f"{path} (a .zst input)")
+        if kind == "parquet":
+            require("pyarrow.parquet", "parquet", f"{path} (a .parquet input)")
+        files.append(InputFile(path, kind, compression, size))
     return files
 
 
 _READ_BUFFER = 1 << 20
+_PARQUET_BATCH_ROWS = 1024
+
+
+def _decompressed(raw: BinaryIO, file: InputFile) -> tuple[BinaryIO, tuple[type, ...]]:
+    """The decompressed stream of ``raw`` and the errors that mean the file is corrupt."""
+    if file.compression == "gzip":
+        return gzip.GzipFile(fileobj=raw, mode="rb"), (gzip.BadGzipFile, EOFError, zlib.error)
+    if file.compression == "zstd":
+        zstandard = require("zstandard", "zstd", f"{file.path} (a .zst input)")
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        return io.BufferedReader(reader, _READ_BUFFER), (zstandard.ZstdError, EOFError)
+    return raw, ()
 
 
 class RecordReader:
@@ -87,32 +152,87 @@ class RecordReader:
     chunk of lines is one ``readlines`` call: the reading process, which feeds the workers, does
     little per line."""
 
-    def __init__(self, file: InputFile, split: str) -> None:
+    def __init__(self, file: InputFile, options: ReadOptions) -> None:
         self.file = file
-        self.split = "line" if file.kind == "jsonl" else split
+        self.split = "line" if file.kind == "jsonl" else options.split
+        self.text_key = options.text_key
         self._raw: BinaryIO | None = None
+        self._rows = (0, 1)  # parquet: rows read, rows in the file
 
     @property
     def position(self) -> int:
         """Bytes of the file on disk consumed so far (for progress)."""
+        if self.file.kind == "parquet":
+            return self.file.size * self._rows[0] // max(self._rows[1], 1)
         return self._raw.tell() if self._raw is not None else 0
 
-    def chunks(self, chunk_bytes: int) -> Iterator[tuple[list[bytes], Sequence[int]]]:
-        """``(records, start lines)`` of about ``chunk_bytes`` each, in file order."""
+    def chunks(self, chunk_bytes: int) -> Iterator[tuple[list, Sequence[int]]]:
+        """``(records, start lines)`` of about ``chunk_bytes`` each, in file order; a parquet
+        file's records are its text column's values (str, or bytes for a binary column)."""
+        if self.file.kind == "parquet":
+            yield from self._parquet_chunks(chunk_bytes)
+            return
         found = False
         # A large buffer: readlines through the default 8 KiB one took twice as long.
         with open(self.file.path, "rb", buffering=_READ_BUFFER) as raw:
             self._raw = raw
-            stream = gzip.GzipFile(fileobj=raw, mode="rb") if self.file.compressed else raw
+            stream, errors = _decompressed(raw, self.file)
+            first = 1
             try:
                 for chunk in self._chunks(stream, chunk_bytes):
                     found = True
+                    first = chunk[1][-1] + 1 if len(chunk[1]) else first
                     yield chunk
-            except (gzip.BadGzipFile, EOFError, zlib.error) as err:
-                raise DataError(f"{self.file.path}: not a readable gzip file ({err}); re-compress "
-                                "it or remove it from --inputs") from None
+            except errors as err:
+                raise DataError(f"{self.file.path}: not a readable {self.file.compression} file "
+                                f"after line {first - 1} ({err}); re-compress it or remove it "
+                                "from --inputs") from None
         if not found:
             raise DataError(f"{self.file.path}: contains no text; remove it from --inputs")
+
+    def _parquet_chunks(self, chunk_bytes: int) -> Iterator[tuple[list, Sequence[int]]]:
+        """Rows of the text column, a batch at a time (pyarrow reads one row group at a time,
+        and only that column), cut into chunks of about ``chunk_bytes``."""
+        pq = require("pyarrow.parquet", "parquet", f"{self.file.path} (a .parquet input)")
+        import pyarrow as pa
+
+        path, key = self.file.path, self.text_key
+        try:
+            parquet = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as err:
+            raise DataError(f"{path}: not a readable parquet file ({err}); rewrite it or remove "
+                            "it from --inputs") from None
+        schema = parquet.schema_arrow
+        if key not in schema.names:
+            raise DataError(f"{path}: no column {key!r} (columns: {schema.names}); pass "
+                            "--text-key with the column that holds the text")
+        column = schema.field(key).type
+        if not any(check(column) for check in (pa.types.is_string, pa.types.is_large_string,
+                                              pa.types.is_binary, pa.types.is_large_binary)):
+            raise DataError(f"{path}: column {key!r} holds {column}, not text; pass --text-key "
+                            "with the string column that holds the text")
+        self._rows = (0, parquet.metadata.num_rows)
+        records: list = []
+        size = 0
+        first = 1
+        try:
+            for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[key]):
+                for value in batch.column(0).to_pylist():
+                    records.append(value)
+                    size += len(value) if value is not None else 0
+                    if size >= chunk_bytes:
+                        yield records, range(first, first + len(records))
+                        first += len(records)
+                        records, size = [], 0
+                self._rows = (self._rows[0] + batch.num_rows, self._rows[1])
+        except (pa.ArrowException, OSError) as err:
+            raise DataError(f"{path}: not a readable parquet file after row "
+                            f"{first + len(records) - 1} ({err}); rewrite it or remove it from "
+                            "--inputs") from None
+        if records:
+            yield records, range(first, first + len(records))
+        elif first == 1:
+            raise DataError(f"{path}: contains no rows; remove it from --inputs")
 
     def __iter__(self) -> Iterator[tuple[bytes, int]]:
         for records, lines in self.chunks(1 << 20):
@@ -173,6 +293,11 @@ class DocumentCounts:
     first_empty: str | None = None
     undecodable: int = 0
     first_undecodable: str | None = None
+    empty_kept: int = 0
+    """Empty documents written (--keep-empty)."""
+    bad: int = 0
+    """Records skipped by --skip-bad (not JSON, no text field, null)."""
+    first_bad: str | None = None
 
     def add(self, later: DocumentCounts) -> None:
         """Fold in the counts of input that comes after this one's."""
@@ -181,25 +306,57 @@ class DocumentCounts:
         self.first_empty = self.first_empty or later.first_empty
         self.undecodable += later.undecodable
         self.first_undecodable = self.first_undecodable or later.first_undecodable
+        self.empty_kept += later.empty_kept
+        self.bad += later.bad
+        self.first_bad = self.first_bad or later.first_bad
 
     def as_report(self, policy: str) -> dict:
-        return {"empty_documents_skipped": self.empty, "first_empty_document": self.first_empty,
-                "undecodable_documents": self.undecodable, "undecodable_policy": policy,
-                "first_undecodable_document": self.first_undecodable}
+        report = {"empty_documents_skipped": self.empty, "first_empty_document": self.first_empty,
+                  "undecodable_documents": self.undecodable, "undecodable_policy": policy,
+                  "first_undecodable_document": self.first_undecodable}
+        # Only when there are any: the reports of runs without them read as they always have.
+        if self.empty_kept:
+            report["empty_documents_kept"] = self.empty_kept
+        if self.bad:
+            report.update(bad_records_skipped=self.bad, first_bad_record=self.first_bad)
+        return report
 
 
-def decode_document(raw: bytes, file: InputFile, line: int, options: ReadOptions,
+class _BadRecord(Exception):
+    """A record that cannot be a document (not JSON, no text field, null): an error naming it,
+    or with --skip-bad a skipped and counted record."""
+
+
+def _skip_or_fail(err: _BadRecord, file: InputFile, line: int, options: ReadOptions,
+                  counts: DocumentCounts) -> None:
+    where = file.where(line)
+    if not options.skip_bad:
+        raise DataError(f"{where}: {err}; or pass --skip-bad to skip such records (counted)")
+    counts.bad += 1
+    counts.first_bad = counts.first_bad or where
+
+
+def decode_document(raw: bytes | str | None, file: InputFile, line: int, options: ReadOptions,
                     counts: DocumentCounts) -> str | None:
-    """Text of one record, or None when it is skipped (and counted)."""
-    if file.kind == "txt" and options.split == "line":
-        raw = _strip_eol(raw)
-    text = _utf8(raw, file, line, options, counts)
-    if text is not None and file.kind == "jsonl":
-        text = _json_text(text, file, line, options, counts)
+    """Text of one record, or None when it is skipped (and counted); "" for an empty document
+    kept by ``options.keep_empty``."""
+    try:
+        if file.kind == "parquet" and not isinstance(raw, bytes):
+            if raw is None:
+                raise _BadRecord(f"null in column {options.text_key!r}; fill or drop the row")
+            text = raw  # arrow strings are valid UTF-8
+        else:
+            if file.kind == "txt" and options.split == "line":
+                raw = _strip_eol(raw)
+            text = _utf8(raw, file, line, options, counts)
+            if text is not None and file.kind == "jsonl":
+                text = _json_text(text, file, line, options, counts)
+    except _BadRecord as err:
+        return _skip_or_fail(err, file, line, options, counts)
     if text is None:
         return None
     if not text:
-        return _empty(file, line, counts)
+        return _empty(file, line, options, counts, "")
     counts.documents += 1
     return text
 
@@ -217,9 +374,11 @@ def decode_segments(raw: bytes, file: InputFile, line: int, options: ReadOptions
     if line_text is None:
         return None
     if not line_text.strip():
-        return _empty(file, line, counts)
-    segments = _json_segments(_json_record(line_text, file, line), file, line,
-                              options.segments_key)
+        return _empty(file, line, options, counts, [])
+    try:
+        segments = _json_segments(_json_record(line_text), options.segments_key)
+    except _BadRecord as err:
+        return _skip_or_fail(err, file, line, options, counts)
     if _SURROGATE_ESCAPE.search(line_text):
         for text, _ in segments:
             try:
@@ -234,7 +393,7 @@ def decode_segments(raw: bytes, file: InputFile, line: int, options: ReadOptions
                             for t, loss in segments]
                 break
     if not any(text for text, _ in segments):
-        return _empty(file, line, counts)
+        return _empty(file, line, options, counts, [])
     counts.documents += 1
     return segments
 
@@ -247,15 +406,20 @@ def _utf8(raw: bytes, file: InputFile, line: int, options: ReadOptions,
         return _bad_utf8(raw, err, file, line, options, counts)
 
 
-def _empty(file: InputFile, line: int, counts: DocumentCounts) -> None:
+def _empty(file: InputFile, line: int, options: ReadOptions, counts: DocumentCounts,
+           kept: str | list) -> str | list | None:
+    """``kept`` (an empty document) with --keep-empty, else None; counted either way."""
+    if options.keep_empty:
+        counts.empty_kept += 1
+        return kept
     counts.empty += 1
-    counts.first_empty = counts.first_empty or f"{file.path}:{line}"
+    counts.first_empty = counts.first_empty or file.where(line)
     return None
 
 
 def _bad_utf8(raw: bytes, err: UnicodeError, file: InputFile, line: int, options: ReadOptions,
               counts: DocumentCounts) -> str | None:
-    where = f"{file.path}:{line}"
+    where = file.where(line)
     if options.on_bad_utf8 == "error":
         raise DataError(f"{where}: invalid UTF-8 ({err.reason} at byte {err.start} of the "
                         "document); fix the file, or pass --on-bad-utf8 replace or skip")
@@ -271,19 +435,17 @@ _JSON = json.JSONDecoder()
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def _json_record(line_text: str, file: InputFile, line: int) -> object:
+def _json_record(line_text: str) -> object:
     try:
         return _JSON.decode(line_text)
     except json.JSONDecodeError as err:
         # Some of json's messages end in "at" ("Unterminated string starting at"): no "at at".
         at = " column" if err.msg.endswith(" at") else " at column"
-        raise DataError(f"{file.path}:{line}: invalid JSON ({err.msg}{at} {err.colno}); "
-                        "a .jsonl file holds one JSON object per line, fix or remove the "
-                        "line") from None
+        raise _BadRecord(f"invalid JSON ({err.msg}{at} {err.colno}); a .jsonl file holds one "
+                         "JSON object per line, fix or remove the line") from None
 
 
-def _json_segments(record: object, file: InputFile, line: int, key: str) -> list[Segment]:
-    where = f"{file.path}:{line}"
+def _json_segments(record: object, key: str) -> list[Segment]:
     segments = record.get(key) if isinstance(record, dict) else None
     if not isinstance(segments, list):
         if isinstance(record, dict):
@@ -291,17 +453,17 @@ def _json_segments(record: object, file: InputFile, line: int, key: str) -> list
                      else f"found: {sorted(record)}")
         else:
             found = f"found: {type(record).__name__}"
-        raise DataError(f"{where}: no list field {key!r} ({found}); --segments-key names the "
-                        "field holding each document as a list of {\"text\": str, \"loss\": "
-                        "bool} objects: fix the line or pass the right --segments-key")
+        raise _BadRecord(f"no list field {key!r} ({found}); --segments-key names the field "
+                         "holding each document as a list of {\"text\": str, \"loss\": bool} "
+                         "objects: fix the line or pass the right --segments-key")
     parsed = []
     for index, item in enumerate(segments):
         text = item.get("text") if isinstance(item, dict) else None
         loss = item.get("loss") if isinstance(item, dict) else None
         if not isinstance(text, str) or not isinstance(loss, bool):
-            raise DataError(f"{where}: {key}[{index}] is {json.dumps(item)[:80]}, not an object "
-                            "{\"text\": str, \"loss\": bool} (loss true marks the text's tokens "
-                            "as scored targets); fix the line")
+            raise _BadRecord(f"{key}[{index}] is {json.dumps(item)[:80]}, not an object "
+                             "{\"text\": str, \"loss\": bool} (loss true marks the text's "
+                             "tokens as scored targets); fix the line")
         parsed.append((text, loss))
     return parsed
 
@@ -310,12 +472,12 @@ def _json_text(line_text: str, file: InputFile, line: int, options: ReadOptions,
                counts: DocumentCounts) -> str | None:
     if not line_text.strip():
         return ""
-    record = _json_record(line_text, file, line)
+    record = _json_record(line_text)
     text = record.get(options.text_key) if isinstance(record, dict) else None
     if not isinstance(text, str):
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise DataError(f"{file.path}:{line}: no string field {options.text_key!r} (found: "
-                        f"{keys}); pass --text-key with the field that holds the text")
+        raise _BadRecord(f"no string field {options.text_key!r} (found: {keys}); pass "
+                         "--text-key with the field that holds the text")
     if _SURROGATE_ESCAPE.search(line_text):
         try:
             text.encode("utf-8")

@@ -13,6 +13,7 @@ same ordering ``imap`` gives).
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import sys
 import threading
 from collections import deque
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 from multiprocessing.pool import Pool
 
 import numpy as np
-import sentencepiece as spm
 
 from data_tools.corpus import (
     DocumentCounts,
@@ -32,9 +32,12 @@ from data_tools.corpus import (
     decode_document,
     decode_segments,
 )
+from data_tools.tokenizer import Tokenizer, load_tokenizer
 
 _QUEUED_PER_WORKER = 2
 """Chunks handed to each pool worker and not yet finished: one running, one waiting."""
+_DECODED_AHEAD = 4
+"""Decoded chunks waiting for a threaded tokenizer (bounds memory like the pool's queues)."""
 _BUFFERED_PER_WORKER = 8
 """Finished chunks held for in-order output, per encoding process, before the reader waits."""
 
@@ -44,7 +47,7 @@ class Chunk:
     """Consecutive raw records of one input file and the line where each starts."""
 
     file_index: int
-    records: list[bytes]
+    records: list
     lines: Sequence[int]
 
 
@@ -59,11 +62,11 @@ class EncodedChunk:
     mask: np.ndarray | None = None
 
 
-def read_chunks(files: list[InputFile], split: str, chunk_bytes: int,
+def read_chunks(files: list[InputFile], options: ReadOptions, chunk_bytes: int,
                 on_progress: Callable[[int], None]) -> Iterator[Chunk]:
     """Chunks of every file in order; ``on_progress`` gets the on-disk bytes read meanwhile."""
     for file_index, file in enumerate(files):
-        reader = RecordReader(file, split)
+        reader = RecordReader(file, options)
         reported = 0
         for records, lines in reader.chunks(chunk_bytes):
             yield Chunk(file_index, records, lines)
@@ -82,45 +85,64 @@ class EncoderSetup:
     options: ReadOptions
 
 
+@dataclass
+class DecodedChunk:
+    """A chunk's documents as text (or segments); an empty one (``--keep-empty``) is "" or []."""
+
+    documents: list
+    counts: DocumentCounts
+
+
 class _Encoder:
     def __init__(self, setup: EncoderSetup) -> None:
-        self.processor = spm.SentencePieceProcessor(model_file=setup.tokenizer_path)
+        self.tokenizer = load_tokenizer(setup.tokenizer_path)
         self.setup = setup
 
     def encode(self, chunk: Chunk) -> EncodedChunk:
-        if self.setup.options.segments_key is not None:
-            return self._encode_segmented(chunk)
-        file = self.setup.files[chunk.file_index]
-        counts = DocumentCounts()
-        # sentencepiece appends EOS and returns each document as an int32 buffer: no list of Python
-        # ints per document (~36 bytes a token, and a tenth of the encoding time to build and
-        # convert).
-        documents: list[np.ndarray] = []
-        for raw, line in zip(chunk.records, chunk.lines):
-            text = decode_document(raw, file, line, self.setup.options, counts)
-            if text is not None:
-                documents.append(self.processor.encode(text, add_eos=True, return_type="numpy"))
-        return EncodedChunk(self._concatenate(documents), _lengths(documents), counts)
+        return self.encode_decoded(self.decode(chunk))
 
-    def _encode_segmented(self, chunk: Chunk) -> EncodedChunk:
+    def decode(self, chunk: Chunk) -> DecodedChunk:
+        """Records to documents (UTF-8, JSON, the policies); the part that needs no tokenizer."""
         file = self.setup.files[chunk.file_index]
         counts = DocumentCounts()
+        decode = decode_segments if self.setup.options.segments_key is not None \
+            else decode_document
+        documents = []
+        for raw, line in zip(chunk.records, chunk.lines):
+            document = decode(raw, file, line, self.setup.options, counts)
+            if document is not None:
+                documents.append(document)
+        return DecodedChunk(documents, counts)
+
+    def encode_decoded(self, decoded: DecodedChunk) -> EncodedChunk:
+        if self.setup.options.segments_key is not None:
+            return self._encode_segmented(decoded)
+        texts = [text for text in decoded.documents if text]
+        encoded = iter(self.tokenizer.encode_documents(texts))
+        # An empty document kept (--keep-empty) has no tokens, not even the EOS, as in Megatron.
+        documents = [next(encoded) if text else _NO_TOKENS for text in decoded.documents]
+        return EncodedChunk(self._concatenate(documents), _lengths(documents), decoded.counts)
+
+    def _encode_segmented(self, decoded: DecodedChunk) -> EncodedChunk:
         documents: list[np.ndarray] = []
         masks: list[np.ndarray] = []
-        for raw, line in zip(chunk.records, chunk.lines):
-            segments = decode_segments(raw, file, line, self.setup.options, counts)
-            if segments is not None:
-                tokens, mask = encode_segments(self.processor, segments)
-                documents.append(tokens)
-                masks.append(mask)
+        for segments in decoded.documents:
+            tokens, mask = (encode_segments(self.tokenizer, segments) if segments
+                            else (_NO_TOKENS, np.empty(0, dtype=np.uint8)))
+            documents.append(tokens)
+            masks.append(mask)
         mask = np.concatenate(masks) if masks else np.empty(0, dtype=np.uint8)
-        return EncodedChunk(self._concatenate(documents), _lengths(documents), counts, mask)
+        return EncodedChunk(self._concatenate(documents), _lengths(documents), decoded.counts,
+                            mask)
 
     def _concatenate(self, documents: list[np.ndarray]) -> np.ndarray:
         if not documents:
             return np.empty(0, dtype=self.setup.dtype)
         # The dataset's dtype holds every id of the vocabulary (token_dtype_for_vocab).
         return np.concatenate(documents).astype(self.setup.dtype)
+
+
+_NO_TOKENS = np.empty(0, dtype=np.int32)
 
 
 def _lengths(documents: list[np.ndarray]) -> np.ndarray:
@@ -141,6 +163,7 @@ def _encode_in_worker(chunk: Chunk) -> EncodedChunk:
 
 class Encoders:
     """``workers`` encoding processes: this one and a pool of ``workers - 1``; a context manager.
+    A tokenizer with threads of its own (:attr:`Tokenizer.threaded`) gets no pool.
 
     Enter it before starting threads (the progress bar's monitor): a single-threaded process
     outside MPI forks its pool workers, which start in milliseconds; otherwise they are spawned
@@ -154,7 +177,7 @@ class Encoders:
         self.pool: Pool | None = None
 
     def __enter__(self) -> Encoders:
-        if self.workers > 1:
+        if self.workers > 1 and not self.encoder.tokenizer.threaded:
             self.pool = _start_method().Pool(self.workers - 1, initializer=_start_worker,
                                              initargs=(self.setup,))
         return self
@@ -172,6 +195,9 @@ class Encoders:
         waits for the other except at the end, or when finished chunks pile up behind a slow one
         beyond a memory bound.
         """
+        if self.encoder.tokenizer.threaded:
+            yield from self._encode_threaded(chunks)
+            return
         if self.pool is None:
             for chunk in chunks:
                 yield self.encoder.encode(chunk)
@@ -193,6 +219,49 @@ class Encoders:
             yield _result(result)
 
 
+    def _encode_threaded(self, chunks: Iterator[Chunk]) -> Iterator[EncodedChunk]:
+        """Encoded chunks in input order, for a tokenizer that runs its own threads.
+
+        A process pool would only fight those threads for the cores. What is left to overlap
+        is the Python side, reading and decoding records, which runs in a thread of its own,
+        a bounded queue ahead of the encoder (the tokenizer releases the GIL while it encodes).
+        """
+        decoded: queue.Queue = queue.Queue(maxsize=_DECODED_AHEAD)
+        stop = threading.Event()
+
+        def decode_all() -> None:
+            try:
+                for chunk in chunks:
+                    if not _put(decoded, self.encoder.decode(chunk), stop):
+                        return
+            except BaseException as err:  # noqa: BLE001 -- re-raised in the encoding thread
+                _put(decoded, err, stop)
+                return
+            _put(decoded, None, stop)
+
+        reader = threading.Thread(target=decode_all, name="decode", daemon=True)
+        reader.start()
+        try:
+            while (item := decoded.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield self.encoder.encode_decoded(item)
+        finally:
+            stop.set()
+            reader.join()
+
+
+def _put(decoded: queue.Queue, item: object, stop: threading.Event) -> bool:
+    """Queue ``item``; False when the consumer has gone (``stop``) instead."""
+    while not stop.is_set():
+        try:
+            decoded.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 def _start_method() -> multiprocessing.context.BaseContext:
     mpi = sys.modules.get("mpi4py.MPI")
     forkable = (threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
@@ -208,16 +277,16 @@ def _done(result: object) -> bool:
     return isinstance(result, EncodedChunk) or result.ready()
 
 
-def encode_segments(processor: spm.SentencePieceProcessor, segments: Sequence[Segment]
+def encode_segments(tokenizer: Tokenizer, segments: Sequence[Segment]
                     ) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of a segmented document (EOS appended) and its loss mask (1 = scored target).
 
     Each segment is encoded on its own, so a token never straddles a scored and an unscored
     span and the mask is exact; the EOS is not scored. The same function serves tokenizing and
     the task evaluator, so both see the same token boundaries."""
-    pieces = [processor.encode(text, return_type="numpy") for text, _ in segments]
+    pieces = tokenizer.encode_batch([text for text, _ in segments])
     masks = [np.full(len(p), int(scored), dtype=np.uint8)
              for p, (_, scored) in zip(pieces, segments)]
-    tokens = np.concatenate([*pieces, np.array([processor.eos_id()], dtype=np.int32)])
+    tokens = np.concatenate([*pieces, np.array([tokenizer.eos_id], dtype=np.int32)])
     mask = np.concatenate([*masks, np.zeros(1, dtype=np.uint8)])
     return tokens.astype(np.int32), mask

@@ -46,7 +46,7 @@ def inspect(config: InspectConfig, out: TextIO) -> list[str]:
     _print_counts(dataset, lengths, out)
     _print_histogram(lengths, out)
     processor, tokenizer_note = _tokenizer_for(dataset, config.tokenizer)
-    vocab_size = processor.vocab_size() if processor is not None else dataset.vocab_size
+    vocab_size = processor.vocab_size if processor is not None else dataset.vocab_size
     failures = []
     print("checks:", file=out)
     for name, check in _checks(dataset, lengths, vocab_size, config.tokenizer, tokenizer_note):
@@ -118,8 +118,8 @@ def _tokenizer_for(dataset: IndexedDataset, given: str | None):
         return None, "no --tokenizer and no sidecar naming one"
     if given is None and not Path(path).is_file():
         return None, f"the sidecar's tokenizer {path} is not here; pass --tokenizer"
-    processor, info = load_tokenizer(path)
-    if given is None and info.sha256 != dataset.tokenizer_sha256:
+    processor = load_tokenizer(path)
+    if given is None and processor.info.sha256 != dataset.tokenizer_sha256:
         return None, f"{path} is not the model the sidecar names (sha256 differs); pass --tokenizer"
     return processor, f"{path}"
 
@@ -144,7 +144,7 @@ def _checks(dataset: IndexedDataset, lengths: np.ndarray, vocab_size: int | None
         if dataset.sidecar is None:
             return False, "no sidecar (datasets from other tools have none)"
         if given_tokenizer is not None:
-            _, info = load_tokenizer(given_tokenizer)
+            info = load_tokenizer(given_tokenizer).info
             if info.sha256 != dataset.tokenizer_sha256:
                 raise DataError(f"{dataset.paths.sidecar}: made with tokenizer sha256 "
                                 f"{dataset.tokenizer_sha256}, but {given_tokenizer} has sha256 "

@@ -10,6 +10,7 @@ ranks.
 
 from __future__ import annotations
 
+import os
 import time
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
@@ -30,13 +31,14 @@ class TokenizeConfig:
     """What ``megabeta-data tokenize`` does."""
 
     tokenizer: str
-    """sentencepiece .model file (from train-tokenizer)."""
+    """sentencepiece .model or Hugging Face tokenizer.json (data_tools.tokenizer)."""
     inputs: list[str]
-    """Input files (.txt, .jsonl, optionally .gz)."""
+    """Input files, directories or globs (data_tools.corpus.input_files)."""
     output_prefix: str
     """Writes OUTPUT_PREFIX.bin, .idx and .json."""
-    workers: int = 1
-    """Encoding processes; 1 encodes in the reading process."""
+    workers: int | None = None
+    """sentencepiece: encoding processes (None: 1, in the reading process). tokenizer.json:
+    tokenizers' threads (None: its default, every core)."""
     chunk_bytes: int = 250_000
     """Raw input bytes per unit of work sent to a worker."""
     read: ReadOptions = field(default_factory=ReadOptions)
@@ -82,7 +84,7 @@ def tokenize(config: TokenizeConfig) -> TokenizeResult:
 
 def _check_run(config: TokenizeConfig) -> tuple[list[InputFile], TokenizerInfo]:
     """Everything that can be wrong before reading a byte: flags, inputs, model, existing output."""
-    if config.workers < 1:
+    if config.workers is not None and config.workers < 1:
         raise DataError(f"--workers {config.workers}: must be at least 1")
     files = input_files(config.inputs)
     if config.read.segments_key is not None:
@@ -91,10 +93,12 @@ def _check_run(config: TokenizeConfig) -> tuple[list[InputFile], TokenizerInfo]:
                 raise DataError(f"{file.path}: --segments-key reads JSONL records, and this is a "
                                 ".txt file; convert it to JSONL with the segments, or tokenize "
                                 "it without --segments-key")
-    _, tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = load_tokenizer(config.tokenizer).info
     if tokenizer.eos_id < 0:
-        raise DataError(f"{config.tokenizer}: the model has no EOS piece, which separates "
-                        "documents; train the tokenizer with megabeta-data train-tokenizer")
+        raise DataError(f"{config.tokenizer}: the tokenizer has no EOS token, which separates "
+                        "documents; for a tokenizer.json name it as eos_token in a "
+                        "tokenizer_config.json beside it, or train one with megabeta-data "
+                        "train-tokenizer")
     if not config.overwrite:
         for path in dataset_paths(config.output_prefix).files:
             if path.exists():
@@ -129,12 +133,17 @@ def _tokenize_files(files: list[InputFile], prefix: str, config: TokenizeConfig,
     counts = DocumentCounts()
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
     setup = EncoderSetup(config.tokenizer, dtype, files, config.read)
+    workers = config.workers or 1
+    if tokenizer.kind == "huggingface" and config.workers is not None:
+        # tokenizers sizes its thread pool (rayon's) from this when it first encodes a batch.
+        os.environ["RAYON_NUM_THREADS"] = str(config.workers)
+        workers = 1
     # The encoders first: their pool starts before the progress bar's thread (see Encoders).
-    with Encoders(setup, config.workers) as encoders, \
+    with Encoders(setup, workers) as encoders, \
             ByteProgress(sum(f.size for f in files), "tokenize", quiet) as progress, \
             IndexedDatasetWriter(prefix, dtype, overwrite=config.overwrite or part,
                                  loss_mask=config.read.segments_key is not None) as writer:
-        chunks = read_chunks(files, config.read.split, config.chunk_bytes, progress.advance)
+        chunks = read_chunks(files, config.read, config.chunk_bytes, progress.advance)
         for encoded in encoders.encode(chunks):
             writer.add_documents(encoded.tokens, encoded.lengths, encoded.mask)
             counts.add(encoded.counts)

@@ -99,7 +99,7 @@ def sample_sentences(files: list[InputFile], options: ReadOptions, max_sentences
     seen = 0
     counts = DocumentCounts()
     for file in files:
-        reader = RecordReader(file, options.split)
+        reader = RecordReader(file, options)
         position = 0
         for raw, line in reader:
             text = decode_document(raw, file, line, options, counts)

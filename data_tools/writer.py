@@ -66,8 +66,9 @@ class IndexedDatasetWriter:
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray,
                       mask: np.ndarray | None = None) -> None:
-        """Append documents of one sequence each: ``tokens`` back to back, ``lengths`` of each;
-        ``mask`` (one uint8 per token) exactly when the writer was made with ``loss_mask``."""
+        """Append documents of one sequence each (none for a length of 0): ``tokens`` back to
+        back, ``lengths`` of each; ``mask`` (one uint8 per token) exactly when the writer was made
+        with ``loss_mask``."""
         if tokens.dtype != self.dtype:
             raise TypeError(f"tokens are {tokens.dtype}, this dataset holds {self.dtype}")
         if (mask is None) != (self._mask is None):
@@ -83,9 +84,10 @@ class IndexedDatasetWriter:
                             "paragraph)")
         if mask is not None:
             self._mask.write(mask)
-        count = lengths.size
-        ends = self.num_sequences + np.arange(1, count + 1, dtype=np.int64)
-        self._append(np.ascontiguousarray(tokens), lengths, ends)
+        # A document of no tokens (--keep-empty) has no sequence: its end repeats the last one,
+        # as in Megatron's datasets.
+        ends = self.num_sequences + np.cumsum(lengths > 0, dtype=np.int64)
+        self._append(np.ascontiguousarray(tokens), lengths[lengths > 0], ends)
 
     def add_dataset(self, source: IndexedDataset) -> None:
         """Append every sequence and document of ``source`` (same token type), in order."""

@@ -10,12 +10,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import tomllib
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, from PyPI (pyproject's tomli dependency for Python 3.10)
+    import tomli as tomllib
 
 import tomli_w
 
@@ -143,6 +148,52 @@ class LoggingConfig:
     """Log every N steps (stdout, TensorBoard, metrics.jsonl)."""
     tensorboard: bool = True
     """Write TensorBoard events under <run_dir>/tb."""
+    wandb: bool = False
+    """Also send every scalar and histogram to Weights & Biases (megabeta[wandb]; WANDB_MODE=offline works)."""
+    wandb_project: str = "megabeta"
+    """W&B project."""
+    wandb_entity: str = ""
+    """W&B entity (team or user); empty = your default entity."""
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler traces and CUDA memory snapshots of chosen steps (megabeta/train/profiling.py)."""
+
+    steps: str = ""
+    """Steps to profile: `A-B` (inclusive, e.g. `100-102`), `every:N` (each N-th step) or `` (off)."""
+    record_shapes: bool = False
+    """Record operator input shapes (bigger traces; groups the table by shape)."""
+    with_stack: bool = False
+    """Record Python stacks of operators (much bigger traces)."""
+    top_ops: int = 15
+    """Rows of the top-operators-by-self-time table rank 0 prints per profiled range."""
+    memory_snapshot: bool = False
+    """CUDA: record allocator history over the profiled steps and dump RUN/profile/memory_rank<R>_step<n>.pickle (and on out-of-memory)."""
+
+
+@dataclass
+class MonitorConfig:
+    """Stability, straggler and hang monitors and beta_1.2's dials (megabeta/train/monitor.py, watchdog.py, dials.py)."""
+
+    spike_window: int = 50
+    """Steps of the running window the loss and grad-norm z-scores are taken against (0 = no spike detection)."""
+    spike_min_steps: int = 10
+    """Steps in the window before spikes are judged (the start of a run is not a spike)."""
+    loss_zscore: float = 6.0
+    """A loss this many standard deviations above the window's mean is a spike."""
+    grad_norm_zscore: float = 6.0
+    """A gradient norm this many standard deviations above the window's mean is a spike."""
+    spike_action: str = "log"
+    """On a spike: `log` (warn, apply the step), `skip` (no update, counted like a non-finite step) or `stop` (no update, save, exit 3)."""
+    straggler_ratio: float = 1.5
+    """Every log interval: name the slowest rank when its step or data-wait time exceeds this times the median (0 = off)."""
+    hang_seconds: float = 0.0
+    """Watchdog: a step running longer than this names rank and collective, dumps every thread's stack (0 = off)."""
+    beta_dials: bool = True
+    """beta_1.2 only: log λ, b_σ, |e_K|, |e_V|, |f| and attention-mass shares per group every log interval."""
+    probe_batch: int = 2
+    """Sequences of the fixed probe batch the attention-mass shares are measured on."""
 
 
 @dataclass
@@ -173,6 +224,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid setting (the model validates itself)."""
@@ -225,6 +278,28 @@ class TrainConfig:
         need(self.logging.interval >= 1, "logging.interval", self.logging.interval, "must be >= 1")
         need(self.eval.interval >= 0, "eval.interval", self.eval.interval, "must be >= 0")
         need(self.eval.batches >= 0, "eval.batches", self.eval.batches, "must be >= 0")
+        from megabeta.train.profiling import parse_steps  # the one parser of profile.steps
+
+        parse_steps(self.profile.steps)
+        need(self.profile.top_ops >= 0, "profile.top_ops", self.profile.top_ops, "must be >= 0")
+        m = self.monitor
+        need(m.spike_window >= 0, "monitor.spike_window", m.spike_window, "must be >= 0 (0 = off)")
+        need(2 <= m.spike_min_steps, "monitor.spike_min_steps", m.spike_min_steps,
+             "must be >= 2 (a standard deviation needs two values)")
+        need(m.spike_window == 0 or m.spike_min_steps <= m.spike_window,
+             "monitor.spike_min_steps", m.spike_min_steps,
+             f"must be <= monitor.spike_window = {m.spike_window}")
+        for name in ("loss_zscore", "grad_norm_zscore"):
+            need(getattr(m, name) > 0, f"monitor.{name}", getattr(m, name), "must be positive")
+        need(m.spike_action in ("log", "skip", "stop"), "monitor.spike_action", m.spike_action,
+             "must be log, skip or stop")
+        need(m.spike_action == "log" or p.backend != "deepspeed", "monitor.spike_action",
+             m.spike_action, "DeepSpeed applies its update inside its own step, before the "
+             "gradient norm is known here: use log with parallel.backend = deepspeed")
+        need(m.straggler_ratio == 0 or m.straggler_ratio > 1, "monitor.straggler_ratio",
+             m.straggler_ratio, "must be > 1 (0 = off)")
+        need(m.hang_seconds >= 0, "monitor.hang_seconds", m.hang_seconds, "must be >= 0 (0 = off)")
+        need(m.probe_batch >= 1, "monitor.probe_batch", m.probe_batch, "must be >= 1")
 
     def grad_accumulation(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step; the global batch must split evenly."""
@@ -239,7 +314,8 @@ class TrainConfig:
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "execution": ExecutionConfig, "data": DataConfig, "train": TrainLoopConfig, "optim": OptimConfig,
     "schedule": ScheduleConfig, "parallel": ParallelConfig, "checkpoint": CheckpointConfig,
-    "logging": LoggingConfig, "eval": EvalConfig,
+    "logging": LoggingConfig, "eval": EvalConfig, "profile": ProfileConfig,
+    "monitor": MonitorConfig,
 }
 """TOML section name -> its dataclass (the fields of TrainConfig with the same names)."""
 

@@ -14,7 +14,7 @@ from types import ModuleType
 from megabeta.model.config import ConfigError
 
 # How a module's distribution is called in messages.
-_NAMES = {"deepspeed": "DeepSpeed", "mpi4py": "mpi4py"}
+_NAMES = {"deepspeed": "DeepSpeed", "mpi4py": "mpi4py", "wandb": "Weights & Biases (wandb)"}
 
 
 class MissingExtra(ConfigError):

@@ -149,7 +149,9 @@ def test_sidecar_records_tokenizer_counts_and_arguments(setup, tmp_path):
     assert sidecar["format"] == "megabeta.token_dataset"
     assert sidecar["tokenizer"] == {"type": "sentencepiece", "path": str(model),
                                     "sha256": file_sha256(model), "vocab_size": 400,
-                                    "pad_id": 0, "bos_id": 1, "eos_id": 2, "unk_id": 3}
+                                    "pad_id": 0, "bos_id": 1, "eos_id": 2, "unk_id": 3,
+                                    "special_tokens": {"bos": "<s>", "eos": "</s>",
+                                                       "pad": "<pad>"}}
     assert (sidecar["dtype"], sidecar["dtype_code"]) == ("uint16", 8)
     assert sidecar["num_documents"] == sidecar["num_sequences"] == len(docs)
     assert sidecar["num_tokens"] == dataset.num_tokens == int(dataset.sequence_lengths.sum())

@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--data", help="training dataset prefix(es) made by `megabeta-data "
                       "tokenize`, comma-separated (required, except for --suite state, which "
                       "generates its tasks)")
-    data.add_argument("--tokenizer", help="the datasets' sentencepiece .model (default: the one "
+    data.add_argument("--tokenizer", help="the datasets' tokenizer, .model or tokenizer.json "
+                      "(default: the one "
                       "their sidecar names, where that file exists)")
     data.add_argument("--test-data", help="held-out dataset prefix(es); the arms then train on "
                       "all of --data (default: the validation split of --data)")

@@ -296,13 +296,13 @@ class Evaluator:
         self.vocab_size = data.vocab_size
         self.processor = None
         if s.task_files:
-            from megabeta.infer.cli import load_sentencepiece
+            from megabeta.infer.cli import load_model_tokenizer
 
             if not s.tokenizer:
                 raise AblationError("--task-files needs the tokenizer of the data: pass "
                                     "--tokenizer MODEL (the dataset's sidecar names none that "
                                     "exists)")
-            self.processor = load_sentencepiece(s.tokenizer)
+            self.processor = load_model_tokenizer(s.tokenizer)
 
     def __call__(self, checkpoint: Path) -> dict[str, Any]:
         s = self.settings
@@ -406,7 +406,7 @@ def run_one(settings: Settings, arm: Arm, seed: int, evaluator: Callable[[], Eva
 
 def load_vocab(run_dir: Path) -> int | None:
     """The vocabulary size the trainer took from the data (its saved config.toml)."""
-    import tomllib
+    from megabeta.config import tomllib
 
     try:
         with open(run_dir / "config.toml", "rb") as stream:

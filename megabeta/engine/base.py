@@ -25,7 +25,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from torch import Tensor, nn
 
@@ -52,9 +52,12 @@ class Engine(Protocol):
         times `scale`, accumulated. `last`: the step's final micro-batch, whose backward
         reduces (averages) gradients across ranks."""
 
-    def step(self, loss_finite: bool) -> StepResult:
+    def step(self, loss_finite: bool,
+             accept: Callable[[float], bool] | None = None) -> StepResult:
         """Clip and apply the accumulated gradients, or skip the update when the loss or the
-        gradients are not finite; gradients are cleared either way."""
+        gradients are not finite, or when `accept(global grad norm)`, asked while the gradients
+        still exist (the stability monitor's gate), says no; gradients are cleared either way.
+        Engines that update before the norm is known (DeepSpeed) refuse `accept`."""
 
     def set_lr(self, lr: float) -> None:
         """Learning rate of the next update."""

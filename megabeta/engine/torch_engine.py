@@ -12,6 +12,7 @@ import contextlib
 import math
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -73,13 +74,14 @@ class TorchEngine:
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
 
-    def step(self, loss_finite: bool) -> StepResult:
+    def step(self, loss_finite: bool,
+             accept: Callable[[float], bool] | None = None) -> StepResult:
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
             norm = norm.full_tensor()
         norm = float(norm)
-        applied = loss_finite and math.isfinite(norm)
+        applied = loss_finite and math.isfinite(norm) and (accept is None or accept(norm))
         if applied:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

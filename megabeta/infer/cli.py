@@ -16,9 +16,11 @@ from pathlib import Path
 
 import torch
 
+from data_tools.tokenizer import Tokenizer, load_tokenizer
 from megabeta.checkpoint import CheckpointError
 from megabeta.checkpoint.export import ModelSource, load_model, read_source
 from megabeta.data import DataError, GlobalSampler, build_train_val, file_sha256
+from megabeta.extras import MissingExtra
 from megabeta.infer.evaluate import evaluate
 from megabeta.infer.generate import generate
 
@@ -50,8 +52,8 @@ def resolve_tokenizer(source: ModelSource, given: str, force: bool,
     recorded = f"{recorded_path} ({_short(recorded_sha)}, recorded with {source.path})"
     if given:
         if not Path(given).is_file():
-            raise UsageError(f"--tokenizer {given}: no such file; pass the sentencepiece .model "
-                             "the training data was tokenized with"
+            raise UsageError(f"--tokenizer {given}: no such file; pass the tokenizer file "
+                             "(.model or tokenizer.json) the training data was tokenized with"
                              + (f", or leave it out to use {recorded}" if recorded_path else ""))
         sha = file_sha256(given)
         if recorded_sha and sha != recorded_sha and not force:
@@ -64,8 +66,8 @@ def resolve_tokenizer(source: ModelSource, given: str, force: bool,
         if not need_file:
             return "", None
         raise UsageError(f"{source.path} records no tokenizer (its run named no data.tokenizer "
-                         "and its data has no sidecar naming one); pass --tokenizer PATH.model, "
-                         "the sentencepiece model its training data was tokenized with")
+                         "and its data has no sidecar naming one); pass --tokenizer PATH "
+                         "(.model or tokenizer.json), the tokenizer its training data was tokenized with")
     if not Path(recorded_path).is_file():
         if not need_file:
             return "", recorded_sha
@@ -136,7 +138,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=0,
                         help="evaluate at most this many batches; 0 = all (default: 0)")
     parser.add_argument("--tokenizer", default="",
-                        help="sentencepiece .model the data must have been tokenized with "
+                        help="tokenizer (.model or tokenizer.json) the data must have been tokenized with "
                         "(default: the one recorded with the checkpoint)")
     parser.add_argument("--force-tokenizer", action="store_true",
                         help="skip the tokenizer checks: use --tokenizer though the model was "
@@ -236,7 +238,8 @@ def generate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", required=True,
                         help="checkpoint dir (RUN/checkpoints/step_N) or .safetensors (required)")
     parser.add_argument("--tokenizer", default="",
-                        help="sentencepiece .model (default: the one recorded with the "
+                        help="sentencepiece .model or Hugging Face tokenizer.json (default: the one "
+                        "recorded with the "
                         "checkpoint; another one needs --force-tokenizer)")
     parser.add_argument("--force-tokenizer", action="store_true",
                         help="use --tokenizer even though the model was trained with another "
@@ -268,34 +271,33 @@ def generate_main(argv: list[str] | None = None) -> int:
         warn_notes(source)
         tokenizer_path, _ = resolve_tokenizer(source, args.tokenizer, args.force_tokenizer,
                                               need_file=True)
-        sp = load_sentencepiece(tokenizer_path)
-        prompt = torch.tensor(sp.encode(args.prompt), dtype=torch.long)
+        tokenizer = load_model_tokenizer(tokenizer_path)
+        prompt = torch.from_numpy(tokenizer.encode(args.prompt)).long()
         _check_context(prompt.numel(), args.max_new_tokens, source)
         model = load_model(args.checkpoint)
-        check_vocabulary(sp, tokenizer_path, model)
+        check_vocabulary(tokenizer, tokenizer_path, model)
     except (CheckpointError, DataError, UsageError) as err:
         return _fail(str(err))
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    print(args.prompt + sp.decode(out[prompt.numel():].tolist()))
+    print(args.prompt + tokenizer.decode(out[prompt.numel():].tolist()))
     return 0
 
 
-def load_sentencepiece(path: str):
-    """The sentencepiece processor of `path`; UsageError when it is not a sentencepiece model."""
-    import sentencepiece as spm
-
+def load_model_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer in `path`, a sentencepiece .model or a Hugging Face tokenizer.json
+    (`data_tools.tokenizer.load_tokenizer`); UsageError when it is not one or its extra is
+    missing."""
     try:
-        return spm.SentencePieceProcessor(model_file=path)
-    except (RuntimeError, OSError) as err:
-        raise UsageError(f"{path}: not a sentencepiece model ({err}); pass --tokenizer with the "
-                         ".model file written by megabeta-data train-tokenizer") from None
+        return load_tokenizer(path)
+    except (DataError, MissingExtra) as err:
+        raise UsageError(f"--tokenizer: {err}") from None
 
 
-def check_vocabulary(sp, tokenizer_path: str, model) -> None:
+def check_vocabulary(tokenizer: Tokenizer, tokenizer_path: str, model) -> None:
     """UsageError when the tokenizer has ids beyond the model's vocabulary."""
-    if sp.vocab_size() > model.config.vocab_size:
-        raise UsageError(f"tokenizer {tokenizer_path} has {sp.vocab_size()} pieces, more "
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise UsageError(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} pieces, more "
                          f"than the model's vocabulary ({model.config.vocab_size}); pass the "
                          "tokenizer the model was trained with")
 

@@ -130,8 +130,16 @@ def target_device_type(device: torch.device) -> str:
     return device.type
 
 
+LAUNCH_OPTIONS = {"enable_fp_fusion": True}
+"""Compile options of every kernel, set here rather than left to Triton's default: floating-point
+contraction (a·b + c as one FMA, rounded once) stays on, as Triton has compiled these kernels so
+far; Triton 3.10 turns its default off."""
+
+
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """Launch the Triton `kernel` on `grid` (seen first by every active `LaunchObserver`)."""
+    """Launch the Triton `kernel` on `grid` with `LAUNCH_OPTIONS` (seen first by every active
+    `LaunchObserver`)."""
+    kwargs = {**LAUNCH_OPTIONS, **kwargs}
     for observer in _observers:
         observer.launched(kernel, grid, args, kwargs)
     if not all(observer.run for observer in _observers):

@@ -15,7 +15,7 @@ from data_tools.atomic import AtomicFiles
 from megabeta.checkpoint import CheckpointError
 from megabeta.checkpoint.export import load_model, read_source
 from megabeta.data import DataError
-from megabeta.infer.cli import (UsageError, check_vocabulary, load_sentencepiece,
+from megabeta.infer.cli import (UsageError, check_vocabulary, load_model_tokenizer,
                                 resolve_tokenizer, warn_notes)
 from megabeta.tasks.document import TaskFileError
 from megabeta.tasks.evaluate import evaluate_tasks
@@ -152,7 +152,8 @@ def _eval_parser(subparsers) -> None:
     parser.add_argument("--tasks", required=True, nargs="+", metavar="FILE",
                         help="task files written by `megabeta tasks make` (required)")
     parser.add_argument("--tokenizer", default="",
-                        help="sentencepiece .model to tokenize the tasks with (default: the one "
+                        help="sentencepiece .model or tokenizer.json to tokenize the tasks with "
+                        "(default: the one "
                         "recorded with the checkpoint; another one needs --force-tokenizer)")
     parser.add_argument("--force-tokenizer", action="store_true",
                         help="use --tokenizer even though the model was trained with another "
@@ -188,7 +189,7 @@ def _eval(args: argparse.Namespace) -> int:
         warn_notes(source)
         tokenizer_path, tokenizer_sha = resolve_tokenizer(source, args.tokenizer,
                                                           args.force_tokenizer, need_file=True)
-        processor = load_sentencepiece(tokenizer_path)
+        processor = load_model_tokenizer(tokenizer_path)
         model = load_model(args.checkpoint, device=device)
         check_vocabulary(processor, tokenizer_path, model)
         scores = evaluate_tasks(model, processor, args.tasks, batch_size=args.batch_size,

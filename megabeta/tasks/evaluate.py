@@ -6,17 +6,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import sentencepiece as spm
 import torch
 
 from data_tools.encode import encode_segments
+from data_tools.tokenizer import Tokenizer
 from megabeta.model import DecoderLM
 from megabeta.tasks.document import TaskDocument, TaskFileError, read_task_file
 from megabeta.tasks.scoring import EncodedDocument, Predictor, TaskScore, score_documents
 
 
 def encode_documents(documents: Iterable[TaskDocument],
-                     processor: spm.SentencePieceProcessor) -> list[EncodedDocument]:
+                     processor: Tokenizer) -> list[EncodedDocument]:
     """Tokens and loss masks of `documents` by `encode_segments`, the function that tokenizing
     the training data uses, so the evaluator sees the same token boundaries."""
     encoded = []
@@ -37,7 +37,7 @@ def model_predictor(model: DecoderLM, device: torch.device | str = "cpu") -> Pre
     return predict
 
 
-def read_encoded(task_files: Sequence[str | Path], processor: spm.SentencePieceProcessor,
+def read_encoded(task_files: Sequence[str | Path], processor: Tokenizer,
                  max_seq_len: int, max_documents: int = 0) -> list[EncodedDocument]:
     """The documents of every file (at most `max_documents` of each; 0 = all), encoded.
     TaskFileError naming the file when a document needs more context than `max_seq_len`."""
@@ -58,19 +58,19 @@ def read_encoded(task_files: Sequence[str | Path], processor: spm.SentencePieceP
     return encoded
 
 
-def evaluate_tasks(model: DecoderLM, processor: spm.SentencePieceProcessor,
+def evaluate_tasks(model: DecoderLM, processor: Tokenizer,
                    task_files: Sequence[str | Path], *,
                    batch_size: int = 8, max_documents: int = 0,
                    device: torch.device | str = "cpu") -> list[TaskScore]:
     """Exact-match scores of `model` (on `device`, in eval mode; its mode is restored after)
     per task of `task_files`, documents of the same task name pooled across files, in order of
-    first appearance. `processor` is the model's sentencepiece tokenizer."""
+    first appearance. `processor` is the model's tokenizer."""
     documents = read_encoded(task_files, processor, model.config.max_seq_len, max_documents)
     was_training = model.training
     model.eval()
     try:
         scores = score_documents(documents, model_predictor(model, device),
-                                 batch_size=batch_size, pad_id=max(processor.pad_id(), 0))
+                                 batch_size=batch_size, pad_id=max(processor.pad_id, 0))
     finally:
         model.train(was_training)
     return list(scores.values())

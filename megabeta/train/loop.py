@@ -150,8 +150,8 @@ class Trainer:
                               "`megabeta-data tokenize`)")
         if config.data.tokenizer and not Path(config.data.tokenizer).is_file():
             raise ConfigError(f"data.tokenizer = {config.data.tokenizer!r}: no such file; pass the "
-                              "sentencepiece .model the dataset was tokenized with, or leave it "
-                              "empty")
+                              "tokenizer (.model or tokenizer.json) the dataset was tokenized "
+                              "with, or leave it empty")
         tokenizer_hash = file_sha256(config.data.tokenizer) if config.data.tokenizer else None
         self.data = build_train_val(config.data.path, config.data.weights or None,
                                     seq_len=config.data.seq_len,

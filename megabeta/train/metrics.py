@@ -8,9 +8,11 @@ import logging
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+from megabeta.train.trackers import Tracker
 
 log = logging.getLogger("megabeta")
 
@@ -60,38 +62,47 @@ def memory_gib(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    """Rank 0 writes every logged step to stdout, TensorBoard (<run_dir>/tb) and metrics.jsonl."""
+    """Rank 0 writes every logged step to stdout, metrics.jsonl and its trackers (TensorBoard
+    under <run_dir>/tb, W&B: trackers.py)."""
 
-    def __init__(self, run_dir: str | Path, *, enabled: bool, tensorboard: bool) -> None:
+    def __init__(self, run_dir: str | Path, *, enabled: bool,
+                 trackers: Callable[[], list[Tracker]]) -> None:
         self.enabled = enabled
         self.jsonl = None
-        self.tb = None
+        self.trackers: list[Tracker] = []
         if not enabled:
             return
         run_dir = Path(run_dir)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.trackers = trackers()
 
-            self.tb = SummaryWriter(str(run_dir / "tb"))
-
-    def log(self, step: int, metrics: dict[str, Any], prefix: str = "train") -> None:
+    def log(self, step: int, metrics: dict[str, Any], prefix: str = "train", *,
+            quiet: bool = False) -> None:
+        """One record; `quiet`: to metrics.jsonl and the trackers only, not stdout (many
+        scalars, like the dials)."""
         if not self.enabled:
             return
         record = {"step": step, **({} if prefix == "train" else {"split": prefix}), **metrics}
         self.jsonl.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)):
-                    self.tb.add_scalar(f"{prefix}/{key}", value, step)
-            self.tb.flush()
-        log.info("%s step %d | %s", prefix, step, " | ".join(_fmt(k, v) for k, v in metrics.items()))
+        scalars = {f"{prefix}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
+        for tracker in self.trackers:
+            tracker.scalars(step, scalars)
+        if not quiet:
+            log.info("%s step %d | %s", prefix, step,
+                     " | ".join(_fmt(k, v) for k, v in metrics.items()))
+
+    def histograms(self, step: int, values: dict[str, torch.Tensor], prefix: str) -> None:
+        if not self.enabled:
+            return
+        for name, tensor in values.items():
+            for tracker in self.trackers:
+                tracker.histogram(step, f"{prefix}/{name}", tensor)
 
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def _fmt(key: str, value: Any) -> str:

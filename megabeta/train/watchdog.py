@@ -1,0 +1,168 @@
+"""A hang watchdog: when a step runs longer than `monitor.hang_seconds`, say which rank holds the
+others up and in which collective, and dump every thread's stack on every rank.
+
+The loop marks where each step is (`Watchdog.enter(step, phase)`: a dictionary write, nothing
+more). A thread on each rank wakes a few times per `hang_seconds`; once a step overruns, it
+
+1. writes this rank's step and phase to the job's rendezvous store (a TCP side channel that
+   works while the process group is stuck) and, on rank 0, reads every rank's: the ranks behind
+   the others (an earlier step or phase) are named, with the collective the others wait in;
+   ranks that never answer are named as unresponsive;
+2. dumps all threads' Python stacks (faulthandler) to stderr and `RUN/hang/rank<R>_step<n>.txt`;
+3. on NCCL, writes the flight recorder's record of the last collectives
+   (`RUN/hang/nccl_trace_rank<R>.pkl`); `enable_flight_recorder` turns the recorder on before
+   the process group is made.
+
+It reports, once per overrunning step; ending the job is left to the process group's timeout
+(or the scheduler), which then has the reports.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("megabeta")
+
+PHASES: dict[str, str] = {
+    "data": "none (loading the step's batches)",
+    "forward_backward": "the gradient reduction (DDP all_reduce / FSDP all_gather and "
+                        "reduce_scatter) or the loss all_reduce",
+    "optimizer": "the gradient-norm all_reduce (clip_grad_norm_) and the update",
+    "log": "the straggler all_gather and the dials' reductions",
+    "eval": "the evaluation's loss all_reduce",
+    "checkpoint": "the checkpoint's gathers and barriers",
+}
+"""A step's phases in order, with the collectives each may wait in."""
+ORDER = {name: index for index, name in enumerate(PHASES)}
+
+TRACE_BUFFER_ENTRIES = "2000"
+"""Collectives the NCCL flight recorder keeps per rank (torch's docs suggest 2000)."""
+
+ANSWER_SECONDS = 10.0
+"""How long rank 0 waits for the other ranks' positions before naming the silent ones."""
+
+
+def enable_flight_recorder() -> None:
+    """Turn on NCCL's flight recorder (must precede the process group; a user's setting wins)."""
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", TRACE_BUFFER_ENTRIES)
+
+
+def _store() -> dist.Store | None:
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError):  # no default store (an unusual init): no names
+        return None
+
+
+def name_laggards(positions: dict[int, tuple[int, str]], world_size: int) -> str:
+    """Which ranks are behind, from every answering rank's (step, phase)."""
+    silent = [r for r in range(world_size) if r not in positions]
+    parts = []
+    if positions:
+        key = {r: (step, ORDER.get(phase, len(ORDER))) for r, (step, phase) in positions.items()}
+        earliest = min(key.values())
+        behind = sorted(r for r, k in key.items() if k == earliest)
+        ahead = sorted(r for r in positions if r not in behind)
+        step, phase = positions[behind[0]]
+        if ahead:
+            waiting = positions[ahead[0]][1]
+            parts.append(f"rank(s) {behind} are behind, in {phase} of step {step}; rank(s) "
+                         f"{ahead} wait in {waiting}: {PHASES.get(waiting, waiting)}")
+        else:
+            parts.append(f"every answering rank is in {phase} of step {step}, waiting in "
+                         f"{PHASES.get(phase, phase)}: a collective that does not complete, or "
+                         "every rank slow")
+    if silent:
+        parts.append(f"rank(s) {silent} did not answer within {ANSWER_SECONDS:.0f} s (dead, or "
+                     "stuck holding the interpreter)")
+    return "; ".join(parts)
+
+
+class Watchdog:
+    """This rank's hang watchdog (`monitor.hang_seconds` > 0)."""
+
+    def __init__(self, seconds: float, run_dir: Path, rank: int, world_size: int) -> None:
+        self.seconds = seconds
+        self.folder = run_dir / "hang"
+        self.rank, self.world_size = rank, world_size
+        self.step, self.phase, self.since = 0, "data", time.monotonic()
+        self.reported = -1
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="megabeta-watchdog", daemon=True)
+        self.thread.start()
+
+    def enter(self, step: int, phase: str) -> None:
+        """Step `step` (1-based, the one running) is now in `phase`; a new step restarts the
+        clock."""
+        if step != self.step:
+            self.since = time.monotonic()
+        self.step, self.phase = step, phase
+
+    def _watch(self) -> None:
+        while not self.stop.wait(min(1.0, self.seconds / 4)):
+            step, phase, since = self.step, self.phase, self.since
+            if step != self.reported and time.monotonic() - since > self.seconds:
+                self.reported = step
+                self.report(step, phase, time.monotonic() - since)
+
+    def report(self, step: int, phase: str, elapsed: float) -> None:
+        log.error("rank %d: step %d has run %.1f s (monitor.hang_seconds = %g), in %s; it may "
+                  "wait in %s. Dumping every thread's stack.", self.rank, step, elapsed,
+                  self.seconds, phase, PHASES.get(phase, phase))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        stacks = self.folder / f"rank{self.rank}_step{step}.txt"
+        with open(stacks, "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        self._dump_nccl_trace()
+        store = _store()
+        if store is None:
+            return
+        store.set(f"megabeta/watchdog/{step}/{self.rank}", f"{step} {phase}")
+        if self.rank == 0:
+            log.error("hang at step %d: %s (stacks: %s/rank<R>_step<n>.txt)", step,
+                      name_laggards(self._positions(store, step), self.world_size), self.folder)
+
+    def _positions(self, store: dist.Store, step: int) -> dict[int, tuple[int, str]]:
+        """Every rank's (step, phase) that arrives within ANSWER_SECONDS. A rank behind by a
+        whole step reports under its own step's key, so earlier keys are read too."""
+        deadline = time.monotonic() + ANSWER_SECONDS
+        found: dict[int, tuple[int, str]] = {}
+        while True:
+            for rank in range(self.world_size):
+                for at in (step, step - 1):
+                    key = f"megabeta/watchdog/{at}/{rank}"
+                    if rank not in found and store.check([key]):
+                        got_step, got_phase = store.get(key).decode().split(" ", 1)
+                        found[rank] = (int(got_step), got_phase)
+            if len(found) == self.world_size or time.monotonic() > deadline:
+                return found
+            time.sleep(0.2)
+
+    def _dump_nccl_trace(self) -> None:
+        if not (dist.is_initialized() and dist.get_backend() == "nccl"):
+            return
+        try:
+            trace = torch._C._distributed_c10d._dump_nccl_trace()
+        except (AttributeError, RuntimeError) as err:  # a build without the flight recorder
+            log.warning("rank %d: no NCCL flight-recorder dump (%s)", self.rank, err)
+            return
+        (self.folder / f"nccl_trace_rank{self.rank}.pkl").write_bytes(trace)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+__all__ = ["PHASES", "Watchdog", "enable_flight_recorder", "name_laggards"]
