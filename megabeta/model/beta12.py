@@ -38,7 +38,7 @@ from megabeta.model.history import (
     block_cells,
 )
 from megabeta.model.layers import Projection, autocast_dtype, fused_input_rows
-from megabeta.model.transformer import DecoderLM
+from megabeta.model.transformer import DecoderLM, ParallelPlan
 from megabeta.model.wavefront import run_wavefront
 
 
@@ -366,6 +366,10 @@ class Beta12Transformer(DecoderLM):
                               f"needs an attention backend that reads the history at a start "
                               f"held in a tensor ({' or '.join(STATIC_BACKENDS)}), not "
                               f"execution.attention = {backend!r}")
+
+    def parallel_plan(self) -> ParallelPlan:
+        """One FSDP unit per layer; compiled: the block step (`compile_block_step`)."""
+        return ParallelPlan(tuple(self.layers), self.compile_block_step)
 
     def compile_block_step(self) -> None:
         """Run every full block of a sequence through ONE compiled graph of `_block`

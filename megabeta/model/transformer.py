@@ -10,6 +10,7 @@ layers are applied: `StandardTransformer` (full-sequence causal attention), `Loo
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -36,6 +37,17 @@ LOSS_CHUNK = 512
 """Tokens (of the whole batch) per piece of the chunked training loss (see `DecoderLM.head`)."""
 
 
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What the parallelisms (`megabeta.parallel.wrap`) need to know of an arm, declared by the
+    arm so that they need not know its class."""
+
+    fsdp_units: tuple[nn.Module, ...]
+    """Submodules sharded as FSDP units of their own (the root is one more)."""
+    compile: Callable[[], None]
+    """torch.compile the arm's repeated work in place (state-dict names kept)."""
+
+
 class DecoderLM(nn.Module):
     """Embedding → layers → RMSNorm → LM head, with the next-token loss and KV-cache decoding."""
 
@@ -56,6 +68,18 @@ class DecoderLM(nn.Module):
                        else nn.Linear(config.d_model, config.vocab_size, bias=False))
         self.init_weights()
         self._select_kernels()
+
+    def parallel_plan(self) -> ParallelPlan:
+        """One FSDP unit per layer; compiled: every layer's residual branches, `attention_delta`
+        (output projection, dropout) and `mlp_delta` (SwiGLU, dropout), with dynamic shapes
+        (decoding feeds one token at a time); the fused input projections and attention stay
+        eager."""
+        return ParallelPlan(tuple(self.layers), self._compile_branches)
+
+    def _compile_branches(self) -> None:
+        for layer in self.layers:
+            layer.attention_delta = torch.compile(layer.attention_delta, dynamic=True)
+            layer.mlp_delta = torch.compile(layer.mlp_delta, dynamic=True)
 
     # ---- parameters -----------------------------------------------------------------------------
     def init_weights(self) -> None:

@@ -1,11 +1,13 @@
 """Parallelisms applied to a plain model, in a fixed order: compile, then DDP or FSDP2.
 
-The model code knows nothing of them. One fact about beta_1.2 shapes the FSDP2 plan: the block
-loop calls every layer's submodules T/c times per step and never calls `layer.forward`, so
-per-layer FSDP units would otherwise gather their parameters on every call (or not at all).
-Instead every layer unit is unsharded ONCE, by a forward pre-hook on the root, and kept
-unsharded until its gradients are reduce-scattered after backward (`reshard_after_forward=False`):
-one all-gather per layer in forward, none in backward, one reduce-scatter per step.
+The model code applies none of them; each arm declares only its plan (`DecoderLM.parallel_plan`:
+its FSDP units and what torch.compile compiles), so nothing here branches on a model class. One
+fact about beta_1.2 shapes the FSDP2 plan: the block loop calls every layer's submodules T/c
+times per step and never calls `layer.forward`, so per-layer FSDP units would otherwise gather
+their parameters on every call (or not at all). Instead every layer unit is unsharded ONCE, by a
+forward pre-hook on the root, and kept unsharded until its gradients are reduce-scattered after
+backward (`reshard_after_forward=False`): one all-gather per layer in forward, none in backward,
+one reduce-scatter per step.
 """
 
 from __future__ import annotations
@@ -15,26 +17,14 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from megabeta.model.beta12 import Beta12Transformer
-
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def apply_compile(model: nn.Module) -> None:
-    """torch.compile the model's repeated work in place (state-dict names are kept).
-
-    beta12: the block step, ONE graph for every full block of a sequence, forward, recompute
-    and backward (`Beta12Transformer.compile_block_step`; the history's publish and the loss
-    stay eager). The other arms: every layer's residual branches, `attention_delta` (output
-    projection, dropout) and `mlp_delta` (SwiGLU, dropout), with dynamic shapes (decoding feeds
-    one token at a time); their fused input projections and attention stay eager.
-    """
-    if isinstance(model, Beta12Transformer):
-        model.compile_block_step()
-        return
-    for layer in model.layers:
-        layer.attention_delta = torch.compile(layer.attention_delta, dynamic=True)
-        layer.mlp_delta = torch.compile(layer.mlp_delta, dynamic=True)
+    """torch.compile the model's repeated work in place, as its arm plans it (`parallel_plan`:
+    beta12 compiles its block step, ONE graph for every full block; the other arms their
+    residual branches)."""
+    model.parallel_plan().compile()
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
@@ -45,15 +35,17 @@ def apply_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel
 
 
 def apply_fsdp(model: nn.Module, param_dtype: str = "fp32", reduce_dtype: str = "fp32") -> nn.Module:
-    """FSDP2: one unit per layer and one at the root, each gathered once per step (module doc)."""
+    """FSDP2: one unit per unit of the arm's plan (a layer) and one at the root, each gathered
+    once per step (module doc)."""
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype],
                                   reduce_dtype=DTYPES[reduce_dtype])
-    for layer in model.layers:
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=False)
+    units = model.parallel_plan().fsdp_units
+    for unit in units:
+        fully_shard(unit, mp_policy=policy, reshard_after_forward=False)
     fully_shard(model, mp_policy=policy, reshard_after_forward=False)
 
     def unshard_layers(module: nn.Module, args: tuple) -> None:
-        handles = [layer.unshard(async_op=True) for layer in module.layers]
+        handles = [unit.unshard(async_op=True) for unit in units]
         for handle in handles:
             if handle is not None:
                 handle.wait()
