@@ -15,9 +15,13 @@ from data_tools.inspect_dataset import InspectConfig, inspect
 from data_tools.merge import MergeConfig, merge
 from data_tools.mpi import MPI_MODES, FailedElsewhere
 from data_tools.tokenize_corpus import TokenizeConfig, TokenizeResult, tokenize
-from data_tools.train_tokenizer import MODEL_TYPES, TokenizerTrainingConfig, train_tokenizer
+from data_tools.train_tokenizer import (
+    MODEL_TYPES,
+    TOKENIZER_KINDS,
+    TokenizerTrainingConfig,
+    train_tokenizer,
+)
 from megabeta.data.errors import DataError
-from megabeta.extras import MissingExtra
 
 _DESCRIPTION = """\
 Offline data preparation for megabeta: train a sentencepiece tokenizer, tokenize a corpus into a
@@ -29,6 +33,8 @@ examples:
   megabeta-data train-tokenizer --inputs corpus/*.jsonl.gz --vocab-size 32000 --output tok/m
   megabeta-data tokenize --tokenizer tok/m.model --inputs corpus/*.jsonl.gz \\
       --output-prefix data/corpus --workers 8
+  megabeta-data tokenize --tokenizer hf/tokenizer.json --inputs corpus/ \\
+      --output-prefix data/corpus
   mpirun -n 4 megabeta-data tokenize --tokenizer tok/m.model --inputs corpus/*.jsonl.gz \\
       --output-prefix data/corpus --workers 8
   megabeta-data tokenize --tokenizer tok/m.model --inputs tasks.jsonl \\
@@ -91,12 +97,16 @@ def _say(args: argparse.Namespace, *lines: str) -> None:
 def _run_train_tokenizer(args: argparse.Namespace) -> int:
     config = TokenizerTrainingConfig(
         inputs=args.inputs, output=args.output, vocab_size=args.vocab_size,
-        model_type=args.model_type, max_sentences=args.max_sentences, seed=args.seed,
+        model_type=args.model_type, kind=args.kind, max_sentences=args.max_sentences,
+        seed=args.seed,
         character_coverage=args.character_coverage, num_threads=args.num_threads,
         read=_read_options(args), overwrite=args.overwrite, quiet=args.quiet)
     sidecar = train_tokenizer(config)
     report = sidecar["report"]
-    _say(args, f"wrote {args.output}.model, .vocab, .model.json: {sidecar['model_type']} "
+    written, algorithm = ((".tokenizer.json, .tokenizer.meta.json", "byte-level BPE")
+                          if args.kind == "bpe"
+                          else (".model, .vocab, .model.json", sidecar["model_type"]))
+    _say(args, f"wrote {args.output}{written}: {algorithm} "
                f"vocabulary of {sidecar['vocab_size']} from {sidecar['sentences_sampled']:,} of "
                f"{sidecar['lines_seen']:,} lines; pad {sidecar['pad_id']}, bos "
                f"{sidecar['bos_id']}, eos {sidecar['eos_id']}, unk {sidecar['unk_id']}; sha256 "
@@ -179,20 +189,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train-tokenizer", formatter_class=_Formatter,
-        help="train a sentencepiece tokenizer (OUTPUT.model, .vocab, .model.json)",
+        help="train a tokenizer: sentencepiece (OUTPUT.model) or byte-level BPE "
+             "(OUTPUT.tokenizer.json)",
         description="Train a sentencepiece model (BPE or unigram) whose decode gives the text "
                     "back exactly: no normalization, spaces/tabs/newlines kept, byte fallback. "
                     "Special ids are fixed: pad 0, bos 1, eos 2, unk 3. At most --max-sentences "
                     "lines are sampled (seeded reservoir sampling), so memory stays bounded and "
-                    "the same inputs, seed and --num-threads give the same model.")
+                    "the same inputs, seed and --num-threads give the same model. With --kind "
+                    "bpe: a byte-level BPE (Hugging Face tokenizers) saved as "
+                    "OUTPUT.tokenizer.json; every byte encodes (no unknown token), digits are "
+                    "split, special tokens pad 0, bos 1, eos 2.")
     train.add_argument("--inputs", nargs="+", required=True, metavar="FILE",
-                       help="training text: .txt, .jsonl, .txt.gz, .jsonl.gz")
+                       help=f"training text, files, directories or globs: {ACCEPTED}")
     train.add_argument("--vocab-size", type=int, required=True, metavar="N",
                        help="vocabulary size, including the 4 specials and 256 byte pieces")
     train.add_argument("--output", required=True, metavar="PREFIX",
                        help="writes PREFIX.model, PREFIX.vocab and PREFIX.model.json")
+    train.add_argument("--kind", choices=TOKENIZER_KINDS, default=TokenizerTrainingConfig.kind,
+                       help="sentencepiece: OUTPUT.model (with .vocab and .model.json); bpe: a "
+                            "byte-level BPE with Hugging Face tokenizers, OUTPUT.tokenizer.json "
+                            "and OUTPUT.tokenizer.meta.json (pip install 'megabeta[hf]')")
     train.add_argument("--model-type", choices=MODEL_TYPES,
-                       default=TokenizerTrainingConfig.model_type, help="sentencepiece algorithm")
+                       default=TokenizerTrainingConfig.model_type,
+                       help="sentencepiece algorithm (--kind sentencepiece)")
     train.add_argument("--max-sentences", type=int, metavar="N",
                        default=TokenizerTrainingConfig.max_sentences,
                        help="lines sampled for training at most (bounds memory)")
@@ -289,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except FailedElsewhere:
         return 2
-    except (DataError, MissingExtra) as err:
+    except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

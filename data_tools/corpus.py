@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from data_tools.extras import require_extra
 from megabeta.data.errors import DataError
-from megabeta.extras import require
 
 SPLIT_MODES = ("none", "line", "paragraph")
 BAD_UTF8_POLICIES = ("replace", "skip", "error")
@@ -124,9 +124,9 @@ def input_files(paths: list[str] | list[Path]) -> list[InputFile]:
         kind, compression = kind_compression
         # The extras are needed now or not at all: say so before reading a byte.
         if compression == "zstd":
-            require("zstandard", "zstd", f"{path} (a .zst input)")
+            require_extra("zstandard", "zstd", f"{path} (a .zst input)")
         if kind == "parquet":
-            require("pyarrow.parquet", "parquet", f"{path} (a .parquet input)")
+            require_extra("pyarrow.parquet", "parquet", f"{path} (a .parquet input)")
         files.append(InputFile(path, kind, compression, size))
     return files
 
@@ -140,7 +140,7 @@ def _decompressed(raw: BinaryIO, file: InputFile) -> tuple[BinaryIO, tuple[type,
     if file.compression == "gzip":
         return gzip.GzipFile(fileobj=raw, mode="rb"), (gzip.BadGzipFile, EOFError, zlib.error)
     if file.compression == "zstd":
-        zstandard = require("zstandard", "zstd", f"{file.path} (a .zst input)")
+        zstandard = require_extra("zstandard", "zstd", f"{file.path} (a .zst input)")
         reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
         return io.BufferedReader(reader, _READ_BUFFER), (zstandard.ZstdError, EOFError)
     return raw, ()
@@ -193,12 +193,14 @@ class RecordReader:
     def _parquet_chunks(self, chunk_bytes: int) -> Iterator[tuple[list, Sequence[int]]]:
         """Rows of the text column, a batch at a time (pyarrow reads one row group at a time,
         and only that column), cut into chunks of about ``chunk_bytes``."""
-        pq = require("pyarrow.parquet", "parquet", f"{self.file.path} (a .parquet input)")
+        pq = require_extra("pyarrow.parquet", "parquet", f"{self.file.path} (a .parquet input)")
         import pyarrow as pa
 
         path, key = self.file.path, self.text_key
         try:
-            parquet = pq.ParquetFile(path)
+            # No pre-buffering: with it, pyarrow kept every column chunk read until the file
+            # closed (93 MB held for a 90 MB file), so memory grew with the file.
+            parquet = pq.ParquetFile(path, pre_buffer=False)
         except (pa.ArrowException, OSError) as err:
             raise DataError(f"{path}: not a readable parquet file ({err}); rewrite it or remove "
                             "it from --inputs") from None

@@ -4,6 +4,8 @@ The reading process cuts the input into chunks of raw records (about ``chunk_byt
 spanning two files); workers (the reading process among them) decode, tokenize and append EOS (and,
 for segmented documents, build the loss mask: :func:`encode_segments`); results come back in input
 order.
+A tokenizer with threads of its own (a ``tokenizer.json``) gets no pool: a thread decodes chunks
+ahead while it encodes them in batches (:meth:`Encoders._encode_threaded`).
 Because each chunk's result depends only on its records, the output is the same for any number of
 workers. At most a few chunks per process are held, which bounds memory: ``Pool.imap`` would read
 ahead without limit, so chunks are submitted with ``apply_async`` and collected oldest first (the

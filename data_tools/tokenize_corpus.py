@@ -118,7 +118,9 @@ def _sidecar(tokenizer: TokenizerInfo, files: list[InputFile], options: ReadOpti
                       "on_bad_utf8": options.on_bad_utf8,
                       # Only when given: sidecars of plain-text runs stay as they were.
                       **({"segments_key": options.segments_key}
-                         if options.segments_key is not None else {})},
+                         if options.segments_key is not None else {}),
+                      **{flag: True for flag in ("keep_empty", "skip_bad")
+                         if getattr(options, flag)}},
         "report": counts.as_report(options.on_bad_utf8),
     }
 

@@ -1,4 +1,5 @@
-"""The tokenizer: one interface over a sentencepiece ``.model`` and a Hugging Face ``tokenizer.json``.
+"""The tokenizer: one interface over a sentencepiece ``.model`` and a Hugging Face
+``tokenizer.json``.
 
 The kind is chosen once, from the file name (``*.json``: Hugging Face ``tokenizers``, in the
 optional extra ``megabeta[hf]``; anything else: sentencepiece), by :func:`load_tokenizer`, which
@@ -24,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+from data_tools.extras import require_extra
 from megabeta.data.errors import DataError
 from megabeta.data.format import file_sha256
 
-KINDS = ("sentencepiece", "huggingface")
 # Special tokens by role, most common spelling first: sentencepiece/Llama 2, GPT-2, Llama 3, Gemma.
 _SPECIAL_NAMES = {
     "bos": ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"),
@@ -101,7 +102,8 @@ class SentencePieceTokenizer(Tokenizer):
             self.processor = spm.SentencePieceProcessor(model_file=str(path))
         except (RuntimeError, OSError) as err:
             raise DataError(f"{path}: not a sentencepiece model ({err}); pass the .model file "
-                            "written by train-tokenizer, or a Hugging Face tokenizer.json") from None
+                            "written by train-tokenizer, or a Hugging Face "
+                            "tokenizer.json") from None
         p = self.processor
         pieces = {role: p.id_to_piece(getattr(p, f"{role}_id")())
                   if getattr(p, f"{role}_id")() >= 0 else None for role in _SPECIAL_NAMES}
@@ -127,9 +129,7 @@ class HuggingFaceTokenizer(Tokenizer):
     threaded = True
 
     def __init__(self, path: Path) -> None:
-        from megabeta.extras import require
-
-        tokenizers = require("tokenizers", "hf", f"--tokenizer {path} (a Hugging Face "
+        tokenizers = require_extra("tokenizers", "hf", f"--tokenizer {path} (a Hugging Face "
                                                  "tokenizer.json)")
         try:
             self.tokenizer = tokenizers.Tokenizer.from_file(str(path))

@@ -1,4 +1,9 @@
-"""``train-tokenizer``: a sentencepiece model that gives text back exactly, from a bounded sample.
+"""``train-tokenizer``: a tokenizer that gives text back exactly, from a bounded sample.
+
+``--kind sentencepiece`` (default) trains a sentencepiece model; ``--kind bpe`` a byte-level BPE
+with Hugging Face ``tokenizers`` (``megabeta[hf]``), saved as a ``tokenizer.json``: GPT-2's
+byte-level pre-tokenizer (every byte encodes, so no unknown token and no normalization), digits
+split one per token as sentencepiece's ``split_digits`` does, special tokens pad 0, bos 1, eos 2.
 
 Settings that make text survive encode → decode, source code included: no normalization
 (``identity``: no NFKC folding), no collapsing or trimming of spaces, byte fallback (any character
@@ -32,11 +37,15 @@ from data_tools.corpus import (
     decode_document,
     input_files,
 )
+from data_tools.extras import require_extra
 from data_tools.progress import ByteProgress
 from megabeta.data.errors import DataError
 from megabeta.data.format import file_sha256
 
 MODEL_TYPES = ("bpe", "unigram")
+TOKENIZER_KINDS = ("sentencepiece", "bpe")
+BPE_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
+"""The byte-level BPE's special tokens, ids 0, 1, 2: the roles sentencepiece's ids have here."""
 SPECIAL_IDS = {"pad_id": 0, "bos_id": 1, "eos_id": 2, "unk_id": 3}
 USER_DEFINED_SYMBOLS = ("\n", "\t")
 # A training "sentence" is a line cut to at most this many characters: sentencepiece drops
@@ -57,7 +66,9 @@ class TokenizerTrainingConfig:
     vocab_size: int = 32000
     """Pieces in the vocabulary, specials and 256 byte pieces included."""
     model_type: str = "bpe"
-    """bpe or unigram."""
+    """bpe or unigram (sentencepiece's algorithm)."""
+    kind: str = "sentencepiece"
+    """sentencepiece (OUTPUT.model) or bpe (byte-level BPE, OUTPUT.tokenizer.json)."""
     max_sentences: int = 1_000_000
     """Lines sampled for training at most (bounds memory)."""
     seed: int = 0
@@ -121,15 +132,12 @@ def train_tokenizer(config: TokenizerTrainingConfig) -> dict:
     _check(config)
     files = input_files(config.inputs)
     output = Path(config.output)
+    if config.kind == "bpe":
+        return _train_bpe(config, files, output)
     model, vocab, sidecar_path = (Path(f"{output}{suffix}")
                                   for suffix in (".model", ".vocab", ".model.json"))
     with AtomicFiles([model, vocab, sidecar_path], config.overwrite) as outputs:
-        with ByteProgress(sum(f.size for f in files), "sample", config.quiet) as progress:
-            sample = sample_sentences(files, config.read, config.max_sentences, config.seed,
-                                      progress)
-        if not sample.sentences:
-            raise DataError(f"no text to train on in {', '.join(str(f.path) for f in files)}; "
-                            "check --text-key, --split and --on-bad-utf8")
+        sample = _sample(config, files)
         outputs.temp(model).write_bytes(_run_sentencepiece(config, sample.sentences))
         processor = spm.SentencePieceProcessor(model_file=str(outputs.temp(model)))
         outputs.temp(vocab).write_text(vocabulary_listing(processor), encoding="utf-8")
@@ -140,7 +148,77 @@ def train_tokenizer(config: TokenizerTrainingConfig) -> dict:
     return sidecar
 
 
+def _sample(config: TokenizerTrainingConfig, files: list[InputFile]) -> TrainingSample:
+    with ByteProgress(sum(f.size for f in files), "sample", config.quiet) as progress:
+        sample = sample_sentences(files, config.read, config.max_sentences, config.seed,
+                                  progress)
+    if not sample.sentences:
+        raise DataError(f"no text to train on in {', '.join(str(f.path) for f in files)}; "
+                        "check --text-key, --split and --on-bad-utf8")
+    return sample
+
+
+def _train_bpe(config: TokenizerTrainingConfig, files: list[InputFile], output: Path) -> dict:
+    """Train the byte-level BPE; writes OUTPUT.tokenizer.json and its sidecar
+    OUTPUT.tokenizer.meta.json, returns the sidecar."""
+    tokenizers = require_extra("tokenizers", "hf", "train-tokenizer --kind bpe")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    model, sidecar_path = Path(f"{output}.tokenizer.json"), Path(f"{output}.tokenizer.meta.json")
+    with AtomicFiles([model, sidecar_path], config.overwrite) as outputs:
+        sample = _sample(config, files)
+        bpe = tokenizers.Tokenizer(models.BPE())
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        bpe.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+        bpe.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=config.vocab_size, show_progress=False,
+                                      special_tokens=list(BPE_SPECIAL_TOKENS),
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        bpe.train_from_iterator(sample.sentences, trainer)
+        bpe.save(str(outputs.temp(model)))
+        sidecar = {
+            "format": TOKENIZER_SIDECAR_FORMAT,
+            "sha256": file_sha256(outputs.temp(model)),
+            "kind": "bpe",
+            "vocab_size": bpe.get_vocab_size(with_added_tokens=True),
+            **{f"{role}_id": i for i, role in enumerate(("pad", "bos", "eos"))},
+            "unk_id": -1,
+            "special_tokens": dict(zip(("pad", "bos", "eos"), BPE_SPECIAL_TOKENS)),
+            "pre_tokenizer": "digits one by one, then GPT-2 byte-level",
+            **_sample_record(config, files, sample),
+            "tokenizers_version": tokenizers.__version__,
+        }
+        outputs.temp(sidecar_path).write_text(json.dumps(sidecar, indent=2) + "\n",
+                                              encoding="utf-8")
+        outputs.commit()
+    return sidecar
+
+
+def _sample_record(config: TokenizerTrainingConfig, files: list[InputFile],
+                   sample: TrainingSample) -> dict:
+    """The sidecar's account of the sample, the same for both kinds."""
+    return {
+        "seed": config.seed,
+        "max_sentences": config.max_sentences,
+        "sentences_sampled": len(sample.sentences),
+        "lines_seen": sample.lines_seen,
+        "inputs": [{"path": str(f.path), "bytes": f.size} for f in files],
+        "arguments": {"text_key": config.read.text_key, "split": config.read.split,
+                      "on_bad_utf8": config.read.on_bad_utf8},
+        "report": sample.counts.as_report(config.read.on_bad_utf8),
+    }
+
+
 def _check(config: TokenizerTrainingConfig) -> None:
+    if config.kind not in TOKENIZER_KINDS:
+        raise DataError(f"--kind {config.kind}: choose one of {', '.join(TOKENIZER_KINDS)}")
+    if config.kind == "bpe":
+        fixed = len(BPE_SPECIAL_TOKENS) + 256
+        if config.vocab_size <= fixed:
+            raise DataError(f"--vocab-size {config.vocab_size}: the {len(BPE_SPECIAL_TOKENS)} "
+                            f"special tokens and 256 bytes take {fixed}; raise --vocab-size "
+                            f"above {fixed}")
     if config.model_type not in MODEL_TYPES:
         raise DataError(f"--model-type {config.model_type}: choose one of {', '.join(MODEL_TYPES)}")
     if config.max_sentences < 1:
@@ -150,7 +228,7 @@ def _check(config: TokenizerTrainingConfig) -> None:
     if config.num_threads < 1:
         raise DataError(f"--num-threads {config.num_threads}: must be at least 1")
     fixed = len(SPECIAL_IDS) + len(USER_DEFINED_SYMBOLS) + 256
-    if config.vocab_size <= fixed:
+    if config.kind == "sentencepiece" and config.vocab_size <= fixed:
         raise DataError(f"--vocab-size {config.vocab_size}: the {len(SPECIAL_IDS)} special, "
                         f"{len(USER_DEFINED_SYMBOLS)} whitespace and 256 byte pieces take {fixed}; "
                         f"raise --vocab-size above {fixed}")
@@ -218,14 +296,7 @@ def _sidecar(config: TokenizerTrainingConfig, files: list[InputFile], sample: Tr
         "byte_fallback": True,
         "normalization_rule_name": "identity",
         "character_coverage": config.character_coverage,
-        "seed": config.seed,
-        "max_sentences": config.max_sentences,
-        "sentences_sampled": len(sample.sentences),
-        "lines_seen": sample.lines_seen,
+        **_sample_record(config, files, sample),
         "num_threads": config.num_threads,
         "sentencepiece_version": spm.__version__,
-        "inputs": [{"path": str(f.path), "bytes": f.size} for f in files],
-        "arguments": {"text_key": config.read.text_key, "split": config.read.split,
-                      "on_bad_utf8": config.read.on_bad_utf8},
-        "report": sample.counts.as_report(config.read.on_bad_utf8),
     }

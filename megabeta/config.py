@@ -156,6 +156,44 @@ class LoggingConfig:
     """W&B entity (team or user); empty = your default entity."""
 
 
+@dataclass(frozen=True)
+class StepSelection:
+    """Which steps are profiled: the range first…last, or every `every`-th step."""
+
+    first: int = 0
+    last: int = 0
+    every: int = 0
+
+    def starts(self, step: int) -> bool:
+        """Whether a profiled range starts at `step`."""
+        return step == self.first if self.first else bool(self.every) and step % self.every == 0
+
+    def ends(self, step: int) -> bool:
+        """Whether the range running at `step` ends with it."""
+        return step == self.last if self.first else True
+
+
+def parse_steps(spec: str) -> StepSelection | None:
+    """`profile.steps`: `A-B`, `every:N` or empty (None: profiling off)."""
+    spec = spec.strip()
+    if not spec:
+        return None
+    try:
+        if spec.startswith("every:"):
+            every = int(spec.removeprefix("every:"))
+            if every >= 1:
+                return StepSelection(every=every)
+        else:
+            first, sep, last = spec.partition("-")
+            first_step, last_step = int(first), int(last if sep else first)
+            if 1 <= first_step <= last_step:
+                return StepSelection(first=first_step, last=last_step)
+    except ValueError:
+        pass
+    raise ConfigError(f"profile.steps = {spec!r}: must be A-B (steps A to B inclusive, "
+                      "1 <= A <= B, e.g. 100-102), a single step N, every:N, or empty (off)")
+
+
 @dataclass
 class ProfileConfig:
     """torch.profiler traces and CUDA memory snapshots of chosen steps (megabeta/train/profiling.py)."""
@@ -169,7 +207,7 @@ class ProfileConfig:
     top_ops: int = 15
     """Rows of the top-operators-by-self-time table rank 0 prints per profiled range."""
     memory_snapshot: bool = False
-    """CUDA: record allocator history over the profiled steps and dump RUN/profile/memory_rank<R>_step<n>.pickle (and on out-of-memory)."""
+    """CUDA: record the allocator's history from the start; dump snapshots (pytorch.org/memory_viz) after each profiled range and on out-of-memory, under RUN/profile."""
 
 
 @dataclass
@@ -192,7 +230,7 @@ class MonitorConfig:
     """Watchdog: a step running longer than this names rank and collective, dumps every thread's stack (0 = off)."""
     beta_dials: bool = True
     """beta_1.2 only: log λ, b_σ, |e_K|, |e_V|, |f| and attention-mass shares per group every log interval."""
-    probe_batch: int = 2
+    probe_batch: int = 1
     """Sequences of the fixed probe batch the attention-mass shares are measured on."""
 
 
@@ -278,8 +316,6 @@ class TrainConfig:
         need(self.logging.interval >= 1, "logging.interval", self.logging.interval, "must be >= 1")
         need(self.eval.interval >= 0, "eval.interval", self.eval.interval, "must be >= 0")
         need(self.eval.batches >= 0, "eval.batches", self.eval.batches, "must be >= 0")
-        from megabeta.train.profiling import parse_steps  # the one parser of profile.steps
-
         parse_steps(self.profile.steps)
         need(self.profile.top_ops >= 0, "profile.top_ops", self.profile.top_ops, "must be >= 0")
         m = self.monitor
@@ -299,7 +335,9 @@ class TrainConfig:
         need(m.straggler_ratio == 0 or m.straggler_ratio > 1, "monitor.straggler_ratio",
              m.straggler_ratio, "must be > 1 (0 = off)")
         need(m.hang_seconds >= 0, "monitor.hang_seconds", m.hang_seconds, "must be >= 0 (0 = off)")
-        need(m.probe_batch >= 1, "monitor.probe_batch", m.probe_batch, "must be >= 1")
+        need(1 <= m.probe_batch <= t.micro_batch, "monitor.probe_batch", m.probe_batch,
+             f"must be in [1, train.micro_batch = {t.micro_batch}] (the probe is taken from the "
+             "first micro-batch)")
 
     def grad_accumulation(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step; the global batch must split evenly."""

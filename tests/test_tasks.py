@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import sentencepiece as spm
 import torch
 from data_helpers.corpus import train_tiny_tokenizer
 from safetensors.torch import save_file
 
 from data_tools.encode import encode_segments
+from data_tools.tokenizer import load_tokenizer
 from megabeta.checkpoint.export import EXPORT_FORMAT, load_model
 from megabeta.cli import main
 from megabeta.data import file_sha256
@@ -241,7 +241,7 @@ def tokenizer(files, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def encoded(files, tokenizer) -> dict[str, list[EncodedDocument]]:
-    processor = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    processor = load_tokenizer(tokenizer)
     return {name: encode_documents(read_task_file(path), processor)
             for name, path in files.items()}
 
@@ -297,7 +297,7 @@ def test_oracle_scores_every_answer(encoded, name):
 
 @pytest.mark.parametrize("name", ["chains-n8", "chains-n3-k5-v4", "parity", "parity-L5"])
 def test_constant_predictor_scores_chance(encoded, tokenizer, name):
-    processor = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    processor = load_tokenizer(tokenizer)
     documents = encoded[name]
     values = 4 if name == "chains-n3-k5-v4" else 2 if name.startswith("parity") else 10
     total = 0
@@ -312,7 +312,7 @@ def test_constant_predictor_scores_chance(encoded, tokenizer, name):
 
 @pytest.mark.parametrize("name", ["S5", "A5"])
 def test_constant_permutation_scores_chance(encoded, tokenizer, name):
-    processor = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    processor = load_tokenizer(tokenizer)
     (marker,) = processor.encode(">")
     documents = encoded[name][:50]  # 120 predictors: the sum check below needs every one
     total = 0
@@ -362,7 +362,7 @@ def test_scores_do_not_depend_on_batching(encoded):
 
 
 def test_encoding_is_the_tokenizers(files, tokenizer):
-    processor = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    processor = load_tokenizer(tokenizer)
     document = next(read_task_file(files["chains-n8"]))
     (encoded,) = encode_documents([document], processor)
     tokens, mask = encode_segments(processor, document.segments)
@@ -375,9 +375,9 @@ def test_encoding_is_the_tokenizers(files, tokenizer):
 @pytest.fixture(scope="module")
 def exported(tokenizer, tmp_path_factory) -> Path:
     """A tiny random beta12 model as a `megabeta export` file that records the tokenizer."""
-    processor = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    processor = load_tokenizer(tokenizer)
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=processor.vocab_size(), d_model=32, hidden_dim=64,
+    config = ModelConfig(vocab_size=processor.vocab_size, d_model=32, hidden_dim=64,
                          num_heads=2, num_layers=2, block_size=16, depth_window=1,
                          max_seq_len=128)
     model = build_model(config)
@@ -406,7 +406,7 @@ def test_eval_cli_reports_and_writes_json(files, tokenizer, exported, tmp_path, 
         assert row["accuracy"] == row["correct"] / row["answers"]
         assert task in captured.out
     # The same figures as scoring the model in memory.
-    processor = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    processor = load_tokenizer(tokenizer)
     direct = evaluate_tasks(load_model(exported), processor,
                             [files["chains-n8"], files["parity-L5"]], max_documents=50)
     assert [s.as_dict() for s in direct] == report["results"]

@@ -111,8 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "tokenize`, comma-separated (required, except for --suite state, which "
                       "generates its tasks)")
     data.add_argument("--tokenizer", help="the datasets' tokenizer, .model or tokenizer.json "
-                      "(default: the one "
-                      "their sidecar names, where that file exists)")
+                      "(default: the one their sidecar names, where that file exists)")
     data.add_argument("--test-data", help="held-out dataset prefix(es); the arms then train on "
                       "all of --data (default: the validation split of --data)")
     data.add_argument("--val-fraction", type=float, default=0.05,

@@ -9,6 +9,13 @@
    like-for-like view, against the same loop as a script that starts Python and reads the JSONL.
    MB/s counts the UTF-8 bytes of the document texts for all. Target: 2 workers >= 1.7x the
    plain loop.
+   The same for a Hugging Face ``tokenizer.json`` (a byte-level BPE of the same vocabulary size
+   trained by ``train-tokenizer --kind bpe``): ``megabeta-data tokenize`` (threads of
+   ``tokenizers``, no processes) against ``tokenizers``' own ``encode_batch`` over the texts in
+   memory, on the same cores, and, with ``--megatron CHECKOUT``, against Megatron-LM's
+   ``tools/preprocess_data.py`` with the same file (``HuggingFaceTokenizer``, ``--workers`` = the
+   CPUs). Rounds alternate the runs, so each round's ratios are paired. Targets: >= 0.9x
+   ``encode_batch``, >= 1.2x Megatron.
 2. Peak resident memory of tokenize (the whole process tree) for a corpus and for one ``--scale``
    times larger. Target: the larger raises peak memory by less than 10 %.
 3. Loader throughput: tokens/s of ``StatefulLoader`` batches (``[B, seq_len + 1]`` int64) over the
@@ -24,6 +31,7 @@ code-like indented lines, written as JSONL.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -98,12 +106,12 @@ def peak_tree_rss(command: list[str]) -> float:
     return peak / 2**20
 
 
-def wall_seconds(command: list[str]) -> float:
+def wall_seconds(command: list[str], env: dict[str, str] | None = None) -> float:
     """Run ``command``; returns its wall seconds from start to exit, with nothing else running in
     this process meanwhile (polling RSS every 10 ms costs ~6 % of a core, which a run that keeps
     both cores busy would pay and the in-memory baseline would not)."""
     started = time.perf_counter()
-    finished = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    finished = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     seconds = time.perf_counter() - started
     _check_exit(command, finished.returncode, finished.stderr)
     return seconds
@@ -174,6 +182,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="rounds of throughput runs (the best of each is shown)")
     parser.add_argument("--loader-seconds", type=float, default=3.0,
                         help="seconds per loader measurement")
+    parser.add_argument("--megatron", type=Path, default=None, metavar="CHECKOUT",
+                        help="a Megatron-LM checkout: also time its tools/preprocess_data.py "
+                             "with the tokenizer.json (needs transformers importable)")
+    parser.add_argument("--only", choices=("all", "sentencepiece", "huggingface"), default="all",
+                        help="which tokenizer's throughput to measure (memory and loader: all)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep corpora and datasets here instead of a temporary directory")
     args = parser.parse_args(argv)
@@ -193,9 +206,17 @@ def main(argv: list[str] | None = None) -> None:
         model = Path(f"{model_prefix}.model")
         print(f"corpus: {corpus.stat().st_size / 1e6:.1f} MB of JSONL, {text_bytes / 1e6:.1f} MB "
               f"of document text; vocabulary {args.vocab_size}")
-        bench_tokenize_throughput(args, work, model, corpus, text_bytes)
-        bench_tokenize_memory(args, work, model)
-        bench_loader(args, work / "throughput-w1")
+        if args.only in ("all", "sentencepiece"):
+            bench_tokenize_throughput(args, work, model, corpus, text_bytes)
+        if args.only in ("all", "huggingface"):
+            if importlib.util.find_spec("tokenizers") is None:
+                print("\ntokenizer.json throughput: skipped, tokenizers is not installed: "
+                      "pip install 'megabeta[hf]'")
+            else:
+                bench_huggingface_throughput(args, work, corpus, text_bytes)
+        if args.only == "all":
+            bench_tokenize_memory(args, work, model)
+            bench_loader(args, work / "throughput-w1")
 
 
 def tokenize_command(model: Path, inputs: list[Path], prefix: Path, workers: int) -> list[str]:
@@ -245,6 +266,81 @@ def bench_tokenize_throughput(args: argparse.Namespace, work: Path, model: Path,
     print(f"\ntarget: 2 workers >= 1.7x the plain loop: {'met' if ratio >= 1.7 else 'NOT met'} "
           f"({ratio:.2f}x the in-memory loop, {best['script'] / best['w2']:.2f}x the plain loop "
           "script)")
+
+
+def encode_batch_seconds(tokenizer_json: Path, corpus: Path) -> float:
+    """Seconds of ``tokenizers``' own ``encode_batch`` over the corpus's texts, in memory."""
+    import tokenizers
+
+    tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    with open(corpus, encoding="utf-8") as stream:
+        texts = [json.loads(line)["text"] for line in stream]
+    started = time.perf_counter()
+    tokenizer.encode_batch(texts, add_special_tokens=False)
+    return time.perf_counter() - started
+
+
+def megatron_command(checkout: Path, tokenizer_dir: Path, corpus: Path, prefix: Path) -> list[str]:
+    """Megatron-LM's preprocess_data.py on ``corpus`` with the tokenizer.json in
+    ``tokenizer_dir`` (its HuggingFaceTokenizer loads it with transformers' AutoTokenizer)."""
+    return [sys.executable, str(checkout / "tools" / "preprocess_data.py"), "--input", str(corpus),
+            "--output-prefix", str(prefix), "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", str(tokenizer_dir), "--workers", str(psutil.cpu_count()),
+            "--append-eod", "--log-interval", "1000000"]
+
+
+def bench_huggingface_throughput(args: argparse.Namespace, work: Path, corpus: Path,
+                                 text_bytes: int) -> None:
+    prefix = work / "bpe"
+    subprocess.run(data_tools("train-tokenizer", "--kind", "bpe", "--inputs", str(corpus),
+                              "--vocab-size", str(args.vocab_size), "--output", str(prefix),
+                              "--max-sentences", "200000", "--overwrite", "--quiet"), check=True)
+    # transformers' AutoTokenizer (Megatron's loader) wants a directory naming the EOS.
+    tokenizer_dir = work / "bpe-hf"
+    tokenizer_dir.mkdir(exist_ok=True)
+    tokenizer_json = tokenizer_dir / "tokenizer.json"
+    tokenizer_json.write_bytes(Path(f"{prefix}.tokenizer.json").read_bytes())
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+         "pad_token": "<pad>"}))
+    ours = data_tools("tokenize", "--tokenizer", str(tokenizer_json), "--inputs", str(corpus),
+                      "--output-prefix", str(work / "hf-ours"), "--overwrite", "--quiet")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(args.megatron), os.environ.get("PYTHONPATH")])))
+    times: dict[str, list[float]] = {"batch": [], "ours": [], "megatron": []}
+    for _ in range(args.repeats):
+        times["batch"].append(encode_batch_seconds(tokenizer_json, corpus))
+        times["ours"].append(wall_seconds(ours))
+        if args.megatron is not None:
+            times["megatron"].append(wall_seconds(
+                megatron_command(args.megatron, tokenizer_dir, corpus, work / "hf-megatron"),
+                env))
+    mb = text_bytes / 1e6
+    print(f"\n## tokenizer.json throughput (MB/s of document text; {args.repeats} paired rounds, "
+          f"load average {os.getloadavg()[0]:.2f} at the end)\n")
+    print("| run | best seconds | best MB/s | megabeta vs it, per round (median) |\n"
+          "|---|---:|---:|---:|")
+    rows = [("tokenizers encode_batch, texts already in memory", "batch"),
+            ("megabeta-data tokenize tokenizer.json: file to dataset (wall clock)", "ours"),
+            (f"Megatron-LM preprocess_data.py, HuggingFaceTokenizer, --workers "
+             f"{psutil.cpu_count()} (wall clock)", "megatron")]
+    ratios = {}
+    for label, name in rows:
+        if not times[name]:
+            continue
+        paired = sorted(theirs / ours for theirs, ours in zip(times[name], times["ours"]))
+        ratios[name] = paired[len(paired) // 2]
+        shown = "(this run)" if name == "ours" else f"{ratios[name]:.2f}x"
+        print(f"| {label} | {min(times[name]):.2f} | {mb / min(times[name]):.2f} | {shown} |")
+    print(f"\ntarget: >= 0.9x encode_batch: {'met' if ratios['batch'] >= 0.9 else 'NOT met'} "
+          f"({ratios['batch']:.2f}x)" + (
+              f"; >= 1.2x Megatron: {'met' if ratios['megatron'] >= 1.2 else 'NOT met'} "
+              f"({ratios['megatron']:.2f}x)" if "megatron" in ratios else ""))
+    if "megatron" in ratios:
+        same = all((work / f"hf-ours{suffix}").read_bytes()
+                   == (work / f"hf-megatron_text_document{suffix}").read_bytes()
+                   for suffix in (".bin", ".idx"))
+        print(f"output .bin/.idx byte-identical to Megatron's: {same}")
 
 
 def bench_tokenize_memory(args: argparse.Namespace, work: Path, model: Path) -> None:

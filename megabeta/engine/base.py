@@ -57,7 +57,7 @@ class Engine(Protocol):
         """Clip and apply the accumulated gradients, or skip the update when the loss or the
         gradients are not finite, or when `accept(global grad norm)`, asked while the gradients
         still exist (the stability monitor's gate), says no; gradients are cleared either way.
-        Engines that update before the norm is known (DeepSpeed) refuse `accept`."""
+        DeepSpeed updates inside its own step and asks `accept` only afterwards (no veto)."""
 
     def set_lr(self, lr: float) -> None:
         """Learning rate of the next update."""

@@ -168,12 +168,14 @@ class DeepSpeedEngine:
 
     def step(self, loss_finite: bool,
              accept: Callable[[float], bool] | None = None) -> StepResult:
-        if accept is not None:  # config validation refuses monitor.spike_action != log here
-            raise NotImplementedError("DeepSpeed updates inside its step, before `accept` "
-                                      "could be asked")
         self.engine.step()          # the accumulation boundary: clip, update (or skip), zero
         norm = self.engine.get_global_grad_norm()
         norm = float("nan") if norm is None else float(norm)
+        if accept is not None:
+            # Asked after the update, which DeepSpeed made inside its step: the monitor still
+            # sees the norm, but its answer cannot undo the update (config validation allows
+            # only monitor.spike_action = log with DeepSpeed).
+            accept(norm)
         return StepResult(norm, math.isfinite(norm))
 
     def save(self, path: Path, *, async_save: bool = False) -> Future | None:

@@ -20,7 +20,6 @@ from data_tools.tokenizer import Tokenizer, load_tokenizer
 from megabeta.checkpoint import CheckpointError
 from megabeta.checkpoint.export import ModelSource, load_model, read_source
 from megabeta.data import DataError, GlobalSampler, build_train_val, file_sha256
-from megabeta.extras import MissingExtra
 from megabeta.infer.evaluate import evaluate
 from megabeta.infer.generate import generate
 
@@ -67,12 +66,13 @@ def resolve_tokenizer(source: ModelSource, given: str, force: bool,
             return "", None
         raise UsageError(f"{source.path} records no tokenizer (its run named no data.tokenizer "
                          "and its data has no sidecar naming one); pass --tokenizer PATH "
-                         "(.model or tokenizer.json), the tokenizer its training data was tokenized with")
+                         "(.model or tokenizer.json), the tokenizer its training data was "
+                         "tokenized with")
     if not Path(recorded_path).is_file():
         if not need_file:
             return "", recorded_sha
         raise UsageError(f"the model's tokenizer {recorded} is not found; pass --tokenizer "
-                         "PATH.model, a copy of that file"
+                         "PATH (.model or tokenizer.json), a copy of that file"
                          + (f" (its {_short(recorded_sha)})" if recorded_sha else ""))
     sha = file_sha256(recorded_path)
     if recorded_sha and sha != recorded_sha and not force:
@@ -138,8 +138,8 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=0,
                         help="evaluate at most this many batches; 0 = all (default: 0)")
     parser.add_argument("--tokenizer", default="",
-                        help="tokenizer (.model or tokenizer.json) the data must have been tokenized with "
-                        "(default: the one recorded with the checkpoint)")
+                        help="tokenizer (.model or tokenizer.json) the data must have been "
+                        "tokenized with (default: the one recorded with the checkpoint)")
     parser.add_argument("--force-tokenizer", action="store_true",
                         help="skip the tokenizer checks: use --tokenizer though the model was "
                         "trained with another, and data of any tokenizer (default: off)")
@@ -238,9 +238,8 @@ def generate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", required=True,
                         help="checkpoint dir (RUN/checkpoints/step_N) or .safetensors (required)")
     parser.add_argument("--tokenizer", default="",
-                        help="sentencepiece .model or Hugging Face tokenizer.json (default: the one "
-                        "recorded with the "
-                        "checkpoint; another one needs --force-tokenizer)")
+                        help="sentencepiece .model or Hugging Face tokenizer.json (default: the "
+                        "one recorded with the checkpoint; another one needs --force-tokenizer)")
     parser.add_argument("--force-tokenizer", action="store_true",
                         help="use --tokenizer even though the model was trained with another "
                         "(default: off)")
@@ -272,7 +271,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         tokenizer_path, _ = resolve_tokenizer(source, args.tokenizer, args.force_tokenizer,
                                               need_file=True)
         tokenizer = load_model_tokenizer(tokenizer_path)
-        prompt = torch.from_numpy(tokenizer.encode(args.prompt)).long()
+        prompt = torch.tensor(tokenizer.encode(args.prompt), dtype=torch.long)
         _check_context(prompt.numel(), args.max_new_tokens, source)
         model = load_model(args.checkpoint)
         check_vocabulary(tokenizer, tokenizer_path, model)
@@ -290,7 +289,7 @@ def load_model_tokenizer(path: str) -> Tokenizer:
     missing."""
     try:
         return load_tokenizer(path)
-    except (DataError, MissingExtra) as err:
+    except DataError as err:
         raise UsageError(f"--tokenizer: {err}") from None
 
 

@@ -153,8 +153,8 @@ def _eval_parser(subparsers) -> None:
                         help="task files written by `megabeta tasks make` (required)")
     parser.add_argument("--tokenizer", default="",
                         help="sentencepiece .model or tokenizer.json to tokenize the tasks with "
-                        "(default: the one "
-                        "recorded with the checkpoint; another one needs --force-tokenizer)")
+                        "(default: the one recorded with the checkpoint; another one needs "
+                        "--force-tokenizer)")
     parser.add_argument("--force-tokenizer", action="store_true",
                         help="use --tokenizer even though the model was trained with another "
                         "(default: off)")

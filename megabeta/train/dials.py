@@ -36,21 +36,20 @@ class MassRecorder(ExplicitAttention):
                dropout_p: float) -> Tensor:
         out = super().attend(q, keys, bias, layer=layer, dropout_p=dropout_p)
         batch, kv_heads, n = keys.k.shape[:3]
-        _, hist_v, offsets = keys.history_pieces()
-        groups = sorted(set(offsets))
-        width = len(groups) + 2
-        # One indicator column per finished group (by depth offset), then in-block and self:
-        # construction values are the identity over the block, split below into its diagonal
-        # (self) and the rest (in-block).
-        pieces = []
-        for offset, v in zip(offsets, hist_v):
+        # The probe feeds whole blocks from their start: the history is finished groups only
+        # (no decoding prefix). Values: one indicator column per finished group (by depth
+        # offset), then the identity over the block for the construction keys, whose diagonal
+        # is the self slot and the rest the in-block keys.
+        groups = sorted({offset for offset, _, _ in keys.finished})
+        width = len(groups)
+        finished = []
+        for offset, k, v in keys.finished:
             indicator = v.new_zeros(batch, kv_heads, v.shape[2], width + n)
             indicator[..., groups.index(offset)] = 1
-            pieces.append(indicator)
+            finished.append((offset, k, indicator))
         own = keys.v.new_zeros(batch, kv_heads, n, width + n)
         own[..., width:] = torch.eye(n, dtype=own.dtype, device=own.device)
-        indicators = KeySet(keys.k, own, finished=[(o, k, p) for (o, k, _), p in
-                                                   zip(keys.finished, pieces)])
+        indicators = KeySet(keys.k, own, finished=finished)
         mass = super().attend(q, indicators, bias, layer=layer, dropout_p=0.0)
         square = mass[..., width:]
         self_mass = square.diagonal(dim1=-2, dim2=-1).sum()
@@ -80,10 +79,27 @@ def _held(model: nn.Module, backend: MassRecorder) -> Iterator[None]:
         model.attention_backend = own
 
 
-def _full(t: Tensor) -> Tensor:
-    """A parameter's whole value (FSDP2 shards are gathered: a collective on every rank)."""
-    t = t.detach()
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+@contextlib.contextmanager
+def _whole_parameters(model: nn.Module) -> Iterator[None]:
+    """The model's parameters whole for the duration (a collective: every rank enters): FSDP2's
+    shards gathered (`unshard`, which puts the whole tensors in the modules) and sharded again
+    after; DeepSpeed ZeRO-3's partitions gathered (`GatheredParameters`); as they are otherwise.
+    The dials read the layers' weights outside their forward, where neither would gather."""
+    sharded = [m for m in model.modules() if hasattr(m, "unshard") and hasattr(m, "reshard")]
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    gathered = contextlib.nullcontext()
+    if partitioned:
+        import deepspeed  # only a ZeRO-3 model has partitioned parameters
+
+        gathered = deepspeed.zero.GatheredParameters(partitioned)
+    for module in sharded:
+        module.unshard()
+    try:
+        with gathered:
+            yield
+    finally:
+        for module in sharded:
+            module.reshard()
 
 
 def parameter_dials(model: nn.Module) -> tuple[dict[str, float], dict[str, Tensor]]:
@@ -94,15 +110,15 @@ def parameter_dials(model: nn.Module) -> tuple[dict[str, float], dict[str, Tenso
     for l, layer in enumerate(model.layers):
         attention = layer.attention
         if attention.depth_bias is not None:
-            slope = _full(attention.depth_slope()).float()
+            slope = attention.depth_slope().detach().float()
             slopes.append(slope)
             for h, value in enumerate(slope.tolist()):
                 scalars[f"lambda/layer{l}/head{h}"] = value
         if attention.self_bias is not None:
-            scalars[f"b_sigma/layer{l}"] = float(_full(attention.self_bias).float().sum())
+            scalars[f"b_sigma/layer{l}"] = float(attention.self_bias.detach().float().sum())
         for name, p in (("e_K", attention.e_k), ("e_V", attention.e_v), ("f", attention.f_q)):
             if p is not None:
-                scalars[f"{name}_norm/layer{l}"] = float(_full(p).float().norm())
+                scalars[f"{name}_norm/layer{l}"] = float(p.detach().float().norm())
     if slopes:
         histograms["lambda"] = torch.cat(slopes)
     return scalars, histograms
@@ -113,28 +129,23 @@ def attention_shares(model: nn.Module, probe: Tensor) -> dict[str, float]:
     """Attention-mass share per layer and group on `probe [B, T]` (eval mode, no dropout)."""
     recorder = MassRecorder(model.config.head_dim)
     was_training = model.training
-    # FSDP2 shards are gathered for the probe (prefill reads the layers' weights without their
-    # forward hooks) and sharded again after; every rank runs the same probe.
-    sharded = [m for m in model.modules() if hasattr(m, "unshard") and hasattr(m, "reshard")]
     model.eval()
     try:
-        for module in sharded:
-            module.unshard()
         with _held(model, recorder):
             model.prefill(probe)
     finally:
-        for module in sharded:
-            module.reshard()
         model.train(was_training)
     return recorder.shares()
 
 
 def beta_dials(model: nn.Module, probe: Tensor | None) -> tuple[dict[str, float],
                                                                 dict[str, Tensor]]:
-    """Every dial: the parameters' and, with a probe batch, the attention-mass shares."""
-    scalars, histograms = parameter_dials(model)
-    if probe is not None:
-        scalars.update({f"mass/{k}": v for k, v in attention_shares(model, probe).items()})
+    """Every dial: the parameters' and, with a probe batch, the attention-mass shares (a
+    collective under FSDP2 and ZeRO-3: every rank calls it, each on its own probe)."""
+    with _whole_parameters(model):
+        scalars, histograms = parameter_dials(model)
+        if probe is not None:
+            scalars.update({f"mass/{k}": v for k, v in attention_shares(model, probe).items()})
     return scalars, histograms
 
 

@@ -6,6 +6,8 @@
             ranks, and its gradients are that mean's: `accumulate_step`)
     every:  eval.interval → evaluate; checkpoint.interval → save
     signal: SIGTERM / SIGUSR1 / SIGINT → finish the step, save, (requeue under SLURM), exit 0
+    watch:  profiler, memory split, spikes, stragglers, hangs, beta_1.2's dials: the hooks of
+            `Diagnostics` (diagnostics.py), configured by [profile] and [monitor]
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpoin
 
 from megabeta.checkpoint import CheckpointError, CheckpointManager, TrainState
 from megabeta.checkpoint.manager import describe_load_error
-from megabeta.config import TrainConfig, save_config
+from megabeta.config import TrainConfig, config_to_dict, save_config
 from megabeta.data import (
     MaskedBatch,
     StatefulLoader,
@@ -42,15 +44,19 @@ from megabeta.infer.evaluate import evaluate
 from megabeta.model import ConfigError, ModelConfig, build_model, count_parameters
 from megabeta.model.flops import training_flops
 from megabeta.parallel.env import choose_device, init_distributed, setup_logging
+from megabeta.train.diagnostics import Diagnostics
 from megabeta.train.metrics import MetricsLogger, device_peak_flops, memory_gib
 from megabeta.train.schedule import horizon_change_warning, lr_at, schedule_horizon
 from megabeta.train.signals import PreemptionHandler, maybe_requeue
+from megabeta.train.trackers import build_trackers
+from megabeta.train.watchdog import enable_flight_recorder
 
 log = logging.getLogger("megabeta")
 
 
 class TrainingStopped(RuntimeError):
-    """The run stopped on purpose (too many non-finite steps); the message says why."""
+    """The run stopped on purpose (too many skipped steps, a spike with monitor.spike_action =
+    stop, out of memory); the message says why."""
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -102,6 +108,8 @@ class Trainer:
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
+        if config.monitor.hang_seconds > 0:
+            enable_flight_recorder()  # before the process group exists, or NCCL ignores it
         self.env = init_distributed(config.parallel.dist_backend,
                                     group_for_one=config.parallel.backend != "single")
         setup_logging(self.env)
@@ -218,42 +226,72 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Run to `train.steps` (or a stop signal). Returns the last logged metrics."""
         metrics = MetricsLogger(self.run_dir, enabled=self.env.is_rank0,
-                                tensorboard=self.config.logging.tensorboard)
+                                trackers=lambda: build_trackers(
+                                    self.run_dir, self.config.logging,
+                                    config_to_dict(self.config)))
+        diagnostics = Diagnostics(self.config, self.run_dir, rank=self.env.rank,
+                                  world_size=self.env.world_size, device=self.device,
+                                  model=self.engine.model,
+                                  optimizer=getattr(self.engine, "optimizer", None))
         try:
-            return self._loop(metrics)
+            return self._loop(metrics, diagnostics)
+        except torch.OutOfMemoryError:
+            raise TrainingStopped(f"out of memory at step {self.state.step + 1} on rank "
+                                  f"{self.env.rank}: "
+                                  f"{diagnostics.out_of_memory(self.state.step + 1)}") from None
         finally:
             # The one way out, whatever ended the loop: a save in flight completes, metrics flush.
+            diagnostics.close()
             self.checkpoints.finalize()
             metrics.close()
 
-    def _loop(self, metrics: MetricsLogger) -> dict[str, Any]:
+    def _loop(self, metrics: MetricsLogger, diagnostics: Diagnostics) -> dict[str, Any]:
         config = self.config
         batches = iter(self.loader)
-        nonfinite_in_a_row = 0
+        skipped_in_a_row = 0
         last: dict[str, Any] = {}
         tokens_per_step = config.train.global_batch * config.data.seq_len
         first_step = self.state.step
+        probe: torch.Tensor | None = None
         with PreemptionHandler() as preemption:
             while self.state.step < config.train.steps:
+                step = self.state.step + 1
+                diagnostics.begin(step)
                 start = time.perf_counter()
                 lr = lr_at(self.state.step, config.train.steps, config.optim, config.schedule)
                 self.engine.set_lr(lr)
+                positions = (self.sampler.samples_consumed,)
                 micro_batches = [next(batches) for _ in range(self.grad_accumulation)]
-                loss = accumulate_step(self.engine, micro_batches, self.device,
-                                       self.env.world_size)
-                result = self.engine.step(math.isfinite(loss))
+                positions += (self.sampler.samples_consumed,)
+                data_seconds = time.perf_counter() - start
+                if probe is None:
+                    probe = self._probe(micro_batches[0])
+                diagnostics.enter("forward_backward")
+                with diagnostics.measuring():
+                    loss = accumulate_step(self.engine, micro_batches, self.device,
+                                           self.env.world_size)
+                accept = diagnostics.gate(step, loss)
+                diagnostics.enter("optimizer")
+                result = self.engine.step(math.isfinite(loss), accept)
                 grad_norm, applied = result.grad_norm, result.applied
-                self.state.step += 1
+                spike = diagnostics.spike()
+                self.state.step = step
                 self.state.tokens_seen += tokens_per_step
                 if applied:
-                    nonfinite_in_a_row = 0
+                    skipped_in_a_row = 0
                 else:
-                    nonfinite_in_a_row += 1
+                    skipped_in_a_row += 1
                     self.state.skipped_steps += 1
-                    log.warning("step %d skipped: loss %s, grad norm %s (%d in a row)",
-                                self.state.step, loss, grad_norm, nonfinite_in_a_row)
+                    if spike is None:
+                        log.warning("step %d skipped: loss %s, grad norm %s (%d in a row)",
+                                    step, loss, grad_norm, skipped_in_a_row)
+                if spike is not None:
+                    diagnostics.report_spike(spike, positions, [self.sampler.sample_at(p)
+                                                                for p in range(*positions)])
                 seconds = time.perf_counter() - start
-                if self.state.step % config.logging.interval == 0 or not applied:
+                diagnostics.end(step, data_seconds, seconds,
+                                last=step >= config.train.steps)
+                if step % config.logging.interval == 0 or not applied or spike is not None:
                     last = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
                             "tokens_per_s": tokens_per_step / seconds, "s_per_batch": seconds,
                             "mfu": self.step_flops / seconds / self.env.world_size
@@ -261,30 +299,46 @@ class Trainer:
                             "memory_gib": memory_gib(self.device),
                             "tokens": self.state.tokens_seen,
                             "samples": self.sampler.samples_consumed,
-                            "skipped": self.state.skipped_steps}
-                    metrics.log(self.state.step, last)
-                if nonfinite_in_a_row >= config.train.max_nonfinite:
+                            "skipped": self.state.skipped_steps,
+                            **({"spike": 1} if spike is not None else {})}
+                    metrics.log(step, last)
+                if step % config.logging.interval == 0:
+                    for prefix, scalars, histograms in diagnostics.on_log(step, probe):
+                        metrics.log(step, scalars, prefix=prefix, quiet=True)
+                        metrics.histograms(step, histograms, prefix=prefix)
+                if spike is not None and config.monitor.spike_action == "stop":
+                    diagnostics.enter("checkpoint")
+                    path = self.save()
                     raise TrainingStopped(
-                        f"{nonfinite_in_a_row} non-finite steps in a row (train.max_nonfinite = "
-                        f"{config.train.max_nonfinite}) at step {self.state.step}: lower optim.lr, "
+                        f"spike at step {step} (monitor.spike_action = stop): its update was "
+                        f"skipped and the last good state saved to {path}; inspect the data "
+                        f"position logged above, then resume (--resume=auto continues after "
+                        f"that batch) or lower optim.lr")
+                if skipped_in_a_row >= config.train.max_nonfinite:
+                    what = "non-finite" if spike is None else "skipped (non-finite or spike)"
+                    raise TrainingStopped(
+                        f"{skipped_in_a_row} {what} steps in a row (train.max_nonfinite = "
+                        f"{config.train.max_nonfinite}) at step {step}: lower optim.lr, "
                         "check the data, or resume from an earlier checkpoint")
-                done = self.state.step >= config.train.steps
-                if config.eval.interval and self.state.step % config.eval.interval == 0 and not done:
-                    metrics.log(self.state.step, self.evaluate(), prefix="eval")
+                done = step >= config.train.steps
+                if config.eval.interval and step % config.eval.interval == 0 and not done:
+                    diagnostics.enter("eval")
+                    metrics.log(step, self.evaluate(), prefix="eval")
                 exit_now = (config.train.exit_after and not done
-                            and self.state.step - first_step >= config.train.exit_after)
+                            and step - first_step >= config.train.exit_after)
                 if preemption.should_stop() or exit_now:
                     log.info("%s: saving at step %d and exiting",
-                                "train.exit_after reached" if exit_now else "preempted",
-                                self.state.step)
+                                "train.exit_after reached" if exit_now else "preempted", step)
+                    diagnostics.enter("checkpoint")
                     self.save()
                     self.checkpoints.finalize()
                     if not exit_now:
                         maybe_requeue(config.checkpoint.requeue)
                     return last
-                if (config.checkpoint.interval and self.state.step % config.checkpoint.interval == 0
-                        and not done):
+                if config.checkpoint.interval and step % config.checkpoint.interval == 0 and not done:
+                    diagnostics.enter("checkpoint")
                     self.save()
+        diagnostics.enter("eval")
         final_eval = self.evaluate()
         if final_eval:
             metrics.log(self.state.step, final_eval, prefix="eval")
@@ -292,6 +346,12 @@ class Trainer:
         if config.checkpoint.save_at_end:
             self.save()
         return last
+
+    def _probe(self, batch: Batch) -> torch.Tensor:
+        """The fixed probe batch of beta_1.2's attention-mass dials: the first
+        `monitor.probe_batch` inputs of this launch's first micro-batch."""
+        inputs, _ = split_batch(batch)
+        return inputs[:self.config.monitor.probe_batch].to(self.device)
 
     def save(self) -> Path:
         self.state.data = self.loader.state_dict()

@@ -72,10 +72,11 @@ class Spike:
         return bool(self.reasons)
 
 
-def layer_grad_norms(model: nn.Module) -> dict[str, float]:
-    """Gradient norm per layer (`layers.<i>`) and for the rest (embeddings, final norm, head),
-    from the gradients as they are now. FSDP2's sharded gradients are reduced across ranks (every
-    rank calls this on the same step)."""
+def layer_grad_norms(model: nn.Module, total: float) -> dict[str, float]:
+    """Gradient norm per layer (`layers.<i>`) and for the rest (embeddings, final norm, head)
+    before clipping, whose global norm was `total`: the gradients may have been clipped since,
+    which scales every one by the same factor, undone here. FSDP2's sharded gradients are
+    reduced across ranks (every rank calls this on the same step)."""
     squares: dict[str, torch.Tensor] = {}
     sharded = False
     for name, p in model.named_parameters():
@@ -94,7 +95,9 @@ def layer_grad_norms(model: nn.Module) -> dict[str, float]:
     stacked = torch.stack([squares[k] for k in names])
     if sharded and dist.is_initialized():
         dist.all_reduce(stacked)
-    return {k: float(v) for k, v in zip(names, stacked.sqrt().tolist())}
+    norms = stacked.sqrt()
+    scale = total / float(norms.norm()) if float(norms.norm()) > 0 else 1.0
+    return {k: float(v) * scale for k, v in zip(names, norms.tolist())}
 
 
 class StabilityMonitor:
@@ -122,7 +125,7 @@ class StabilityMonitor:
                                      f"{statistics.fmean(window.values):.4g} "
                                      f"(monitor.{name}_zscore = {limit})")
         if spike:
-            spike.layer_norms = layer_grad_norms(model)
+            spike.layer_norms = layer_grad_norms(model, norm)
             return c.spike_action == "log"
         self.loss.add(loss)
         self.grad_norm.add(norm)

@@ -14,14 +14,13 @@ operators by self time and keeps that table beside its trace (`top_ops.txt`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
 
-from megabeta.model.config import ConfigError
+from megabeta.config import StepSelection, parse_steps  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from megabeta.config import ProfileConfig
@@ -30,44 +29,6 @@ log = logging.getLogger("megabeta")
 
 MEMORY_HISTORY_ENTRIES = 100_000
 """Allocator events kept while recording (torchtitan's default): bounded host memory."""
-
-
-@dataclass(frozen=True)
-class StepSelection:
-    """Which steps are profiled: the range first…last, or every `every`-th step."""
-
-    first: int = 0
-    last: int = 0
-    every: int = 0
-
-    def starts(self, step: int) -> bool:
-        """Whether a profiled range starts at `step`."""
-        return step == self.first if self.first else bool(self.every) and step % self.every == 0
-
-    def ends(self, step: int) -> bool:
-        """Whether the range running at `step` ends with it."""
-        return step == self.last if self.first else True
-
-
-def parse_steps(spec: str) -> StepSelection | None:
-    """`profile.steps`: `A-B`, `every:N` or empty (None: profiling off)."""
-    spec = spec.strip()
-    if not spec:
-        return None
-    try:
-        if spec.startswith("every:"):
-            every = int(spec.removeprefix("every:"))
-            if every >= 1:
-                return StepSelection(every=every)
-        else:
-            first, sep, last = spec.partition("-")
-            first_step, last_step = int(first), int(last if sep else first)
-            if 1 <= first_step <= last_step:
-                return StepSelection(first=first_step, last=last_step)
-    except ValueError:
-        pass
-    raise ConfigError(f"profile.steps = {spec!r}: must be A-B (steps A to B inclusive, "
-                      "1 <= A <= B, e.g. 100-102), a single step N, every:N, or empty (off)")
 
 
 class StepProfiler:

@@ -4,17 +4,19 @@ others up and in which collective, and dump every thread's stack on every rank.
 The loop marks where each step is (`Watchdog.enter(step, phase)`: a dictionary write, nothing
 more). A thread on each rank wakes a few times per `hang_seconds`; once a step overruns, it
 
-1. writes this rank's step and phase to the job's rendezvous store (a TCP side channel that
-   works while the process group is stuck) and, on rank 0, reads every rank's: the ranks behind
-   the others (an earlier step or phase) are named, with the collective the others wait in;
-   ranks that never answer are named as unresponsive;
+1. writes this rank's step and phase to `RUN/hang/` (the run directory is shared by the ranks,
+   as checkpoints need; a file works while the process group is stuck, and is not the
+   rendezvous store, whose client the main thread may be using) and, on rank 0, reads every
+   rank's: the ranks behind the others (an earlier step or phase) are named, with the
+   collective the others wait in; ranks that never answer are named as unresponsive;
 2. dumps all threads' Python stacks (faulthandler) to stderr and `RUN/hang/rank<R>_step<n>.txt`;
 3. on NCCL, writes the flight recorder's record of the last collectives
    (`RUN/hang/nccl_trace_rank<R>.pkl`); `enable_flight_recorder` turns the recorder on before
    the process group is made.
 
 It reports, once per overrunning step; ending the job is left to the process group's timeout
-(or the scheduler), which then has the reports.
+(or the scheduler), which then has the reports. The launch's first step is not watched: it
+builds kernels and compiles, and its length says nothing about a hang.
 """
 
 from __future__ import annotations
@@ -56,15 +58,6 @@ def enable_flight_recorder() -> None:
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", TRACE_BUFFER_ENTRIES)
 
 
-def _store() -> dist.Store | None:
-    if not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, AttributeError):  # no default store (an unusual init): no names
-        return None
-
-
 def name_laggards(positions: dict[int, tuple[int, str]], world_size: int) -> str:
     """Which ranks are behind, from every answering rank's (step, phase)."""
     silent = [r for r in range(world_size) if r not in positions]
@@ -97,6 +90,8 @@ class Watchdog:
         self.folder = run_dir / "hang"
         self.rank, self.world_size = rank, world_size
         self.step, self.phase, self.since = 0, "data", time.monotonic()
+        self.first: int | None = None
+        self.launched = time.time()
         self.reported = -1
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="megabeta-watchdog", daemon=True)
@@ -107,12 +102,15 @@ class Watchdog:
         clock."""
         if step != self.step:
             self.since = time.monotonic()
+        if self.first is None:
+            self.first = step
         self.step, self.phase = step, phase
 
     def _watch(self) -> None:
         while not self.stop.wait(min(1.0, self.seconds / 4)):
             step, phase, since = self.step, self.phase, self.since
-            if step != self.reported and time.monotonic() - since > self.seconds:
+            if (step not in (self.reported, self.first)
+                    and time.monotonic() - since > self.seconds):
                 self.reported = step
                 self.report(step, phase, time.monotonic() - since)
 
@@ -126,25 +124,28 @@ class Watchdog:
             faulthandler.dump_traceback(file=f, all_threads=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         self._dump_nccl_trace()
-        store = _store()
-        if store is None:
-            return
-        store.set(f"megabeta/watchdog/{step}/{self.rank}", f"{step} {phase}")
+        self._position(step, self.rank).write_text(f"{step} {phase}")
         if self.rank == 0:
             log.error("hang at step %d: %s (stacks: %s/rank<R>_step<n>.txt)", step,
-                      name_laggards(self._positions(store, step), self.world_size), self.folder)
+                      name_laggards(self._positions(step), self.world_size), self.folder)
 
-    def _positions(self, store: dist.Store, step: int) -> dict[int, tuple[int, str]]:
+    def _position(self, step: int, rank: int) -> Path:
+        return self.folder / f"position_step{step}_rank{rank}.txt"
+
+    def _positions(self, step: int) -> dict[int, tuple[int, str]]:
         """Every rank's (step, phase) that arrives within ANSWER_SECONDS. A rank behind by a
-        whole step reports under its own step's key, so earlier keys are read too."""
+        whole step reports under its own step, so the step before is read too."""
         deadline = time.monotonic() + ANSWER_SECONDS
         found: dict[int, tuple[int, str]] = {}
         while True:
             for rank in range(self.world_size):
                 for at in (step, step - 1):
-                    key = f"megabeta/watchdog/{at}/{rank}"
-                    if rank not in found and store.check([key]):
-                        got_step, got_phase = store.get(key).decode().split(" ", 1)
+                    path = self._position(at, rank)
+                    # Files of an earlier launch of this run (same step, before a resume)
+                    # are older than this launch.
+                    if rank not in found and path.is_file() and \
+                            path.stat().st_mtime >= self.launched:
+                        got_step, got_phase = path.read_text().split(" ", 1)
                         found[rank] = (int(got_step), got_phase)
             if len(found) == self.world_size or time.monotonic() > deadline:
                 return found
