@@ -14,7 +14,7 @@ from megabeta.model import ConfigError, ModelConfig, build_model
 from megabeta.train.dials import attention_shares, parameter_dials
 from megabeta.train.loop import Trainer, TrainingStopped
 from megabeta.train.monitor import RunningWindow, find_straggler
-from train_helpers import TINY_CONFIG, TINY_OVERRIDES, train_records
+from train_helpers import TINY_CONFIG, TINY_OVERRIDES, snapshot_steps, train_records
 
 SPIKE_STEP = 5  # 1-based: the step whose gradients and loss are blown up
 MONITOR = ["--train.steps=5", "--monitor.spike_window=10", "--monitor.spike_min_steps=3",
@@ -41,20 +41,6 @@ def spiking_trainer(tiny_data, run_dir, *extra: str) -> Trainer:
 
     trainer.engine.forward_backward = forward_backward
     return trainer
-
-
-def snapshot_steps(trainer: Trainer) -> list[list[torch.Tensor]]:
-    """The parameters after every step (filled in as the trainer runs)."""
-    snapshots: list[list[torch.Tensor]] = []
-    clean_step = trainer.engine.step
-
-    def step(*args, **kwargs):
-        result = clean_step(*args, **kwargs)
-        snapshots.append([p.detach().clone() for p in trainer.engine.model.parameters()])
-        return result
-
-    trainer.engine.step = step
-    return snapshots
 
 
 def test_running_window_zscore() -> None:

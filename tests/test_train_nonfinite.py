@@ -10,7 +10,7 @@ import torch
 
 from megabeta.config import load_config
 from megabeta.train.loop import Trainer, TrainingStopped
-from train_helpers import TINY_CONFIG, TINY_OVERRIDES, train_records
+from train_helpers import TINY_CONFIG, TINY_OVERRIDES, snapshot_steps, train_records
 
 
 def poisoned_trainer(tiny_data, run_dir, poisoned_steps, *extra: str) -> Trainer:
@@ -35,15 +35,7 @@ def poisoned_trainer(tiny_data, run_dir, poisoned_steps, *extra: str) -> Trainer
 
 def test_nonfinite_step_is_skipped_counted_and_logged(tiny_data, tmp_path) -> None:
     trainer = poisoned_trainer(tiny_data, tmp_path, poisoned_steps={2})
-    snapshots = []
-    clean_step = trainer.engine.step
-
-    def step(*args, **kwargs):
-        result = clean_step(*args, **kwargs)
-        snapshots.append([p.detach().clone() for p in trainer.engine.model.parameters()])
-        return result
-
-    trainer.engine.step = step
+    snapshots = snapshot_steps(trainer)
     trainer.train()
     records = train_records(tmp_path)
     assert [r["skipped"] for r in records] == [0, 0, 1, 1, 1, 1]

@@ -7,8 +7,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
 
 from data_helpers.corpus import documents, tokenize, train_tiny_tokenizer, write_jsonl
+
+if TYPE_CHECKING:
+    from megabeta.train.loop import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,3 +64,17 @@ def train_records(run_dir: Path) -> list[dict]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in train_records(run_dir)}
+
+
+def snapshot_steps(trainer: Trainer) -> list[list[torch.Tensor]]:
+    """The parameters after every step (filled in as the trainer runs)."""
+    snapshots: list[list[torch.Tensor]] = []
+    clean_step = trainer.engine.step
+
+    def step(*args, **kwargs):
+        result = clean_step(*args, **kwargs)
+        snapshots.append([p.detach().clone() for p in trainer.engine.model.parameters()])
+        return result
+
+    trainer.engine.step = step
+    return snapshots
