@@ -5,6 +5,7 @@ hand-out of the weights' gradients give the eager loop's loss and gradients."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from megabeta.kernels import finished_groups
 from megabeta.model import ConfigError, ExecutionConfig, build_model
 from megabeta.model.block_graphs import BlockGraphs, EagerCapture
+from megabeta.model.history import StepView
 
 from model_helpers import assert_trains_like, tiny_config, tiny_model, tokens
 
@@ -48,3 +50,45 @@ def test_cuda_graphs_on_a_cpu_model_say_so() -> None:
     x = tokens(length=10)
     with pytest.raises(ConfigError, match="execution.cuda_graphs = true needs a CUDA device"):
         model(x[:, :-1], x[:, 1:])
+
+
+
+class _OneWeight:
+    """The pass weights' interface (`tensors`, `with_tensors`) around one matrix."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.w]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> "_OneWeight":
+        return _OneWeight(next(iter(tensors)))
+
+
+def test_replayed_steps_keep_the_forwards_autocast() -> None:
+    """Training runs under bf16 autocast with float32 weights, and autograd runs the backward
+    graph's recompute outside the forward's autocast context: the graphs re-enter the state
+    the forward ran in (on a GPU the recompute met a bf16 activation with a float32 weight)."""
+    seen: list[tuple[bool, torch.dtype]] = []
+
+    def step(x, rope, view, weights):  # a one-matmul "block" that records what it ran under
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        hidden = x @ weights.w
+        return SimpleNamespace(hidden=hidden, finished_k=[hidden], finished_v=[hidden])
+
+    graphs = BlockGraphs(step, EagerCapture())
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(1, 3, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        history = graphs.history_buffers((1, 1, 1, 3, 4), torch.bfloat16, x.device)
+        view = StepView(*history, torch.zeros((), dtype=torch.int64), None, [[]], 0)
+        graphs.begin_pass(_OneWeight(w), blocks=1)
+        hidden = graphs.run(x, (torch.ones(3), torch.ones(3)), view)[0]
+    assert hidden.dtype == torch.bfloat16
+    hidden.float().sum().backward()  # outside autocast, as autograd runs it
+    assert seen and all(state == (True, torch.bfloat16) for state in seen), seen
+    # d/dx and d/dw of sum(x @ w), at bf16 resolution; w's handed out by the pass's last block.
+    torch.testing.assert_close(x.grad, w.detach().sum(1).expand(1, 3, 4), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(w.grad, x.detach().sum((0, 1))[:, None].expand(4, 4),
+                               rtol=1e-2, atol=1e-2)

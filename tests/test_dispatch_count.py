@@ -30,6 +30,16 @@ def test_custom_ops_count_what_they_launch() -> None:
     assert count.total == 2
 
 
+def test_mutating_custom_op_with_a_default_is_refused() -> None:
+    """torch before 2.13 loses a mutated argument that a boxed call dropped as a default (an
+    IndexError in the backward on torch 2.11): such a signature is refused where it is made."""
+    def bump(x: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        pass
+
+    with pytest.raises(TypeError, match=r"megabeta::test_bump .*default.*out"):
+        ops.custom_op("test_bump", mutates_args=("out",))(bump)
+
+
 def test_gpu_path_launches_few_kernels_per_cell() -> None:
     pytest.importorskip("triton", reason="triton is not installed (pip install 'megabeta[gpu]')")
     fused = per_cell("triton", cell_kernels="triton", blocks=(2, 3), **SMALL)

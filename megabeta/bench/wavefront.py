@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from megabeta.bench.dispatch import count_step, counting_config
-from megabeta.model import DecoderLM, ExecutionConfig, build_model, get_preset
+from megabeta.model import DecoderLM, ExecutionConfig, ModelConfig, build_model, get_preset
 from megabeta.model.flops import training_flops
 
 SCHEDULES = {"block": "block", "wavefront": "wave"}
@@ -84,8 +84,15 @@ class Figures:
 
 def _model(preset: str, execution: ExecutionConfig, device: torch.device,
            **overrides: Any) -> DecoderLM:
+    return _built_on(device, get_preset(preset, **overrides), execution)
+
+
+def _built_on(device: torch.device, config: ModelConfig, execution: ExecutionConfig) -> DecoderLM:
+    """The model built ON `device` (seed 0): the attention backend is chosen for the device it
+    runs on (a CUDA-only backend refuses a model built on the CPU)."""
     torch.manual_seed(0)
-    return build_model(get_preset(preset, **overrides), execution).to(device)
+    with torch.device(device):
+        return build_model(config, execution)
 
 
 def _execution(schedule: str, settings: Settings, checkpoint: bool) -> ExecutionConfig:
@@ -137,8 +144,7 @@ def dispatches(preset: str, settings: Settings, device: torch.device) -> dict[st
                            generator=torch.Generator().manual_seed(0)).to(device)
     out = {}
     for schedule in SCHEDULES:
-        torch.manual_seed(0)
-        model = build_model(config, _execution(schedule, settings, checkpoint=True)).to(device)
+        model = _built_on(device, config, _execution(schedule, settings, checkpoint=True))
         out[schedule] = count_step(model, tokens, run_kernels=device.type == "cuda").total
     return out
 

@@ -15,6 +15,7 @@ each op as one would flatter it. So:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Iterable
 
 import torch
@@ -29,10 +30,19 @@ _observers: list["LaunchObserver"] = []
 def custom_op(name: str, *, mutates_args: Iterable[str] = ()) -> Callable[[Callable[..., Any]],
                                                                           Any]:
     """`torch.library.custom_op("megabeta::<name>", ...)` that also records the implementation
-    under the op's qualified name (`megabeta::<name>`)."""
+    under the op's qualified name (`megabeta::<name>`).
+
+    An op that mutates arguments may give no argument a default: a boxed call drops trailing
+    arguments equal to their defaults, and torch before 2.13 then looks a mutated one up past
+    the end of the argument tuple (an IndexError in the backward, seen with torch 2.11)."""
 
     def wrap(fn: Callable[..., Any]) -> Any:
         qualified = f"{NAMESPACE}::{name}"
+        defaulted = [p.name for p in inspect.signature(fn).parameters.values()
+                     if p.default is not inspect.Parameter.empty]
+        if mutates_args and defaulted:
+            raise TypeError(f"custom op {qualified} mutates its arguments, so none may have a "
+                            f"default (these do: {', '.join(defaulted)}): pass them explicitly")
         _IMPLEMENTATIONS[qualified] = fn
         return torch.library.custom_op(qualified, mutates_args=tuple(mutates_args))(fn)
 

@@ -721,13 +721,14 @@ if triton is not None:
           top: int, window: int, scale: float) -> tuple[Tensor, Tensor]:
         return _forward_fake(q)
 
+    # No defaults (ops.custom_op says why).
     @custom_op("block_attention_backward",
                mutates_args=("grad_hist_k", "grad_hist_v", "shift_rows", "diag_rows"))
     def _backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor,
                      hist_v: Tensor, out: Tensor, lse: Tensor, start: Tensor, shift: Tensor,
                      self_bias: Tensor | None, grad_hist_k: Tensor, grad_hist_v: Tensor,
                      sources: list[int], layers: list[int], top: int, window: int, scale: float,
-                     shift_rows: Tensor | None = None, diag_rows: Tensor | None = None
+                     shift_rows: Tensor | None, diag_rows: Tensor | None
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         return _backward_impl(grad, q, k, v, hist_k, hist_v, out, lse, start, shift, self_bias,
                               grad_hist_k, grad_hist_v, sources, layers, top, window, scale,
@@ -737,8 +738,8 @@ if triton is not None:
     def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
           out: Tensor, lse: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
           grad_hist_k: Tensor, grad_hist_v: Tensor, sources: list[int], layers: list[int],
-          top: int, window: int, scale: float, shift_rows: Tensor | None = None,
-          diag_rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+          top: int, window: int, scale: float, shift_rows: Tensor | None,
+          diag_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         if shift_rows is not None:
             return _like(q), _like(k), _like(v), lse.new_empty(0), lse.new_empty(0)
         cells = len(layers)
@@ -751,8 +752,8 @@ if triton is not None:
                       grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor, shift: Tensor,
                       self_bias: Tensor | None, anchor: Tensor | None, sources: list[int],
                       layers: list[int], top: int, window: int, scale: float,
-                      shift_rows: Tensor | None = None,
-                      diag_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      shift_rows: Tensor | None,
+                      diag_rows: Tensor | None) -> tuple[Tensor, Tensor]:
         return _forward_impl(q, k, v, hist_k, hist_v, start, shift, self_bias, sources, layers,
                              top, window, scale)
 
@@ -760,8 +761,8 @@ if triton is not None:
     def _(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, grad_hist_k: Tensor,
           grad_hist_v: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
           anchor: Tensor | None, sources: list[int], layers: list[int], top: int, window: int,
-          scale: float, shift_rows: Tensor | None = None,
-          diag_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+          scale: float, shift_rows: Tensor | None,
+          diag_rows: Tensor | None) -> tuple[Tensor, Tensor]:
         return _forward_fake(q)
 
     def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
@@ -855,7 +856,7 @@ def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist
     dq, dk, dv, d_shift, d_self_bias = torch.ops.megabeta.block_attention_backward(
         grad[None], q[None], k[None], v[None], hist_k, hist_v, out[None], lse[None], start,
         shift[None], self_bias, grad_hist_k, grad_hist_v, sources, [layer],
-        _block_top(sources, layer), window, scale)
+        _block_top(sources, layer), window, scale, None, None)
     return dq[0], dk[0], dv[0], d_shift[0], d_self_bias.reshape(-1)
 
 

@@ -87,6 +87,9 @@ class _Shape:
     start: Tensor
     history: tuple[Tensor, Tensor, Tensor, Tensor]
     """Keys, values and their float32 gradient buffers `[L, B, H_kv, T, d_h]`."""
+    autocast: tuple[str, bool, torch.dtype]
+    """The forward's autocast state (device type, on, dtype): both graphs run under it, also
+    the backward's recompute, which autograd calls outside the forward's context."""
     weights: list[Tensor] = field(default_factory=list)
     """The pass's weights, leaves that ask for gradients (the backward graph's inputs)."""
     weight_grads: list[Tensor] = field(default_factory=list)
@@ -115,7 +118,9 @@ class BlockGraphs:
                         device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The history buffers for a pass of this shape (kept across passes; the gradient
         buffers zeroed), and the shape's fixed tensors made current."""
-        key = (shape, dtype, device)
+        autocast = (device.type, torch.is_autocast_enabled(device.type),
+                     torch.get_autocast_dtype(device.type))
+        key = (shape, dtype, device, autocast)
         current = self._shapes.get(key)
         if current is None:
             layers, batch, heads, length, width = shape
@@ -125,7 +130,8 @@ class BlockGraphs:
                 x=torch.empty(0), cos=torch.empty(0), sin=torch.empty(0),
                 start=torch.zeros((), dtype=torch.int64, device=device),
                 history=(torch.empty(shape, **empty), torch.empty(shape, **empty),
-                         torch.zeros(shape, **grads), torch.zeros(shape, **grads)))
+                         torch.zeros(shape, **grads), torch.zeros(shape, **grads)),
+                autocast=autocast)
             self._shapes[key] = current
         else:
             current.history[2].zero_()
@@ -182,7 +188,7 @@ class BlockGraphs:
             fixed_view = self._view(current, view)
 
             def forward() -> None:
-                with torch.no_grad():
+                with torch.no_grad(), _autocast(current):
                     out = self.step(current.x, (current.cos, current.sin), fixed_view,
                                     self._fixed_weights, **kwargs)
                     outs = [out.hidden, *out.finished_k, *out.finished_v]
@@ -212,7 +218,7 @@ class BlockGraphs:
             fixed_view = self._view(current, view)
 
             def backward() -> None:
-                with torch.enable_grad():
+                with torch.enable_grad(), _autocast(current):
                     leaf = current.x.detach().requires_grad_()
                     out = self.step(leaf, (current.cos, current.sin), fixed_view,
                                     self._fixed_weights, **kwargs)
@@ -235,6 +241,11 @@ class BlockGraphs:
         if self._pending == 0:
             weight_grads = [g.clone() for g in current.weight_grads]
         return current.input_grad.clone(), weight_grads
+
+
+def _autocast(shape: _Shape) -> torch.autocast:
+    kind, enabled, dtype = shape.autocast
+    return torch.autocast(kind, dtype=dtype, enabled=enabled)
 
 
 class _GraphedBlock(torch.autograd.Function):

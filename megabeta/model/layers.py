@@ -218,10 +218,17 @@ def linear(x: Tensor, weight: SharedWeight, bias: SharedWeight | None = None) ->
     return F.linear(x, w, b)
 
 
+AUTOCAST_DEVICE_TYPES = frozenset(
+    kind for kind in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
+    if torch.amp.is_autocast_available(kind))
+"""Device types autocast knows, read once: torch.compile (torch 2.11) cannot trace
+`torch.amp.is_autocast_available` inside a compiled block step."""
+
+
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype autocast computes matmuls in on `device`, or None when it is off."""
     kind = device.type
-    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+    if kind in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return None
 
