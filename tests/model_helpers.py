@@ -10,7 +10,7 @@ from megabeta.model import DecoderLM, ExecutionConfig, ModelConfig, build_model
 
 VOCAB = 37
 
-ATTENTION = ["explicit", "sdpa", "cpu_flash", "cpu_fused"]
+ATTENTION = ["explicit", "cpu_flash", "cpu_fused"]
 """Every attention backend that runs on this CPU (execution.attention)."""
 
 

@@ -16,25 +16,39 @@ from model_helpers import tiny_model, tokens
 def test_auto_picks_by_device_and_dropout() -> None:
     fused = "cpu_fused" if finished_groups.build() else "cpu_flash"
     assert tiny_model().attention_backend.name == fused
-    assert tiny_model(dropout=0.1).attention_backend.name == "sdpa"
+    assert tiny_model(dropout=0.1).attention_backend.name == "explicit"
     assert tiny_model(arch="standard").attention_backend.name == fused
     # Another device: the kernels of the cpu backends are not there.
-    assert tiny_model().to("meta").attention_backend.name == "sdpa"
+    assert tiny_model().to("meta").attention_backend.name == "explicit"
 
 
-@pytest.mark.parametrize("name", ["explicit", "sdpa", "cpu_flash", "cpu_fused"])
+@pytest.mark.parametrize("name", ["explicit", "cpu_flash", "cpu_fused"])
 def test_named_backend_is_held(name: str) -> None:
     model = tiny_model(attention=name)
     assert model.attention_backend.name == name
     assert model.double().attention_backend.name == name  # a cast re-selects the same
 
 
-def test_sdpa_layout_has_a_column_per_bias() -> None:
-    """The sdpa backend stores the depth and self columns with the keys; the others do not."""
-    assert tiny_model(attention="sdpa").attention_backend.layout.width == 8 + 2
-    assert tiny_model(attention="sdpa", self_slot=False).attention_backend.layout.width == 8 + 1
-    assert tiny_model(attention="sdpa", arch="standard").attention_backend.layout.width == 8
-    assert tiny_model(attention="cpu_flash").attention_backend.layout.width == 8
+@pytest.mark.parametrize("name,replacement", [("sdpa", "explicit"), ("cuda_flash", "triton")])
+def test_removed_backend_names_its_replacement(name: str, replacement: str) -> None:
+    with pytest.raises(ConfigError, match=f"execution.attention = '{name}' was removed: use "
+                                          f"{replacement}"):
+        ExecutionConfig(attention=name)
+
+
+def test_what_a_backend_declares_is_what_the_model_enforces() -> None:
+    """The chooser and the static-step check read the backends' capabilities, not names."""
+    caps = {name: tiny_model(attention=name).attention_backend.capabilities
+            for name in ("explicit", "cpu_flash", "cpu_fused")}
+    assert caps["explicit"].dropout and caps["explicit"].devices is None
+    assert not caps["cpu_flash"].static_step and caps["cpu_fused"].static_step
+    for name, cap in caps.items():
+        model = tiny_model(attention=name)
+        if cap.static_step:
+            model.compile_block_step()
+        else:
+            with pytest.raises(ConfigError, match=f"execution.attention = '{name}'"):
+                model.compile_block_step()
 
 
 @pytest.mark.parametrize("name,kw,message", [
@@ -47,7 +61,7 @@ def test_impossible_choice_is_a_config_error(name: str, kw: dict, message: str) 
 
 
 def test_cpu_backend_refuses_another_device() -> None:
-    with pytest.raises(ConfigError, match="'cpu_fused' runs on CPU only.*meta"):
+    with pytest.raises(ConfigError, match="'cpu_fused' runs on cpu only.*meta"):
         tiny_model(attention="cpu_fused").to("meta")
 
 
@@ -70,36 +84,33 @@ def test_no_choice_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _on_cuda(name: str, monkeypatch: pytest.MonkeyPatch, *, triton: bool,
-             dtype: torch.dtype = torch.float32, dropout: float = 0.0) -> str:
+             dropout: float = 0.0) -> str:
     """The backend `select_attention` picks for a CUDA model (no tensors are made)."""
     monkeypatch.setattr(select, "triton_runs_on", lambda device: triton)
-    return select.select_attention(name, device=torch.device("cuda"), dtype=dtype,
-                                   dropout=dropout, head_dim=8, depth_bias=True,
-                                   self_slot=True).name
+    return select.select_attention(name, device=torch.device("cuda"), dropout=dropout,
+                                   head_dim=8).name
 
 
-def test_auto_on_cuda_prefers_triton_then_the_merged_aten_path(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_on_cuda_prefers_triton_then_explicit(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")
     assert _on_cuda("auto", monkeypatch, triton=True) == "triton"
-    assert _on_cuda("auto", monkeypatch, triton=False) == "cuda_flash"
-    # ATen's CUDA attention kernels have no float64; dropout needs sdpa.
-    assert _on_cuda("auto", monkeypatch, triton=False, dtype=torch.float64) == "sdpa"
-    assert _on_cuda("auto", monkeypatch, triton=True, dropout=0.1) == "sdpa"
-    assert _on_cuda("cuda_flash", monkeypatch, triton=True) == "cuda_flash"
+    assert _on_cuda("auto", monkeypatch, triton=True, dropout=0.1) == "explicit"
+    with pytest.warns(UserWarning, match="without Triton.*megabeta\\[gpu\\]"):
+        assert _on_cuda("auto", monkeypatch, triton=False) == "explicit"
+    with pytest.raises(ConfigError, match="'cpu_fused' runs on cpu only, this model is on cuda"):
+        _on_cuda("cpu_fused", monkeypatch, triton=True)
 
 
 def test_triton_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    with pytest.raises(ConfigError, match="'triton' has no attention dropout"):
+        tiny_model(attention="triton", dropout=0.1)  # under the interpreter (conftest)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="execution.attention = 'triton' runs on CUDA.*"
                                           "TRITON_INTERPRET=1"):
         tiny_model(attention="triton")
     with pytest.raises(ConfigError, match="execution.cell_kernels = 'triton' runs on CUDA"):
         tiny_model(cell_kernels="triton")
-    with pytest.raises(ConfigError, match="'cuda_flash' runs on CUDA only"):
-        tiny_model(attention="cuda_flash")
-    with pytest.raises(ConfigError, match="'triton' has no attention dropout"):
-        tiny_model(attention="triton", dropout=0.1)
 
 
 def test_cell_kernels_are_chosen_once_and_held() -> None:

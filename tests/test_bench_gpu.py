@@ -71,27 +71,28 @@ def test_quick_cpu_run_reports_every_section_and_says_what_did_not_run(
     assert article["beta_1.2_test"]["article_s_per_batch"] == 0.876
 
 
-def test_model_exactness_checks_pass_on_the_sdpa_backend_and_fail_a_wrong_one(
+def test_model_exactness_checks_pass_on_a_cpu_backend_and_fail_a_wrong_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Section 3's three checks on a backend that runs fast on CPU; then the same with the
     self bias of every layer zeroed in what the backend sees, which must fail the
     comparison with the explicit reference."""
-    from megabeta.model.attention.sdpa import SdpaAttention
+    from megabeta.model.attention.merged import CpuMergedAttention
 
     run = _run(tmp_path)
     fields, length, prompt = gpu._exact_shape(quick=True)
-    gpu.check_one_block(run, "sdpa", "fp32", fields, length=length, case="mha")
-    gpu.check_decoding(run, "sdpa", "fp32", fields, length=length, prompt=prompt, case="mha")
-    gpu.check_against_explicit(run, "sdpa", "fp32", fields, length=length, case="mha")
+    gpu.check_one_block(run, "cpu_flash", "fp32", fields, length=length, case="mha")
+    gpu.check_decoding(run, "cpu_flash", "fp32", fields, length=length, prompt=prompt,
+                       case="mha")
+    gpu.check_against_explicit(run, "cpu_flash", "fp32", fields, length=length, case="mha")
     rows = run.report.sections["exactness"]["rows"]
     assert [r["verdict"] for r in rows] == ["pass"] * 4  # logits/loss and gradients: two rows
-    assert all("runs sdpa" in r["case"] for r in rows)
+    assert all("runs cpu_flash" in r["case"] for r in rows)
 
-    original = SdpaAttention.attend
-    monkeypatch.setattr(SdpaAttention, "attend", lambda self, q, keys, bias, **kw: original(
+    original = CpuMergedAttention.attend
+    monkeypatch.setattr(CpuMergedAttention, "attend", lambda self, q, keys, bias, **kw: original(
         self, q, keys, AttentionBias(bias.slope, torch.zeros_like(bias.self_bias),
                                      bias.group_shift), **kw))
-    gpu.check_against_explicit(run, "sdpa", "fp32", fields, length=length, case="mha")
+    gpu.check_against_explicit(run, "cpu_flash", "fp32", fields, length=length, case="mha")
     assert [r["verdict"] for r in rows[4:]] == ["FAIL", "FAIL"]
 
 
@@ -201,13 +202,13 @@ def test_static_step_check_compares_with_eager_and_counts_graphs(tmp_path: Path)
 
 def test_wavefront_check_compares_with_the_block_schedule(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The device check's wavefront row passes on sdpa, and fails when the wavefront's
+    """The device check's wavefront row passes on cpu_flash, and fails when the wavefront's
     attention loses the self bias (the block schedule's does not)."""
     from megabeta.model import wavefront
 
     run = _run(tmp_path)
     fields, length, _ = gpu._exact_shape(quick=True)
-    gpu.check_wavefront(run, "sdpa", "fp32", fields, length=length, case="mha")
+    gpu.check_wavefront(run, "cpu_flash", "fp32", fields, length=length, case="mha")
     rows = run.report.sections["exactness"]["rows"]
     assert rows[0]["verdict"] == "pass", rows[0]
     cell_weights = wavefront.WaveWeights.__init__
@@ -218,5 +219,5 @@ def test_wavefront_check_compares_with_the_block_schedule(tmp_path: Path,
         biases.self_bias = torch.zeros_like(biases.self_bias)
 
     monkeypatch.setattr(wavefront.WaveWeights, "__init__", zero_self_bias)
-    gpu.check_wavefront(run, "sdpa", "fp32", fields, length=length, case="mha")
+    gpu.check_wavefront(run, "cpu_flash", "fp32", fields, length=length, case="mha")
     assert rows[1]["verdict"] == "FAIL", rows[1]

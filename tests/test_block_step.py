@@ -92,8 +92,8 @@ def test_one_graph_under_bf16_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_compile_needs_a_backend_that_reads_the_start_from_a_tensor() -> None:
-    model = build_model(tiny_config(), ExecutionConfig(attention="sdpa"))
-    with pytest.raises(ConfigError, match="execution.attention = 'sdpa'"):
+    model = build_model(tiny_config(), ExecutionConfig(attention="cpu_flash"))
+    with pytest.raises(ConfigError, match="execution.attention = 'cpu_flash'"):
         apply_compile(model)
 
 

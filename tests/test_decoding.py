@@ -16,7 +16,7 @@ T = 17
 @pytest.mark.parametrize("arch,block,kw", [
     ("beta12", 4, {}), ("beta12", 1, {}), ("beta12", 3, dict(num_kv_heads=2, qk_norm=True)),
     ("beta12", 4, dict(deep_token_window=3, depth_stride=2)), ("beta12", 4, dict(attention="explicit")),
-    ("beta12", 4, dict(attention="sdpa")), ("beta12", 4, dict(attention="cpu_flash")),
+    ("beta12", 4, dict(attention="cpu_flash")),
     ("standard", 4, {}), ("looped", 4, dict(num_kv_heads=2)),
 ])
 @pytest.mark.parametrize("prompt_len", [6, 8, 1], ids=["mid_block", "on_boundary", "one_token"])

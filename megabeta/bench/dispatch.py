@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="megabeta bench dispatch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attention", nargs="+",
-                        default=["explicit", "sdpa", "cpu_flash", "cpu_fused", "triton"],
+                        default=["explicit", "cpu_flash", "cpu_fused", "triton"],
                         help="backends to count (execution.attention names)")
     parser.add_argument("--top", type=int, default=8, help="operators listed per backend")
     args = parser.parse_args(argv)

@@ -6,12 +6,12 @@
 Sections, in order:
 
 1. versions and features: torch, CUDA, triton, the device, bf16, TF32, and whether
-   `execution.attention = "triton"` / `"cuda_flash"` and `execution.cell_kernels = "triton"` can
+   `execution.attention = "triton"` and `execution.cell_kernels = "triton"` can
    be selected (a tiny model is built with each);
 2. kernel checks, forward and backward, fp32 and bf16, against float64 CPU references: the Triton
    block attention (megabeta/kernels/triton_attention.py) at t19_flash's shapes and the fused
    cell kernels (megabeta/kernels/triton_cell.py) against megabeta.model.layers;
-3. model exactness on the device for the attention backends triton, cuda_flash and sdpa:
+3. model exactness on the device for the triton attention backend:
    beta_1.2 at c = T equals the standard arm, prefill + steps equal the forward, and beta_1.2 at
    c = 8 equals the float64 explicit backend (logits, loss, fp32 gradients);
 4. the wavefront schedule (megabeta/bench/wavefront.py, paired in one process): beta_1.2_test
@@ -88,7 +88,6 @@ MODES = {"eager": dict(activation_checkpoint="block"),
          "wavefront": dict(schedule="wavefront", activation_checkpoint="wave")}
 """The speed section's modes: the beta arm's execution settings."""
 SETTINGS = {"attention=triton": dict(attention="triton"),
-            "attention=cuda_flash": dict(attention="cuda_flash"),
             "cell_kernels=triton": dict(cell_kernels="triton")}
 """The execution settings whose availability section 1 probes (and later sections rely on)."""
 ARTICLE_RESERVE_S = {"cuda": 60.0, "cpu": 8.0}
@@ -633,8 +632,6 @@ def section_kernels(run: Run) -> None:
         report.not_run(key, "cell kernels (rms_normalize, split_heads_rope, swiglu)", why)
     else:
         check_cell_kernels(run, dtypes)
-    report.note(key, "the ATen CUDA merged path (execution.attention = cuda_flash) is checked "
-                     "at model level in section 3")
 
 
 # ---- section 3: model exactness -----------------------------------------------------------------
@@ -851,7 +848,7 @@ def section_exactness(run: Run) -> None:
         del cases["gqa+window"]
         report.not_run(key, "gqa+window cases", "--quick runs the mha case only")
     estimate = 15.0 if run.cuda else 3.0
-    for backend in ("triton", "cuda_flash", "sdpa"):
+    for backend in ("triton",):
         why = run.unavailable.get(f"attention={backend}")
         if why:
             report.not_run(key, f"attention = {backend} (all checks)", why)
@@ -1293,7 +1290,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compare-attention", default="",
                         help="comma-separated execution.attention values also timed on the "
                              "beta arm at the first length, batch 1, eager, next to --attention "
-                             "(e.g. sdpa,cuda_flash; default: none)")
+                             "(e.g. explicit; default: none)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="speed modes of section 5 (eager always runs; default: %(default)s)")
     parser.add_argument("--speed-lengths", default=None,

@@ -42,10 +42,6 @@ from megabeta.model.transformer import DecoderLM, ParallelPlan
 from megabeta.model.wavefront import run_wavefront
 
 
-STATIC_BACKENDS = ("cpu_fused", "triton")
-"""Attention backends a compiled block step can call: they take the block's start as a tensor."""
-
-
 class CellWeights:
     """The fused weights of one pass (layers.Projection, layers.SharedWeight), per layer l:
 
@@ -210,7 +206,6 @@ class Beta12Transformer(DecoderLM):
         cos, sin = rope
         eps = self.config.norm_eps
         attention, kernels = self.attention_backend, self.cell_kernels
-        layout = attention.layout
         out = BlockOutput(x)
         fin_k, fin_v = out.finished_k, out.finished_v
         con_k, con_v = out.construction_k, out.construction_v
@@ -225,8 +220,8 @@ class Beta12Transformer(DecoderLM):
             parts = weights.input(l, finished)(normalized, cos, sin)
             if finished and l > 0:
                 fk, q, k, v, fv = parts
-                fin_k.append(layout.keys(fk, l - 1))
-                fin_v.append(layout.values(fv))
+                fin_k.append(fk)
+                fin_v.append(fv)
             else:
                 q, k, v = parts
             o = attention.attend(q, history.key_set(l, k, v), weights.biases[l], layer=l,
@@ -235,13 +230,13 @@ class Beta12Transformer(DecoderLM):
             x, normalized = kernels.add_rms_normalize(x, layer.attention_delta(o, branches), eps)
             mlp = layer.mlp_delta(normalized, branches, kernels)
             if construction:
-                con_k.append(layout.keys(k, l))
-                con_v.append(layout.values(v))
+                con_k.append(k)
+                con_v.append(v)
         if finished:
             x, normalized = kernels.add_rms_normalize(x, mlp, eps)
             fk, fv = weights.last_finished(normalized, cos, sin)
-            fin_k.append(layout.keys(fk, len(self.layers) - 1))
-            fin_v.append(layout.values(fv))
+            fin_k.append(fk)
+            fin_v.append(fv)
         else:
             x = x + mlp
         out.hidden = x
@@ -360,12 +355,12 @@ class Beta12Transformer(DecoderLM):
         return (self.block_step or self._block)(*args, **kwargs)
 
     def _check_static(self, setting: str) -> None:
-        backend = self.attention_backend.name
-        if backend not in STATIC_BACKENDS:
+        backend = self.attention_backend
+        if not backend.capabilities.static_step:
             raise ConfigError(f"{setting} runs the beta12 block step from fixed buffers, which "
                               f"needs an attention backend that reads the history at a start "
-                              f"held in a tensor ({' or '.join(STATIC_BACKENDS)}), not "
-                              f"execution.attention = {backend!r}")
+                              f"held in a tensor (cpu_fused or triton), not "
+                              f"execution.attention = {backend.name!r}")
 
     def parallel_plan(self) -> ParallelPlan:
         """One FSDP unit per layer; compiled: the block step (`compile_block_step`)."""

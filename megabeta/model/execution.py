@@ -13,7 +13,14 @@ from megabeta.model.config import ConfigError
 
 CHECKPOINT_MODES = ("none", "block", "wave")
 SCHEDULES = ("block", "wavefront")
-ATTENTION_BACKENDS = ("auto", "explicit", "sdpa", "cpu_flash", "cpu_fused", "cuda_flash", "triton")
+ATTENTION_BACKENDS = ("auto", "explicit", "cpu_flash", "cpu_fused", "triton")
+REMOVED_ATTENTION = {
+    "sdpa": "explicit (attention dropout) or auto",
+    "cuda_flash": "triton (what auto selects on CUDA)",
+}
+"""Backends that were dropped, and what to use instead (docs/benchmarks/2026-12-04-gpu.md:
+`cuda_flash` gave wrong bf16 gradients and a memory fault on an H200, `sdpa` ran 1.75x
+slower than `triton` there)."""
 CELL_KERNELS = ("auto", "torch", "triton")
 
 
@@ -26,7 +33,7 @@ class ExecutionConfig:
     schedule: str = "block"
     """beta12's order of (block, layer) cells: `block` (block by block) or `wavefront` (the cells of a wave b·(k+1) + l together, batched; docs/architecture.md)."""
     attention: str = "auto"
-    """Attention backend: `auto`, `explicit`, `sdpa`, `cpu_flash`, `cpu_fused`, `cuda_flash` or `triton` (docs/architecture.md)."""
+    """Attention backend: `auto`, `explicit` (the spec's softmax written out; attention dropout), `cpu_flash`, `cpu_fused` or `triton` (docs/architecture.md)."""
     cell_kernels: str = "auto"
     """RMSNorm, RoPE and SwiGLU: `torch`, `triton` (fused kernels, megabeta[gpu]) or `auto` (triton on CUDA where installed)."""
     compile: bool = False
@@ -39,6 +46,9 @@ class ExecutionConfig:
 
     def validate(self) -> None:
         """Raise `ConfigError` naming the first invalid field and its allowed values."""
+        if self.attention in REMOVED_ATTENTION:
+            raise ConfigError(f"execution.attention = {self.attention!r} was removed: use "
+                              f"{REMOVED_ATTENTION[self.attention]}")
         for name, allowed in (("activation_checkpoint", CHECKPOINT_MODES),
                               ("attention", ATTENTION_BACKENDS),
                               ("schedule", SCHEDULES),
@@ -70,4 +80,4 @@ class ExecutionConfig:
 
 
 __all__ = ["ExecutionConfig", "CHECKPOINT_MODES", "SCHEDULES", "ATTENTION_BACKENDS",
-           "CELL_KERNELS"]
+           "REMOVED_ATTENTION", "CELL_KERNELS"]

@@ -19,7 +19,7 @@ Instead:
   the backends attend to in one kernel call (`BufferedView.batches`).
 - Attention. A `BufferedView` is what the backends read (`attention.backend.StoredHistory`):
   the cpu backends attend to the groups and the block's own keys as parts merged by log-sum-exp;
-  the sdpa backend concatenates them for one call (attention/sdpa.py).
+  the triton backend reads the groups' rows straight from the buffers in one kernel.
 - Gradients. The history is read from detached views, so autograd has no edge from readers to
   the finished-KV producers. Readers add each group's key/value gradient into one gradient
   buffer shaped like the storage; `_Publish` of block b hands block b's rows to the producers in

@@ -106,10 +106,7 @@ class DecoderLM(nn.Module):
         self.cell_kernels: CellKernels = select_cell_kernels(self.execution.cell_kernels,
                                                              device=device)
         self.attention_backend: AttentionBackend = select_attention(
-            self.execution.attention, device=device, dtype=self.tok_embeddings.weight.dtype,
-            dropout=c.dropout, head_dim=c.head_dim,
-            depth_bias=self.beta_extras and c.depth_bias and c.depth_window > 0,
-            self_slot=self.beta_extras and c.self_slot)
+            self.execution.attention, device=device, dropout=c.dropout, head_dim=c.head_dim)
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "DecoderLM":
         # `to`, `cuda`, `cpu`, `to_empty`, dtype casts all end here: the device may have changed.
@@ -181,7 +178,7 @@ class DecoderLM(nn.Module):
     def _kv_buffers(self, batch: int, count: int, capacity: int) -> list[KVBuffer]:
         p = self.tok_embeddings.weight
         return [KVBuffer(batch, self.config.num_kv_heads, capacity,
-                         self.attention_backend.layout.width, p.dtype, p.device)
+                         self.config.head_dim, p.dtype, p.device)
                 for _ in range(count)]
 
     def _capacity(self, capacity: int | None) -> int:

@@ -241,7 +241,7 @@ class WaveOutput:
     """Their queries and construction K/V (layer l+1's for a continuing cell of layer l,
     layer 0's for the entering block)."""
     finished: list[tuple[Tensor, Tensor]]
-    """Every cell's finished K, V (oldest cell first), in the backend's layout."""
+    """Every cell's finished K, V (oldest cell first)."""
     hidden: Tensor | None
     """The leaving block's final hidden states `[B, c, d]`."""
 
@@ -265,7 +265,6 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
     next wave, whose layer-0 projection is laid next to the continuing cells' here."""
     kernels, eps = model.cell_kernels, model.config.norm_eps
     attention = model.attention_backend
-    layout = attention.layout
     cell = weights.cell
     n, batch, c, d = x.shape
     q, k, v = qkv
@@ -291,7 +290,7 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
         (hidden, x), (leaving, normalized) = (t.split([1, n - 1]) for t in (x, normalized))
         hidden = hidden.squeeze(0)
         fk, fv = cell.last_finished(leaving.squeeze(0), cos[wave.first], sin[wave.first])
-        finished.append((layout.keys(fk, wave.top), layout.values(fv)))
+        finished.append((fk, fv))
     continuing = None
     if len(x):
         first = wave.first + int(wave.exits)
@@ -299,7 +298,7 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
         continuing, fin = _next_inputs(normalized, weights, wave.next_stack(),
                                        cos[first:first + len(below)],
                                        sin[first:first + len(below)])
-        finished += [(layout.keys(fk, l), layout.values(fv)) for (fk, fv), l in zip(fin, below)]
+        finished += fin
     block = None
     if entering is not None:
         block = _enter(model, weights, entering)

@@ -1,5 +1,5 @@
 """beta_1.2's attention (spec §3): the key-set interface (`backend.py`), its implementations
-(`explicit.py`, `sdpa.py`, `merged.py`) and the choice among them (`select.py`)."""
+(`explicit.py`, `merged.py`, `triton_backend.py`) and the choice among them (`select.py`)."""
 
 from megabeta.model.attention.backend import (
     NO_BIAS,

@@ -28,39 +28,16 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class KeyLayout:
-    """How a backend stores keys and values: `head_dim` features, then (sdpa backend only) a
-    depth column (the source layer's index) and a self column (the sink marker), in the dtypes
-    its kernels take."""
+    """How a backend stores keys and values: `head_dim` features, in the dtypes its kernels
+    take."""
 
     head_dim: int
-    depth: bool = False
-    self_slot: bool = False
     dtypes: frozenset[torch.dtype] | None = None
     """The dtypes its history buffers can have (None: any); others are stored as float32."""
 
     def stored_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The history buffers' dtype for finished KVs computed in `dtype`."""
         return dtype if self.dtypes is None or dtype in self.dtypes else torch.float32
-
-    @property
-    def extra(self) -> int:
-        return int(self.depth) + int(self.self_slot)
-
-    @property
-    def width(self) -> int:
-        return self.head_dim + self.extra
-
-    def keys(self, k: Tensor, layer: int) -> Tensor:
-        """Keys `[B, H_kv, n, d_h]` of (source) layer `layer` in this layout."""
-        if not self.extra:
-            return k
-        wide = F.pad(k, (0, self.extra))
-        if self.depth:
-            wide[..., self.head_dim] = layer
-        return wide
-
-    def values(self, v: Tensor) -> Tensor:
-        return F.pad(v, (0, self.extra)) if self.extra else v
 
 
 @dataclass(eq=False)
@@ -311,11 +288,28 @@ class KeySet:
         return ks, vs, offsets
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, declared by it and read where a setting needs it: by the one
+    chooser (`select.select_attention`) and by the model's static-step check."""
+
+    devices: frozenset[str] | None
+    """Device types its kernels run on (None: any)."""
+    dropout: bool
+    """Attention dropout."""
+    static_step: bool
+    """Reads the history at a start held in a tensor, so that one compiled or CUDA-graphed
+    block step serves every block (`execution.compile`, `execution.cuda_graphs`)."""
+    batched_waves: bool
+    """A wave's cells in one call (`attend_wave`), rather than cell by cell."""
+
+
 class AttentionBackend(Protocol):
     """One implementation of the block's softmax over its `KeySet`."""
 
     name: str
     """Its `execution.attention` name."""
+    capabilities: Capabilities
     layout: KeyLayout
     """How keys and values are stored for it (history buffers, decode caches)."""
     reads_buffers: bool

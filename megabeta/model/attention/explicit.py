@@ -14,6 +14,7 @@ from torch import Tensor
 
 from megabeta.model.attention.backend import (
     AttentionBias,
+    Capabilities,
     CellByCell,
     KeyLayout,
     KeySet,
@@ -24,6 +25,8 @@ from megabeta.model.attention.backend import (
 class ExplicitAttention(CellByCell):
     name = "explicit"
     reads_buffers = False
+    capabilities = Capabilities(devices=None, dropout=True, static_step=False,
+                                batched_waves=False)
 
     def __init__(self, head_dim: int) -> None:
         self.layout = KeyLayout(head_dim)

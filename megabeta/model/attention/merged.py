@@ -1,4 +1,4 @@
-"""`cpu_flash`, `cpu_fused` and `cuda_flash`: the key set in parts, merged by log-sum-exp.
+"""`cpu_flash` and `cpu_fused`: the key set in parts, merged by log-sum-exp.
 
 A block's queries of layer l attend over (spec §3) the finished groups of its source layers, the
 construction KVs of earlier tokens of the block (strictly causal) and the self slot. Each part is
@@ -36,19 +36,8 @@ gradient (as torch's context-parallel ring attention does).
   with the fused kernels against 86-90 ms on ATen's. `fused_cells` runs several cells at once
   (a wave of the wavefront schedule; one block of the block schedule is a wave of one): the
   own keys of all cells in one flash call, every cell's groups in one fused-kernel call.
-- `CUDA_KERNELS` (`cuda_flash`): ATen's CUDA kernels. Flash
-  (`_scaled_dot_product_flash_attention[_backward]`, bf16/fp16 only, takes GQA's fewer key heads
-  as they are) has no mask, only `is_causal`: it serves the groups and the own keys when there is
-  no self bias. The memory-efficient kernel (`_scaled_dot_product_efficient_attention
-  [_backward]`) serves float32 and the own keys with b_σ (the mask as its `attn_bias`). Its
-  conventions are handled in `CudaKernels`: the bias in the queries' dtype (in bf16, b_σ enters
-  rounded, and its gradient is formed at that rounded value), 4-D with rows aligned to 16; the
-  lse padded to a multiple of 32 (sliced for the merge, padded again for backward); query and
-  key heads equal, so the groups fold GQA's query heads into the query rows (no copy of the
-  history) and the own keys repeat theirs.
-
-ATen's kernels that expose the lse have no dropout here: attention dropout needs the `sdpa`
-backend.
+ATen's kernels that expose the lse have no dropout here: attention dropout runs on the
+`explicit` backend.
 """
 
 from __future__ import annotations
@@ -58,13 +47,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from megabeta.kernels import finished_groups
 from megabeta.model.attention.backend import (
     AttentionBias,
+    Capabilities,
     CellByCell,
     GroupBatch,
     KeyLayout,
@@ -164,142 +153,6 @@ class CpuKernels:
 CPU_FLASH = CpuKernels()
 CPU_FUSED = CpuKernels(fused_groups=True)
 
-LSE_ALIGNMENT = 32
-"""The efficient kernel's lse rows come padded to a multiple of this (on CUDA, not on ROCm)."""
-BIAS_ALIGNMENT = 16
-"""Row stride (elements) the efficient kernel needs of its bias, as SDPA pads masks to."""
-
-
-@dataclass(frozen=True)
-class CudaKernels:
-    """ATen's CUDA flash and memory-efficient kernels (module doc). The ops are fields so that
-    tests on a machine without CUDA can put stand-ins with the same signatures in their place;
-    `flash_dtypes`: the input dtypes the flash kernel takes."""
-
-    flash: Callable[..., Any] = torch.ops.aten._scaled_dot_product_flash_attention
-    flash_backward: Callable[..., Any] = torch.ops.aten._scaled_dot_product_flash_attention_backward
-    efficient: Callable[..., Any] = torch.ops.aten._scaled_dot_product_efficient_attention
-    efficient_backward: Callable[..., Any] = (
-        torch.ops.aten._scaled_dot_product_efficient_attention_backward)
-    flash_dtypes: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16})
-
-    def mask_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        # The efficient kernel takes its bias in the inputs' dtype.
-        return dtype
-
-    def fuses_groups(self, dtype: torch.dtype) -> bool:
-        return False  # the fused kernels are CPU code
-
-    @property
-    def stored_dtypes(self) -> frozenset[torch.dtype] | None:
-        return None  # whatever the model computes in (float64 is refused by `attend`)
-
-    def _flash_fits(self, q: Tensor) -> bool:
-        # Flash's own limits on the head size (multiple of 8, at most 256).
-        return q.dtype in self.flash_dtypes and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
-
-    def own_forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None,
-                    scale: float) -> tuple[Tensor, Tensor]:
-        if mask is None and self._flash_fits(q):
-            out, lse = self.flash(q, k, v, dropout_p=0.0, is_causal=True, scale=scale)[:2]
-            return out, lse
-        heads = q.shape[1]
-        out, lse = self.efficient(q, per_query_head(k, heads), per_query_head(v, heads),
-                                  _kernel_bias(mask, q), compute_log_sumexp=True, dropout_p=0.0,
-                                  is_causal=mask is None, scale=scale)[:2]
-        return out, _unpad(lse, q.shape[2])
-
-    def own_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
-                     lse: Tensor, mask: Tensor | None,
-                     scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        n = q.shape[2]
-        if mask is None and self._flash_fits(q):
-            return self._flash_backward(grad, q, k, v, out=out, lse=lse, causal=True,
-                                        scale=scale)
-        heads, kv_heads = q.shape[1], k.shape[1]
-        no_rng = q.new_empty(0, dtype=torch.int64)  # dropout 0: the kernel reads no seed
-        dq, dk, dv = self.efficient_backward(
-            grad, q, per_query_head(k, heads), per_query_head(v, heads), _kernel_bias(mask, q),
-            out, _pad(lse), no_rng, no_rng, dropout_p=0.0,
-            grad_input_mask=[True, True, True, False], is_causal=mask is None, scale=scale)[:3]
-        # The query heads that share a key head sum its gradient (per_query_head's order).
-        return dq, _sum_heads(dk, kv_heads, n), _sum_heads(dv, kv_heads, n)
-
-    def group_forward(self, q: Tensor, k: Tensor, v: Tensor, *,
-                      scale: float) -> tuple[Tensor, Tensor]:
-        if self._flash_fits(q):
-            out, lse = self.flash(q, k, v, dropout_p=0.0, is_causal=False, scale=scale)[:2]
-            return out, lse
-        # Without a mask every query row is independent: the query heads of one key head are
-        # that head's query rows, which spares copying the history per query head.
-        heads, kv_heads = q.shape[1], k.shape[1]
-        out, lse = self.efficient(_fold(q, kv_heads), k, v, None, compute_log_sumexp=True,
-                                  dropout_p=0.0, is_causal=False, scale=scale)[:2]
-        lse = _unpad(lse, out.shape[2])
-        return _fold(out, heads), lse.reshape(q.shape[:3])
-
-    def group_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
-                       lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        if self._flash_fits(q):
-            return self._flash_backward(grad, q, k, v, out=out, lse=lse, causal=False,
-                                        scale=scale)
-        heads, kv_heads = q.shape[1], k.shape[1]
-        no_rng = q.new_empty(0, dtype=torch.int64)
-        folded_lse = lse.reshape(lse.shape[0], kv_heads, -1)
-        dq, dk, dv = self.efficient_backward(
-            _fold(grad, kv_heads), _fold(q, kv_heads), k, v, None, _fold(out, kv_heads),
-            _pad(folded_lse), no_rng, no_rng, dropout_p=0.0,
-            grad_input_mask=[True, True, True, False], is_causal=False, scale=scale)[:3]
-        return _fold(dq, heads), dk, dv
-
-    def _flash_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
-                        lse: Tensor, causal: bool,
-                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        no_rng = q.new_empty(0, dtype=torch.int64)
-        # No cumulative lengths (None): the dense, not the varlen, kernel. The lse must be
-        # contiguous (torch's ring attention notes it).
-        dq, dk, dv = self.flash_backward(grad, q, k, v, out, lse.contiguous(), None, None,
-                                         max_q=q.shape[2], max_k=k.shape[2], dropout_p=0.0,
-                                         is_causal=causal, philox_seed=no_rng,
-                                         philox_offset=no_rng, scale=scale)
-        return dq, dk, dv
-
-
-CUDA_KERNELS = CudaKernels()
-
-
-def _kernel_bias(mask: Tensor | None, q: Tensor) -> Tensor | None:
-    """The own keys' mask `[n, n]` (in the queries' dtype: `mask_dtype`) as the efficient kernel
-    takes a bias: `[B, H, n, n]` (an expanded view) with rows `BIAS_ALIGNMENT`-aligned."""
-    if mask is None:
-        return None
-    n = mask.shape[-1]
-    aligned = F.pad(mask, (0, -n % BIAS_ALIGNMENT))[:, :n]
-    return aligned.expand(q.shape[0], q.shape[1], n, n)
-
-
-def _unpad(lse: Tensor, rows: int) -> Tensor:
-    """The efficient kernel's lse `[B, H, padded]` without its padding rows."""
-    return lse[..., :rows]
-
-
-def _pad(lse: Tensor) -> Tensor:
-    """An lse `[B, H, rows]` padded as the efficient kernel's backward reads it."""
-    return F.pad(lse, (0, -lse.shape[-1] % LSE_ALIGNMENT))
-
-
-def _fold(x: Tensor, heads: int) -> Tensor:
-    """`[B, H, n, d]` as `[B, heads, H·n/heads, d]` or back: the query heads that share a key
-    head (consecutive, as in `per_query_head`) one after another in its rows."""
-    return x.reshape(x.shape[0], heads, -1, x.shape[-1])
-
-
-def _sum_heads(grad: Tensor, kv_heads: int, rows: int) -> Tensor:
-    """A gradient `[B, H, rows, d]` of `per_query_head`'s repeated heads summed per key head."""
-    if grad.shape[1] == kv_heads:
-        return grad
-    return grad.reshape(grad.shape[0], kv_heads, -1, rows, grad.shape[-1]).sum(2)
-
 
 class _MergedAttention(CellByCell):
     """A backend of the merged parts on `kernels`."""
@@ -315,7 +168,7 @@ class _MergedAttention(CellByCell):
     def attend(self, q: Tensor, keys: KeySet, bias: AttentionBias, *, layer: int,
                dropout_p: float) -> Tensor:
         if dropout_p:
-            raise ValueError(f"{self.name} attention has no dropout (select the sdpa backend)")
+            raise ValueError(f"{self.name} attention has no dropout (select the explicit backend)")
         scale = 1.0 / math.sqrt(q.shape[-1])
         if keys.stored is not None:
             # In the buffers' dtype (the kernels take one, and autocast does not reach them),
@@ -374,28 +227,9 @@ class CpuMergedAttention(_MergedAttention):
     def __init__(self, head_dim: int, *, fused_kernels: bool) -> None:
         super().__init__(head_dim, kernels=CPU_FUSED if fused_kernels else CPU_FLASH)
         self.name = "cpu_fused" if fused_kernels else "cpu_flash"
-
-
-CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""What ATen's CUDA attention kernels compute in (the efficient kernel's dtypes)."""
-
-
-class CudaMergedAttention(_MergedAttention):
-    """`cuda_flash`: the merged parts on ATen's CUDA kernels."""
-
-    name = "cuda_flash"
-
-    def __init__(self, head_dim: int) -> None:
-        super().__init__(head_dim, kernels=CUDA_KERNELS)
-
-    def attend(self, q: Tensor, keys: KeySet, bias: AttentionBias, *, layer: int,
-               dropout_p: float) -> Tensor:
-        dtype = keys.stored.dtype if keys.stored is not None else q.dtype
-        if dtype not in CUDA_DTYPES:
-            # Said here rather than by the kernel ("no kernel found to launch").
-            raise TypeError(f"{self.name} attention computes in float32, bfloat16 or float16, "
-                            f"not {dtype} (select the sdpa backend)")
-        return super().attend(q, keys, bias, layer=layer, dropout_p=dropout_p)
+        # The static step's operator (merged_op.py) and the batched wave need the fused kernels.
+        self.capabilities = Capabilities(devices=frozenset({"cpu"}), dropout=False,
+                                         static_step=fused_kernels, batched_waves=fused_kernels)
 
 
 def _piece_batches(keys: KeySet) -> list[GroupBatch]:

@@ -1,68 +1,68 @@
-"""The one place an attention backend is chosen: from `execution.attention`, the device, the
-parameters' dtype and the attention dropout, when a model is built or moved
-(`DecoderLM._select_kernels`)."""
+"""The one place an attention backend is chosen: from `execution.attention`, the device and
+the attention dropout, when a model is built or moved
+(`DecoderLM._select_kernels`). What each backend can do is declared by the backend
+(`Capabilities`); this module reads it."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
 from megabeta.kernels import finished_groups
 from megabeta.model.attention.backend import AttentionBackend
 from megabeta.model.attention.explicit import ExplicitAttention
-from megabeta.model.attention.merged import CpuMergedAttention, CudaMergedAttention
-from megabeta.model.attention import merged_op  # noqa: F401  (registers megabeta::merged_attention)
-from megabeta.model.attention.sdpa import SdpaAttention
+from megabeta.model.attention.merged import CpuMergedAttention
+import megabeta.model.attention.merged_op  # noqa: F401  (registers megabeta::merged_attention)
 from megabeta.model.cell_kernels import require_triton, triton_runs_on
 from megabeta.model.config import ConfigError
 
-CPU_ONLY = ("cpu_flash", "cpu_fused")
-FUSED = ("cpu_flash", "cpu_fused", "cuda_flash", "triton")
-"""Backends without attention dropout."""
+
+def auto_attention(*, device: torch.device, dropout: float) -> str:
+    """The fastest exact backend for this device and dropout: on CPU `cpu_fused` where its
+    kernels build, else `cpu_flash`; on CUDA `triton`; `explicit` with attention dropout, on
+    other devices, and on CUDA without Triton (with a warning: it is slow)."""
+    if dropout:
+        return "explicit"
+    if device.type == "cpu":
+        return "cpu_fused" if finished_groups.build() else "cpu_flash"
+    if device.type == "cuda":
+        if triton_runs_on(device):
+            return "triton"
+        warnings.warn("execution.attention = auto on CUDA without Triton: the explicit backend "
+                      "runs (slow, the whole score matrix per block); pip install "
+                      "'megabeta[gpu]'", stacklevel=2)
+    return "explicit"
 
 
-def select_attention(name: str, *, device: torch.device, dtype: torch.dtype, dropout: float,
-                     head_dim: int, depth_bias: bool, self_slot: bool) -> AttentionBackend:
-    """The backend `name` (or, for `auto`, the fastest exact one for this device and dropout).
-
-    `depth_bias`/`self_slot`: whether the arm's scores carry them (the sdpa backend stores a
-    key column for each). `auto` without attention dropout: on CPU `cpu_fused` where its
-    kernels build, else `cpu_flash`; on CUDA `triton` where Triton is installed, else
-    `cuda_flash` (float64: `sdpa`, ATen's CUDA kernels have no float64); with dropout `sdpa`.
-    """
-    cpu, cuda = device.type == "cpu", device.type == "cuda"
+def select_attention(name: str, *, device: torch.device, dropout: float,
+                     head_dim: int) -> AttentionBackend:
+    """The backend `name` (`auto`: `auto_attention`), checked against what it declares it
+    can do; a `ConfigError` naming the setting and the way out otherwise."""
     if name == "auto":
-        if dropout or not (cpu or cuda):
-            name = "sdpa"
-        elif cpu:
-            name = "cpu_fused" if finished_groups.build() else "cpu_flash"
-        elif triton_runs_on(device):
-            name = "triton"
-        else:
-            name = "sdpa" if dtype == torch.float64 else "cuda_flash"
+        name = auto_attention(device=device, dropout=dropout)
+    setting = f"execution.attention = {name!r}"
+    if name == "triton":
+        require_triton(device, setting)
+    elif name == "cpu_fused" and not finished_groups.build():
+        raise ConfigError(f"{setting}: the fused CPU kernels could not be built here (the "
+                          "warning above says why): use cpu_flash or auto")
+    backend = _construct(name, head_dim)
+    caps = backend.capabilities
+    if dropout and not caps.dropout:
+        raise ConfigError(f"{setting} has no attention dropout (model.dropout = {dropout}): "
+                          "use auto or explicit")
+    if caps.devices is not None and device.type not in caps.devices:
+        raise ConfigError(f"{setting} runs on {' or '.join(sorted(caps.devices))} only, this "
+                          f"model is on {device}: use auto")
+    return backend
+
+
+def _construct(name: str, head_dim: int) -> AttentionBackend:
     if name == "explicit":
         return ExplicitAttention(head_dim)
-    if name == "sdpa":
-        return SdpaAttention(head_dim, depth_bias=depth_bias, self_slot=self_slot)
-    if dropout and name in FUSED:
-        raise ConfigError(f"execution.attention = {name!r} has no attention dropout "
-                          f"(model.dropout = {dropout}): use auto or sdpa")
-    if name in CPU_ONLY and not cpu:
-        raise ConfigError(f"execution.attention = {name!r} runs on CPU only, this model is on "
-                          f"{device}: use auto or sdpa")
-    if name == "cuda_flash" and not cuda:
-        raise ConfigError(f"execution.attention = 'cuda_flash' runs on CUDA only, this model is on "
-                          f"{device}: use auto")
-    if name == "cpu_fused" and not finished_groups.build():
-        raise ConfigError("execution.attention = 'cpu_fused': the fused CPU kernels could not be "
-                          "built here (the warning above says why): use cpu_flash or auto")
     if name == "triton":
-        require_triton(device, "execution.attention = 'triton'")
         from megabeta.model.attention.triton_backend import TritonAttention  # imports triton
 
-        # Calls that bring the history as pieces (decoding) take the device's merged path.
-        pieces = (CudaMergedAttention(head_dim) if cuda
-                  else CpuMergedAttention(head_dim, fused_kernels=False))
-        return TritonAttention(head_dim, pieces)
-    if name == "cuda_flash":
-        return CudaMergedAttention(head_dim)
+        return TritonAttention(head_dim)
     return CpuMergedAttention(head_dim, fused_kernels=name == "cpu_fused")

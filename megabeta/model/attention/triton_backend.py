@@ -16,9 +16,8 @@ On the wavefront schedule (spec §5) the cells of a wave, on consecutive blocks 
 step down by k+1, go to the same kernels as one call of stacked cells (`attend_wave`): one
 launch forward and one backward per wave, whatever the number of cells.
 
-Decoding and the explicit reference hand attention the history as pieces; those calls go to the
-merged path of the device (`merged.py`: ATen's CUDA or CPU kernels), which computes the same
-function.
+Decoding hands attention the history as pieces; those calls go to the `explicit` backend,
+which computes the same function (a decoding step's score matrix is one row per query).
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ from torch import Tensor
 
 from megabeta.kernels import triton_attention
 from megabeta.model.attention.backend import (
-    AttentionBackend,
     AttentionBias,
+    Capabilities,
     CellByCell,
     KeyLayout,
     KeySet,
@@ -39,17 +38,22 @@ from megabeta.model.attention.backend import (
     WaveBias,
     after_backward,
 )
+from megabeta.model.attention.explicit import ExplicitAttention
 
 
 class TritonAttention(CellByCell):
-    """The `triton` backend; `pieces` serves the calls that come with the history as pieces."""
+    """The `triton` backend; `pieces` (explicit) serves the calls that come with the history as
+    pieces."""
 
     name = "triton"
     reads_buffers = True
+    # CUDA (or a CPU under Triton's interpreter: select.py asks cell_kernels.require_triton).
+    capabilities = Capabilities(devices=frozenset({"cuda", "cpu"}), dropout=False,
+                                static_step=True, batched_waves=True)
 
-    def __init__(self, head_dim: int, pieces: AttentionBackend) -> None:
+    def __init__(self, head_dim: int) -> None:
         self.layout = KeyLayout(head_dim)
-        self.pieces = pieces
+        self.pieces = ExplicitAttention(head_dim)
 
     def attend(self, q: Tensor, keys: KeySet, bias: AttentionBias, *, layer: int,
                dropout_p: float) -> Tensor:
@@ -114,7 +118,7 @@ class TritonAttention(CellByCell):
 
 def _no_dropout(dropout_p: float) -> None:
     if dropout_p:
-        raise ValueError("triton attention has no dropout (select the sdpa backend)")
+        raise ValueError("triton attention has no dropout (select the explicit backend)")
 
 
 def _gradient_buffers(stored: StoredHistory) -> tuple[Tensor, Tensor]:
