@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megabeta.bench import gpu
+from megabeta.model import ExecutionConfig
 from megabeta.model.attention.backend import AttentionBias, KeySet
 from megabeta.model.attention.explicit import ExplicitAttention
 
@@ -221,3 +222,14 @@ def test_wavefront_check_compares_with_the_block_schedule(tmp_path: Path,
     monkeypatch.setattr(wavefront.WaveWeights, "__init__", zero_self_bias)
     gpu.check_wavefront(run, "cpu_flash", "fp32", fields, length=length, case="mha")
     assert rows[1]["verdict"] == "FAIL", rows[1]
+
+
+def test_profile_step_says_where_a_step_goes() -> None:
+    """The speed section's profile row: one step's wall time and its busiest operators (on a
+    GPU also the kernel time's share of it, which tells a waiting device from a busy one)."""
+    config = gpu._tiny_config()
+    model = gpu._build(config, torch.device("cpu"), ExecutionConfig(activation_checkpoint="block"))
+    row = gpu.profile_step(model, torch.randint(0, config.vocab_size, (2, 17)), top=3)
+    assert row["wall_s"] > 0 and row["device_busy"] is None and row["kernel_launches"] == 0
+    ops = row["top_ops"].split("; ")
+    assert len(ops) == 3 and any(op.startswith("aten::mm") for op in ops), ops

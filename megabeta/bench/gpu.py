@@ -959,6 +959,37 @@ def measure(run: Run, config: ModelConfig, execution: ExecutionConfig, batch: in
                   model.attention_backend.name, count[0], repeats)
 
 
+def profile_step(model: DecoderLM, tokens: Tensor, *, top: int = 6) -> dict[str, Any]:
+    """One training step (`_train_step`, after a warm-up step) under torch.profiler: its wall
+    time, the device's kernel time within it (`device_busy`: their ratio; low means the device
+    waits for the host), the kernel launches the host made, and the `top` operators by self
+    device time (by self CPU time on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _train_step(model, tokens)
+    cuda = tokens.device.type == "cuda"
+    step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        begin = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize(tokens.device)
+        wall = time.perf_counter() - begin
+    averages = prof.key_averages()
+
+    def device_us(avg: Any) -> float:
+        return getattr(avg, "self_device_time_total", 0.0) or 0.0
+
+    busy = sum(device_us(a) for a in averages) / 1e6
+    launches = sum(a.count for a in averages if "LaunchKernel" in a.key)
+    rank = device_us if cuda else (lambda a: a.self_cpu_time_total)
+    ops = sorted(averages, key=rank, reverse=True)[:top]
+    return dict(wall_s=wall, device_busy=busy / wall if cuda else None,
+                kernel_launches=launches,
+                top_ops="; ".join(f"{a.key[:60]} {rank(a) / 1e3:.1f} ms x{a.count}" for a in ops))
+
+
 def _beta_attention(run: Run) -> tuple[str, str | None]:
     """The attention backend the speed sections give the beta arms, and why when it is not
     --attention."""
@@ -1106,6 +1137,24 @@ def section_speed(run: Run) -> None:
                         timing.seconds / block[(length, 1)].seconds)
                 report.add(key, row)
 
+    def profile(length: int) -> None:
+        """Where the beta arm's step time goes (`profile_step`): device busy or waiting."""
+        label = f"profile of beta_1.2 t19_flash {length} tokens batch 1 eager"
+        why = run.budget.why_not(estimate(length, "eager", 1), reserve)
+        if why:
+            report.not_run(key, label, why)
+            return
+        with attempt(run, key, label):
+            _free(run.device)
+            torch.manual_seed(0)
+            config = _speed_config(run, "beta12", length)
+            model = _build(config, run.device, ExecutionConfig(attention=attention,
+                                                               activation_checkpoint="block"))
+            tokens = torch.randint(0, config.vocab_size, (1, length + 1), device=run.device)
+            report.add(key, dict(arm="beta_1.2 t19_flash", tokens=length, batch=1,
+                                 mode="eager (profiled)", attention=model.attention_backend.name,
+                                 **profile_step(model, tokens)))
+
     def search(length: int) -> None:
         """Double the beta arm's micro-batch until it runs out of memory (one step each)."""
         config = _speed_config(run, "beta12", length)
@@ -1146,7 +1195,7 @@ def section_speed(run: Run) -> None:
         report.not_run(key, "mode graphed (execution.cuda_graphs = true)",
                        "CUDA graphs need a CUDA device")
     tasks: list[tuple[str, int, str]] = [("b1", n, "eager") for n in lengths]
-    tasks += [("compare", lengths[0], "eager")]
+    tasks += [("compare", lengths[0], "eager"), ("profile", lengths[0], "eager")]
     if "wavefront" in modes:
         tasks += [("b1", n, "wavefront") for n in lengths]
     tasks += [("b1", lengths[0], mode) for mode in modes if mode != "wavefront"]
@@ -1160,6 +1209,9 @@ def section_speed(run: Run) -> None:
     for kind, length, mode in tasks:
         if kind == "compare":
             compare(length)
+            continue
+        if kind == "profile":
+            profile(length)
             continue
         label = f"{length} tokens, {'batch 1' if kind == 'b1' else 'largest batch'}, {mode}"
         if kind == "max":
