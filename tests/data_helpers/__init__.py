@@ -1,1 +1,0 @@
-"""Shared helpers of the data-pipeline tests (tests/test_data_*.py)."""
