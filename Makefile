@@ -15,7 +15,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # compiles the GPU kernels with it too (tests/test_bench_kernels.py).
 OLDEST_TRITON ?= triton==3.6.0
 
-.PHONY: test demo bench-model bench-data venv
+.PHONY: test test-fast demo bench-model bench-data venv
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,6 +33,10 @@ venv: $(VENV)/.installed
 
 test: $(VENV)/.installed $(VENV)/triton-3.6/.installed
 	$(PY) -m pytest tests
+
+# The unit tests alone (tests/unit/<package>/), for the inner loop: a few minutes on 2 cores.
+test-fast: $(VENV)/.installed $(VENV)/triton-3.6/.installed
+	$(PY) -m pytest tests/unit
 
 demo: $(VENV)/.installed
 	$(PY) -m megabeta.demo

@@ -20,7 +20,7 @@ os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.envir
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from train_helpers import build_dataset
+from support.train_helpers import build_dataset
 
 
 @pytest.fixture(scope="session")

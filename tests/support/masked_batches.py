@@ -1,5 +1,5 @@
 """A fixed global batch of masked samples with very unequal scored counts, shared by the masked-loss
-tests and their multi-rank worker (tests/data_helpers/masked_step_worker.py)."""
+tests and their multi-rank worker (tests/support/masked_step_worker.py)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from data_helpers.masked_batches import (
+from support.masked_batches import (
     ATTENTION,
     flat_gradients,
     global_samples,
@@ -23,7 +23,7 @@ from data_helpers.masked_batches import (
 from megabeta.config import config_from_flat
 from megabeta.engine.torch_engine import TorchEngine
 from megabeta.train.loop import accumulate_step
-from model_helpers import tiny_model
+from support.model_helpers import tiny_model
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ import json
 import random
 from pathlib import Path
 
-from data_helpers.corpus import documents
+from support.corpus import documents
 
 Segments = list[tuple[str, bool]]
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from dist_helpers import free_port, launcher_free_environ, port_is_free
+from support.dist_helpers import free_port, launcher_free_environ, port_is_free
 
 REQUIRE_VARIABLE = "MEGABETA_REQUIRE_SLURM"
 """Set to 1 (CI does) to fail instead of skip when SLURM cannot run here."""

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from data_helpers.corpus import documents, tokenize, train_tiny_tokenizer, write_jsonl
+from support.corpus import documents, tokenize, train_tiny_tokenizer, write_jsonl
+from support import REPO
 
 if TYPE_CHECKING:
     from megabeta.train.loop import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
 
 # A 2-layer beta_1.2 of width 32: a step takes milliseconds, so the tests time the framework.
 TINY_CONFIG = REPO / "configs" / "tiny_cpu.toml"

@@ -1,0 +1,94 @@
+"""The captured block step (`execution.cuda_graphs`, model/block_graphs.py), checked on a CPU
+with `EagerCapture` in place of CUDA graphs: the fixed tensors, the copies in and out and the
+hand-out of the weights' gradients give the eager loop's loss and gradients."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megabeta.kernels import finished_groups
+from megabeta.model import ConfigError, ExecutionConfig, build_model
+from megabeta.model.block_graphs import BlockGraphs, EagerCapture
+from megabeta.model.history import StepView
+
+from support.model_helpers import assert_trains_like, tiny_config, tiny_model, tokens
+
+
+@pytest.mark.skipif(not finished_groups.build(),
+                    reason="the fused C++ kernels do not build on this machine")
+def test_replayed_steps_train_like_the_eager_loop() -> None:
+    model = tiny_model(torch.float64, attention="cpu_fused", activation_checkpoint="block",
+                       block_size=4, num_kv_heads=2)
+    eager = copy.deepcopy(model)
+    capture = EagerCapture()
+    model.block_graphs = BlockGraphs(model._graphed_step, capture)
+    assert_trains_like(model, eager, steps=2, length=22,
+                       tolerance=dict(rtol=1e-10, atol=1e-13))
+    # One forward and one backward graph, captured at the first step and replayed since (the
+    # second step's new weights were copied in, not captured again).
+    assert capture.captured == 2
+    model.eval()
+    eager.eval()
+    with torch.no_grad():
+        x = tokens(2, 22, seed=5)
+        torch.testing.assert_close(model(x), eager(x), rtol=1e-12, atol=1e-14)
+    assert capture.captured == 2
+
+
+def test_cuda_graphs_need_block_checkpointing() -> None:
+    with pytest.raises(ConfigError, match="activation_checkpoint = block"):
+        ExecutionConfig(cuda_graphs=True)
+
+
+def test_cuda_graphs_on_a_cpu_model_say_so() -> None:
+    model = build_model(tiny_config(), ExecutionConfig(cuda_graphs=True,
+                                                       activation_checkpoint="block"))
+    x = tokens(length=10)
+    with pytest.raises(ConfigError, match="execution.cuda_graphs = true needs a CUDA device"):
+        model(x[:, :-1], x[:, 1:])
+
+
+
+class _OneWeight:
+    """The pass weights' interface (`tensors`, `with_tensors`) around one matrix."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.w]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> "_OneWeight":
+        return _OneWeight(next(iter(tensors)))
+
+
+def test_replayed_steps_keep_the_forwards_autocast() -> None:
+    """Training runs under bf16 autocast with float32 weights, and autograd runs the backward
+    graph's recompute outside the forward's autocast context: the graphs re-enter the state
+    the forward ran in (on a GPU the recompute met a bf16 activation with a float32 weight)."""
+    seen: list[tuple[bool, torch.dtype]] = []
+
+    def step(x, rope, view, weights):  # a one-matmul "block" that records what it ran under
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        hidden = x @ weights.w
+        return SimpleNamespace(hidden=hidden, finished_k=[hidden], finished_v=[hidden])
+
+    graphs = BlockGraphs(step, EagerCapture())
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(1, 3, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        history = graphs.history_buffers((1, 1, 1, 3, 4), torch.bfloat16, x.device)
+        view = StepView(*history, torch.zeros((), dtype=torch.int64), None, [[]], 0)
+        graphs.begin_pass(_OneWeight(w), blocks=1)
+        hidden = graphs.run(x, (torch.ones(3), torch.ones(3)), view)[0]
+    assert hidden.dtype == torch.bfloat16
+    hidden.float().sum().backward()  # outside autocast, as autograd runs it
+    assert seen and all(state == (True, torch.bfloat16) for state in seen), seen
+    # d/dx and d/dw of sum(x @ w), at bf16 resolution; w's handed out by the pass's last block.
+    torch.testing.assert_close(x.grad, w.detach().sum(1).expand(1, 3, 4), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(w.grad, x.detach().sum((0, 1))[:, None].expand(4, 4),
+                               rtol=1e-2, atol=1e-2)

@@ -1,0 +1,131 @@
+"""The static block step (`Beta12Transformer.compile_block_step`): one compiled graph serves
+every full block of a sequence, and computes what the eager block loop computes (which the
+exactness tests hold to the naive reference), gradients included."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+
+from megabeta.model import ConfigError, build_model, ExecutionConfig
+from megabeta.model.attention import merged_op  # noqa: F401  (registers the operators)
+from megabeta.kernels import finished_groups
+from megabeta.parallel.wrap import apply_compile
+
+from support.model_helpers import assert_trains_like, randomise, tiny_config, tiny_model, tokens
+
+pytestmark = pytest.mark.skipif(not finished_groups.build(),
+                                reason="the fused C++ kernels do not build on this machine")
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("dtype,checkpoint,flags,traced_at", [
+    (torch.float64, "block", dict(num_kv_heads=2), 0),
+    (torch.float32, "none", dict(deep_token_window=6, depth_window=1), 4),
+], ids=["float64-block-gqa", "float32-none-window-traced-later"])
+def test_one_graph_for_every_block(dtype: torch.dtype, checkpoint: str, flags: dict,
+                                   traced_at: int) -> None:
+    """Five full blocks (history 0, 4, … 16 tokens) and a ragged one, two training steps: one
+    graph, compiled once; loss and every gradient as the eager loop's. `traced_at`: the first
+    step runs the blocks before it eagerly, so the graph is traced at a block that reads a
+    history (its anchor then comes from a publish: the ordering edge must survive tracing)."""
+    model = tiny_model(dtype, attention="cpu_fused", activation_checkpoint=checkpoint,
+                       block_size=4, **flags)
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    apply_compile(model)
+    assert model.block_step is not None
+    calls, steps = [], []
+    compiled = model.block_step
+
+    def step(*args, **kwargs):
+        start = args[2].start.item()
+        if len(steps) == 1 and start < traced_at:
+            return model._block(*args, **kwargs)
+        calls.append(start)
+        return compiled(*args, **kwargs)
+
+    model.block_step = step
+    tolerance = dict(rtol=1e-11, atol=1e-13) if dtype == torch.float64 else dict(rtol=1e-4,
+                                                                                 atol=1e-6)
+    assert_trains_like(model, eager, steps=2, length=22, tolerance=tolerance,
+                       before_step=steps.append)
+    assert _graphs() == 1
+    # The full blocks through the graph (again in backward, recomputed under checkpointing);
+    # the ragged last one (2 tokens) eagerly.
+    assert sorted(set(calls)) == [0, 4, 8, 12, 16]
+    assert len(calls) == 5 * 2 * (2 if checkpoint == "block" else 1) - traced_at // 4
+
+
+def test_one_graph_under_bf16_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.precision = bf16 with a compiled step: the projections compute in bf16 and the
+    fused kernels, which take float32 and float64, read a float32 history
+    (`KeyLayout.stored_dtype`); loss and gradients as the eager loop's under autocast."""
+    from megabeta.model.history import BufferedHistory
+
+    dtypes = []
+    allocate = BufferedHistory.allocate
+    monkeypatch.setattr(BufferedHistory, "allocate", lambda self, *args, **kwargs: (
+        dtypes.append(self.dtype), allocate(self, *args, **kwargs))[1])
+    model = tiny_model(torch.float32, attention="cpu_fused", block_size=4)
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    apply_compile(model)
+    x, y = tokens(2, 14), tokens(2, 14, seed=10)
+    for m in (model, eager):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # backward outside, as TorchEngine
+            loss = m(x, y)
+        loss.backward()
+        m.loss = loss.detach()
+    torch.testing.assert_close(model.loss, eager.loss, rtol=1e-2, atol=1e-2)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3, msg=name)
+    assert _graphs() == 1 and dtypes == [torch.float32]
+
+
+def test_compile_needs_a_backend_that_reads_the_start_from_a_tensor() -> None:
+    model = build_model(tiny_config(), ExecutionConfig(attention="cpu_flash"))
+    with pytest.raises(ConfigError, match="execution.attention = 'cpu_flash'"):
+        apply_compile(model)
+
+
+def test_other_arms_compile_their_residual_branches() -> None:
+    model = randomise(build_model(tiny_config(arch="standard"), ExecutionConfig()).float())
+    x = tokens(length=20)
+    eager = model(x[:, :-1], x[:, 1:]).item()
+    names = list(model.state_dict())
+    apply_compile(model)
+    for layer in model.layers:
+        assert hasattr(layer.attention_delta, "_torchdynamo_orig_callable")
+        assert hasattr(layer.mlp_delta, "_torchdynamo_orig_callable")
+    assert model(x[:, :-1], x[:, 1:]).item() == pytest.approx(eager, rel=1e-5)
+    assert list(model.state_dict()) == names
+
+
+@pytest.mark.parametrize("start", [0, 5])
+def test_merged_attention_operator_is_well_registered(start: int) -> None:
+    """Schema, fake implementation (shapes and strides) and autograd registration agree with
+    the real operator (torch.library.opcheck), with and without history rows."""
+    gen = torch.Generator().manual_seed(start)
+
+    def rand(*shape: int, grad: bool = False) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(grad)
+
+    layers, batch, heads, kv, n, length, d = 3, 2, 4, 2, 3, 12, 8
+    q = rand(batch, n, heads, d, grad=True).transpose(1, 2)
+    k, v = rand(batch, kv, n, d, grad=True), rand(batch, kv, n, d, grad=True)
+    hist = [rand(layers, batch, kv, length, d) for _ in range(2)]
+    grads = [torch.zeros(layers, batch, kv, length, d, dtype=torch.float64) for _ in range(2)]
+    args = (q, k, v, *hist, *grads, torch.arange(length)[start], rand(1, grad=True),
+            rand(heads, grad=True), None, [1, 2], 1, 0, d ** -0.5)
+    torch.library.opcheck(torch.ops.megabeta.merged_attention.default, args,
+                          test_utils=("test_schema", "test_autograd_registration",
+                                      "test_faketensor"))

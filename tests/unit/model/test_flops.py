@@ -1,0 +1,55 @@
+"""Analytic FLOPs against torch's own FLOP counter and against brute-force key counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from megabeta.model.flops import attention_flops, dense_flops
+from support.model_helpers import tiny_config, tiny_model, tokens
+
+T = 19
+
+
+@pytest.mark.parametrize("overrides", [dict(block_size=4), dict(block_size=T),
+                                       dict(arch="standard"), dict(arch="looped", loops=2),
+                                       dict(block_size=5, num_kv_heads=2, tie_embedding=False)])
+def test_dense_flops_match_torch_flop_counter(overrides: dict) -> None:
+    """Weight matmuls run as aten.mm; everything else (attention) as bmm/SDPA."""
+    model = tiny_model(attention="explicit", **overrides)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(tokens(batch=1, length=T))
+    counts = counter.get_flop_counts()["Global"]
+    mm = sum(v for op, v in counts.items() if "mm" in str(op) and "bmm" not in str(op))
+    assert mm == dense_flops(model.config, T)
+
+
+def brute_force_keys(config, length: int) -> int:
+    """Visible keys per (query, layer), straight from the spec §3 table."""
+    c, w, total = config.block_size, config.deep_token_window, 0
+    for layer in range(config.num_layers):
+        for i in range(length):
+            start = i // c * c
+            for m in config.source_layers(layer):
+                lo = max(0, start - w) if w > 0 and m > layer else 0
+                total += start - lo
+            total += i - start + 1
+    return total
+
+
+@pytest.mark.parametrize("overrides", [dict(block_size=1), dict(block_size=4),
+                                       dict(block_size=4, deep_token_window=3, depth_stride=2,
+                                            depth_window=3, num_layers=4)])
+def test_attention_flops_count_visible_keys(overrides: dict) -> None:
+    config = tiny_config(**overrides)
+    per_key = 4 * config.head_dim * config.num_heads
+    assert attention_flops(config, T) == per_key * brute_force_keys(config, T)
+
+
+def test_one_block_costs_what_the_standard_arm_costs() -> None:
+    beta = tiny_config(block_size=T)
+    standard = beta.replace(arch="standard")
+    assert attention_flops(beta, T) == attention_flops(standard, T)
+    assert dense_flops(beta, T) == dense_flops(standard, T)
