@@ -205,11 +205,11 @@ def eval_main(argv: list[str] | None = None) -> int:
         _, tokenizer_sha = resolve_tokenizer(source, args.tokenizer, args.force_tokenizer,
                                              need_file=False)
         paths, seq_len, val_fraction = _eval_settings(args, source)
-        model = load_model(args.checkpoint, device=device)
         # Samples as the run cut them: packed, or document-aligned and masked past the end.
         data = build_train_val(paths, None, seq_len=seq_len, val_fraction=val_fraction,
                                align=source.data.get("align", "packed"))
         _check_data_tokenizer(data, tokenizer_sha, source, args.force_tokenizer)
+        model = load_model(args.checkpoint, device=device)
         result = _evaluate_data(model, data, args.batch_size, args.batches, device)
     except (CheckpointError, DataError, UsageError) as err:
         return _fail(str(err))
