@@ -236,12 +236,24 @@ class MonitorConfig:
 
 @dataclass
 class EvalConfig:
-    """Periodic evaluation on the validation split."""
+    """Periodic evaluation on the validation split, and downstream evals (task files, lm-eval tasks)."""
 
     interval: int = 0
     """Evaluate every N steps (0 = only at the end)."""
     batches: int = 8
     """Micro-batches per evaluation (per rank); 0 = the whole validation split."""
+    downstream_interval: int = 0
+    """Run the downstream evals (eval.tasks, eval.lm_eval_tasks) every N steps and at the end (0 = only at the end)."""
+    tasks: list[str] = field(default_factory=list)
+    """Task files of `megabeta tasks make` scored for exact-match accuracy, sharded across ranks (needs the run's tokenizer)."""
+    lm_eval_tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness task names run on rank 0 (megabeta[eval]), e.g. hellaswag,arc_easy."""
+    lm_eval_include: str = ""
+    """Folder of task YAML files for eval.lm_eval_tasks of your own (the harness's include path)."""
+    lm_eval_limit: float = 0.0
+    """Documents per lm-eval task: a count, or a share when < 1 (0 = all)."""
+    lm_eval_num_fewshot: int = -1
+    """Few-shot examples per lm-eval prompt (-1 = each task's own, else 0)."""
 
 
 @dataclass
@@ -316,6 +328,16 @@ class TrainConfig:
         need(self.logging.interval >= 1, "logging.interval", self.logging.interval, "must be >= 1")
         need(self.eval.interval >= 0, "eval.interval", self.eval.interval, "must be >= 0")
         need(self.eval.batches >= 0, "eval.batches", self.eval.batches, "must be >= 0")
+        e = self.eval
+        need(e.downstream_interval >= 0, "eval.downstream_interval", e.downstream_interval,
+             "must be >= 0 (0 = only at the end)")
+        need(e.lm_eval_limit >= 0 and (e.lm_eval_limit < 1 or float(e.lm_eval_limit).is_integer()),
+             "eval.lm_eval_limit", e.lm_eval_limit,
+             "must be 0 (all), a whole number of documents, or a share in (0, 1)")
+        need(e.lm_eval_num_fewshot >= -1, "eval.lm_eval_num_fewshot", e.lm_eval_num_fewshot,
+             "must be >= 0, or -1 for each task's own")
+        need(not e.lm_eval_include or e.lm_eval_tasks, "eval.lm_eval_include", e.lm_eval_include,
+             "names task definitions for eval.lm_eval_tasks, which is empty; set both")
         parse_steps(self.profile.steps)
         need(self.profile.top_ops >= 0, "profile.top_ops", self.profile.top_ops, "must be >= 0")
         m = self.monitor

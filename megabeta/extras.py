@@ -14,7 +14,8 @@ from types import ModuleType
 from megabeta.model.config import ConfigError
 
 # How a module's distribution is called in messages.
-_NAMES = {"deepspeed": "DeepSpeed", "mpi4py": "mpi4py", "wandb": "Weights & Biases (wandb)"}
+_NAMES = {"deepspeed": "DeepSpeed", "mpi4py": "mpi4py", "wandb": "Weights & Biases (wandb)",
+          "lm_eval": "lm-evaluation-harness (lm-eval)", "matplotlib": "matplotlib"}
 
 
 class MissingExtra(ConfigError):

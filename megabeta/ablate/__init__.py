@@ -9,5 +9,6 @@
              the state suite's task data (generated, tokenizer trained, tokenized) when not given
     summary  mean ± standard deviation over seeds, deltas against the reference arm; Markdown,
              CSV and JSON
+    plot     summary.png: loss curves per arm (mean over seeds, min-max band), task accuracies
     cli      `megabeta ablate --help`
 """

@@ -31,15 +31,18 @@ from megabeta.ablate.suites import (
     check_equal_parameters,
     suite_arms,
 )
+from megabeta.ablate.plot import write_plot
 from megabeta.ablate.summary import summarize, write_summary
 from megabeta.checkpoint import CheckpointError
 from megabeta.data import DataError
+from megabeta.extras import MissingExtra
 from megabeta.model.config import ConfigError, preset_names
 
 DESCRIPTION = """Train every arm (preset names or config files) through the real trainer
 (`python -m megabeta.train`) on the same data in the same order (same data seed and global
 batch), one after another, evaluate each on the same held-out split (and, for task datasets, the
-exact-match task accuracy), and write OUT/summary.md, .csv and .json: arm, parameters, test loss,
+exact-match task accuracy), and write OUT/summary.md, .csv, .json and .png (loss curves and task
+accuracies per arm; needs megabeta[plot]): arm, parameters, test loss,
 perplexity (or accuracy), s/batch, tokens/s, the reference (standard) arm first, deltas against
 it; with several seeds, mean ± sample standard deviation. Each arm-seed is a trainer run under
 OUT/runs/ARM-seedS (`tensorboard --logdir OUT/runs` shows them all, test/* scalars included).
@@ -134,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--eval-batches", type=int, default=0,
                        help="evaluate at most this many batches of the held-out split; 0 = all "
                        "of it (default: 0)")
+    train.add_argument("--eval-every", type=int,
+                       help="validation-loss evaluation interval of the training runs, the "
+                       "held-out curve of summary.png (default: the checkpoint interval; 0 = "
+                       "at the end only)")
     train.add_argument("--checkpoint-every", type=int,
                        help="checkpoint interval in steps, what a killed run resumes from "
                        "(default: batches / 4; article: 1000)")
@@ -214,6 +221,7 @@ def plan(args: argparse.Namespace, say=print) -> tuple[Settings, list, str, dict
         _positive("--" + name.replace("_", "-"), getattr(args, name),
                   zero_ok=name == "warmup")
     _positive("--eval-batches", args.eval_batches, zero_ok=True)
+    _positive("--eval-every", args.eval_every, zero_ok=True)
     _positive("--stop-after", args.stop_after, zero_ok=True)
     if not 0.0 <= args.val_fraction < 1.0:
         raise AblationError(f"--val-fraction {args.val_fraction}: must be in [0, 1)")
@@ -281,6 +289,7 @@ def plan(args: argparse.Namespace, say=print) -> tuple[Settings, list, str, dict
         raise AblationError(f"--global-batch {global_batch}: not a multiple of --micro-batch "
                             f"{micro_batch} x --nproc {args.nproc}")
     base = args.base_config
+    checkpoint_every = args.checkpoint_every or scale.checkpoint_every or max(1, batches // 4)
     settings = Settings(
         out=out, scale=scale, data=data, tokenizer=tokenizer, seq_len=seq_len,
         val_fraction=0.0 if test_data else args.val_fraction, align=align,
@@ -290,10 +299,11 @@ def plan(args: argparse.Namespace, say=print) -> tuple[Settings, list, str, dict
         warmup_steps=(args.warmup if args.warmup is not None else
                       None if base else max(1, round(batches * scale.warmup_fraction))),
         eval_batches=args.eval_batches,
-        checkpoint_every=args.checkpoint_every or scale.checkpoint_every
-        or max(1, batches // 4),
+        checkpoint_every=checkpoint_every,
         base_config=str(Path(base).resolve()) if base and Path(base).is_file() else base,
-        extra=[f"--{item}" for item in args.set], nproc=args.nproc, device=_device(args.device))
+        extra=[f"--{item}" for item in args.set], nproc=args.nproc, device=_device(args.device),
+        eval_every=checkpoint_every if args.eval_every is None else args.eval_every)
+    _check_trainer_settings(settings, arms)
     vocab = _sidecar_vocab(data[0]) if Path(f"{data[0]}.json").is_file() else None
     problems = check_equal_parameters(arms, reference, vocab)
     if problems:
@@ -317,6 +327,25 @@ def plan(args: argparse.Namespace, say=print) -> tuple[Settings, list, str, dict
         "vocabulary": vocab if vocab else "from the data",
     }
     return settings, arms, reference, header
+
+
+def _check_trainer_settings(settings: Settings, arms: list) -> None:
+    """Every arm's trainer arguments (the scale's, --base-config, --set, the model) load as a
+    valid run config here, before any arm trains: a bad --set fails at once, not in the first
+    trainer launch."""
+    from megabeta.ablate.runner import trainer_args
+    from megabeta.config import load_config
+
+    for arm in arms:
+        args = trainer_args(settings, arm, settings.seeds[0], settings.out / "runs" / "check")
+        config_file = next((a.partition("=")[2] for a in args if a.startswith("--config=")),
+                           None)
+        try:
+            load_config(config_file, [a for a in args if not a.startswith("--config=")])
+        except ConfigError as err:
+            raise AblationError(f"arm {arm.name}: its trainer settings (the scale's, "
+                                f"--base-config, --set) are not a valid run config: {err}") \
+                from None
 
 
 def _device(given: str | None) -> str:
@@ -362,12 +391,8 @@ def execute(settings: Settings, arms, reference: str, header: dict[str, Any], *,
             "arms": [{"name": a.name, "source": a.source, "fair": a.fair,
                       "model": dataclasses.asdict(a.model)} for a in arms]})
         runs = [(arm, seed) for seed in settings.seeds for arm in arms]
-        evaluator: list[Evaluator] = []
-
-        def get_evaluator() -> Evaluator:
-            if not evaluator:
-                evaluator.append(Evaluator(settings))
-            return evaluator[0]
+        # Opened (datasets, tokenizer, task files checked) before the first arm trains.
+        evaluator = Evaluator(settings, max_seq_len=min(a.model.max_seq_len for a in arms))
 
         results, trained, status = [], 0, 0
         started = time.perf_counter()
@@ -384,7 +409,7 @@ def execute(settings: Settings, arms, reference: str, header: dict[str, Any], *,
                     break
                 say(f"[{index}/{len(runs)}] {arm.name} seed {seed} "
                     f"-> {out / 'runs' / run_name(arm.name, seed)}")
-                result, done_before = run_one(settings, arm, seed, get_evaluator, say=say)
+                result, done_before = run_one(settings, arm, seed, evaluator, say=say)
                 trained += not done_before
                 results.append(result)
                 say(f"  {'done before' if done_before else 'done'}: test loss "
@@ -403,6 +428,10 @@ def execute(settings: Settings, arms, reference: str, header: dict[str, Any], *,
         if results:
             rows = summarize(results, [a.name for a in arms], reference)
             paths = write_summary(out, rows, header, results)
+            try:
+                paths.append(write_plot(out, rows, results, title=header.get("suite", "")))
+            except MissingExtra as err:
+                say(f"note: summary.png not written: {err}")
             say(paths[0].read_text(encoding="utf-8"))
             say("wrote " + ", ".join(str(p) for p in paths)
                 + f"; tensorboard --logdir {out / 'runs'}")

@@ -85,6 +85,8 @@ class Settings:
     """--set overrides, applied to every arm last."""
     nproc: int = 1
     device: str = "cpu"
+    eval_every: int = 0
+    """eval.interval of the training runs: their validation loss curve (0 = at the end only)."""
 
     def describe(self) -> dict[str, Any]:
         plain = dataclasses.asdict(self)
@@ -116,7 +118,7 @@ def trainer_args(settings: Settings, arm: Arm, seed: int, run_dir: Path) -> list
              f"--train.steps={s.batches}", f"--train.seed={seed}",
              f"--train.global_batch={s.global_batch}", f"--train.micro_batch={s.micro_batch}",
              "--train.exit_after=0", "--schedule.total_steps=0",
-             "--eval.interval=0", f"--eval.batches={s.eval_batches}",
+             f"--eval.interval={s.eval_every}", f"--eval.batches={s.eval_batches}",
              f"--checkpoint.interval={s.checkpoint_every}", "--checkpoint.keep=2",
              "--checkpoint.save_at_end=true",
              f"--logging.interval={s.scale.logging_interval}", "--logging.tensorboard=true"]
@@ -170,21 +172,34 @@ def _spec_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
 
 
 # ---- metrics --------------------------------------------------------------------------------------
-def read_train_metrics(run_dir: Path) -> dict[str, Any]:
-    """Timing and final loss from the trainer's metrics.jsonl: the training records (the last
-    one of each step, should a resumed launch repeat steps), the first logged step left out of
-    the timing (it includes the warm-up of kernels and allocator) when there are others.
-    s_per_batch is their mean; tokens_per_s = global_batch x seq_len / that mean."""
+def _logged(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """The trainer's metrics.jsonl records of training steps and of its evaluations on the
+    validation split (loss), each by step: the last one of a step, should a resumed launch
+    repeat steps."""
     path = run_dir / "metrics.jsonl"
-    by_step: dict[int, dict] = {}
+    steps: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
     if path.is_file():
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by a kill
-            if "split" not in record and "step" in record:
-                by_step[int(record["step"])] = record
+            if "step" not in record:
+                continue
+            if "split" not in record:
+                steps[int(record["step"])] = record
+            elif record["split"] == "eval" and "loss" in record:
+                evals[int(record["step"])] = record
+    return steps, evals
+
+
+def read_train_metrics(run_dir: Path) -> dict[str, Any]:
+    """Timing and final loss from the trainer's metrics.jsonl: the training records, the first
+    logged step left out of the timing (it includes the warm-up of kernels and allocator) when
+    there are others. s_per_batch is their mean; tokens_per_s = global_batch x seq_len / that
+    mean."""
+    by_step, _ = _logged(run_dir)
     records = [by_step[k] for k in sorted(by_step)]
     if not records:
         return {"final_loss": None, "s_per_batch": None, "tokens_per_s": None, "steps_timed": 0}
@@ -193,6 +208,15 @@ def read_train_metrics(run_dir: Path) -> dict[str, Any]:
     tokens_per_batch = records[-1]["tokens_per_s"] * records[-1]["s_per_batch"]
     return {"final_loss": records[-1]["loss"], "s_per_batch": seconds,
             "tokens_per_s": tokens_per_batch / seconds, "steps_timed": len(timed)}
+
+
+def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """(step, loss) of the run's training steps (`train`) and of its validation evaluations
+    (`eval`), in step order, non-finite losses left out."""
+    steps, evals = _logged(run_dir)
+    return {name: [(step, float(records[step]["loss"])) for step in sorted(records)
+                   if _finite(records[step]["loss"]) is not None]
+            for name, records in (("train", steps), ("eval", evals))}
 
 
 def _finite(value: float | None) -> float | None:
@@ -268,9 +292,11 @@ def _final_checkpoint(run_dir: Path, steps: int) -> Path | None:
 
 class Evaluator:
     """The held-out evaluation every arm gets: loss (and perplexity) on the same samples, and the
-    task accuracy on the same task files. Datasets and the tokenizer are opened once."""
+    task accuracy on the same task files. Datasets, the tokenizer and the task files are opened
+    and checked once, before any arm trains: a task document longer than the arms' context
+    (`max_seq_len`, the smallest of them) is an error then, not after the training."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, max_seq_len: int) -> None:
         self.settings = settings
         s = settings
         expected = file_sha256(s.tokenizer) if s.tokenizer else None
@@ -295,14 +321,23 @@ class Evaluator:
             self.where = f"the validation split (val_fraction {s.val_fraction}) of --data"
         self.vocab_size = data.vocab_size
         self.processor = None
+        self.documents = []
         if s.task_files:
-            from megabeta.infer.cli import load_model_tokenizer
+            from megabeta.infer.cli import UsageError, load_model_tokenizer
+            from megabeta.tasks.document import TaskFileError
+            from megabeta.tasks.evaluate import read_encoded
 
             if not s.tokenizer:
                 raise AblationError("--task-files needs the tokenizer of the data: pass "
                                     "--tokenizer MODEL (the dataset's sidecar names none that "
                                     "exists)")
-            self.processor = load_model_tokenizer(s.tokenizer)
+            try:
+                self.processor = load_model_tokenizer(s.tokenizer)
+                self.documents = read_encoded(s.task_files, self.processor, max_seq_len,
+                                              flag="--task-files")
+            except (TaskFileError, UsageError) as err:
+                raise AblationError(f"{err} (the arms' context is --seq-len, max_seq_len = "
+                                    f"{max_seq_len})") from None
 
     def __call__(self, checkpoint: Path) -> dict[str, Any]:
         s = self.settings
@@ -316,10 +351,12 @@ class Evaluator:
                                         "scored_targets": loss["scored_targets"],
                                         "on": self.where}}
         if self.processor is not None:
-            from megabeta.tasks.evaluate import evaluate_tasks
+            from megabeta.tasks.evaluate import score_encoded
 
-            scores = evaluate_tasks(model, self.processor, s.task_files,
-                                    batch_size=s.micro_batch, device=model_device(model))
+            scores = list(score_encoded(model, self.documents,
+                                        pad_id=max(self.processor.pad_id, 0),
+                                        batch_size=s.micro_batch,
+                                        device=model_device(model)).values())
             out["tasks"] = {score.task: score.as_dict() for score in scores}
             accuracies = [sc.accuracy for sc in scores if not math.isnan(sc.accuracy)]
             out["accuracy"] = sum(accuracies) / len(accuracies) if accuracies else None
@@ -347,7 +384,7 @@ def write_test_scalars(run_dir: Path, step: int, evaluation: dict[str, Any]) -> 
         writer.close()
 
 
-def run_one(settings: Settings, arm: Arm, seed: int, evaluator: Callable[[], Evaluator],
+def run_one(settings: Settings, arm: Arm, seed: int, evaluator: Evaluator,
             say: Callable[[str], None] = print) -> tuple[dict[str, Any], bool]:
     """Train (or resume) and evaluate one arm-seed; (its result, whether it was already done)."""
     run_dir = settings.out / "runs" / run_name(arm.name, seed)
@@ -380,7 +417,7 @@ def run_one(settings: Settings, arm: Arm, seed: int, evaluator: Callable[[], Eva
     else:
         say(f"  trained already ({checkpoint.name}); evaluating")
     started = time.perf_counter()
-    evaluation = evaluator()(checkpoint)
+    evaluation = evaluator(checkpoint)
     eval_s = time.perf_counter() - started
     write_test_scalars(run_dir, settings.batches, evaluation)
     vocab = load_vocab(run_dir)
@@ -470,4 +507,4 @@ def _data_tool(main: Callable[[list[str]], int], argv: list[str]) -> None:
 
 
 __all__ = ["Settings", "Evaluator", "Interrupted", "run_one", "run_name", "trainer_args",
-           "read_train_metrics", "prepare_task_data", "write_json_atomic", "launch_trainer"]
+           "read_train_metrics", "read_curves", "prepare_task_data", "write_json_atomic", "launch_trainer"]

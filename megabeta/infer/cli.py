@@ -91,17 +91,25 @@ def warn_notes(source: ModelSource) -> None:
 
 # ---- eval ----------------------------------------------------------------------------------------
 EVAL_DESCRIPTION = ("Validation loss and perplexity of a checkpoint directory or an exported "
-                    ".safetensors file, on one process.")
+                    ".safetensors file, on one process; with --lm-eval, tasks of EleutherAI's "
+                    "lm-evaluation-harness instead.")
 EVAL_EPILOG = """defaults:
   The run's data settings (data.path, data.seq_len, data.val_fraction) come from RUN/config.toml
   for a checkpoint directory RUN/checkpoints/step_N, and from the metadata of an export; so
   `megabeta eval --checkpoint RUN/checkpoints/step_N` evaluates the run's own validation split.
   The dataset must have been tokenized with the model's tokenizer (sha256 in its .json sidecar);
   another one is refused unless --force-tokenizer.
+lm-evaluation-harness (pip install 'megabeta[eval]'):
+  megabeta eval --checkpoint m.safetensors --lm-eval hellaswag,arc_easy,piqa --batch-size 32
+  megabeta eval --checkpoint m.safetensors --lm-eval my_task --lm-eval-include tasks/ --limit 100
+  prints the harness's table and writes its results as JSON next to the checkpoint
+  (CHECKPOINT.lm_eval.json; --lm-eval-output to choose). The harness downloads its tasks' data
+  from the Hugging Face Hub unless they are local (dataset_path: json with data_files).
 """
 
 
-def _evaluate_data(model, data, batch_size: int, max_batches: int) -> dict[str, float]:
+def _evaluate_data(model, data, batch_size: int, max_batches: int,
+                   device: torch.device) -> dict[str, float]:
     vocab = model.config.vocab_size
     if data.vocab_size is not None and data.vocab_size > vocab:
         raise UsageError(f"{data.sources[0].paths.prefix}: its tokenizer has {data.vocab_size} "
@@ -110,7 +118,8 @@ def _evaluate_data(model, data, batch_size: int, max_batches: int) -> dict[str, 
     dataset = data.val if data.val is not None else data.train
     sampler = GlobalSampler(len(dataset), shuffle=False, num_epochs=1)
     try:
-        return evaluate(model, dataset, sampler, batch_size=batch_size, max_batches=max_batches)
+        return evaluate(model, dataset, sampler, batch_size=batch_size, max_batches=max_batches,
+                        device=device)
     except IndexError:
         raise UsageError(f"{data.sources[0].paths.prefix}: holds token ids outside the model's "
                          f"vocabulary ({vocab}); it was tokenized with another tokenizer, "
@@ -133,8 +142,8 @@ def eval_main(argv: list[str] | None = None) -> int:
                         "validation split; 0: the whole dataset (default: the run's "
                         f"data.val_fraction, else {FALLBACK_VAL_FRACTION})")
     parser.add_argument("--batch-size", type=int, default=4,
-                        help="samples per forward pass; more is faster and takes more memory, "
-                        "the result is the same (default: 4)")
+                        help="samples (with --lm-eval: requests) per forward pass; more is "
+                        "faster and takes more memory, the result is the same (default: 4)")
     parser.add_argument("--batches", type=int, default=0,
                         help="evaluate at most this many batches; 0 = all (default: 0)")
     parser.add_argument("--tokenizer", default="",
@@ -143,9 +152,49 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force-tokenizer", action="store_true",
                         help="skip the tokenizer checks: use --tokenizer though the model was "
                         "trained with another, and data of any tokenizer (default: off)")
+    parser.add_argument("--device", default=None,
+                        help="where the model runs: cpu, cuda, cuda:1, ... (default: cuda when "
+                        "available, else cpu)")
+    harness = parser.add_argument_group("lm-evaluation-harness (megabeta[eval])")
+    harness.add_argument("--lm-eval", default="", metavar="TASKS",
+                         help="comma-separated lm-eval task, group or tag names to run instead "
+                         "of the loss (default: none)")
+    harness.add_argument("--lm-eval-include", default="", metavar="PATH",
+                         help="folder of task definitions in YAML, for tasks of your own "
+                         "(default: the harness's tasks only)")
+    harness.add_argument("--limit", type=float, default=None,
+                         help="documents per task: a count, or a share when < 1 (default: all)")
+    harness.add_argument("--num-fewshot", type=int, default=None,
+                         help="few-shot examples per prompt (default: each task's own, else 0)")
+    harness.add_argument("--seed", type=int, default=1234,
+                         help="seed of sampled generation (default: 1234)")
+    harness.add_argument("--bootstrap-iters", type=int, default=100000,
+                         help="bootstrap resamples for the standard errors of metrics that need "
+                         "them; 0 = none (default: 100000, the harness's)")
+    harness.add_argument("--lm-eval-output", default="", metavar="FILE",
+                         help="where the results JSON goes (default: next to the checkpoint, "
+                         "CHECKPOINT.lm_eval.json)")
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error(f"argument --batch-size: {args.batch_size}, must be >= 1")
+    device = _device(parser, args.device)
+    if args.lm_eval:
+        for flag, value in (("--data.path", args.data), ("--seq-len", args.seq_len),
+                            ("--val-fraction", args.val_fraction), ("--batches", args.batches)):
+            if value:
+                parser.error(f"argument {flag}: not used with --lm-eval (the harness's tasks "
+                             "bring their data); leave it out, or evaluate the loss without "
+                             "--lm-eval")
+        if args.num_fewshot is not None and args.num_fewshot < 0:
+            parser.error(f"argument --num-fewshot: {args.num_fewshot}, must be >= 0")
+        if args.bootstrap_iters < 0:
+            parser.error(f"argument --bootstrap-iters: {args.bootstrap_iters}, must be >= 0")
+        return _lm_eval(args, device)
+    for flag, value in (("--lm-eval-include", args.lm_eval_include), ("--limit", args.limit),
+                        ("--num-fewshot", args.num_fewshot),
+                        ("--lm-eval-output", args.lm_eval_output)):
+        if value is not None and value != "":
+            parser.error(f"argument {flag}: only with --lm-eval TASKS")
     if args.batches < 0:
         parser.error(f"argument --batches: {args.batches}, must be >= 0 (0 = all)")
     if args.val_fraction is not None and not 0.0 <= args.val_fraction < 1.0:
@@ -156,15 +205,69 @@ def eval_main(argv: list[str] | None = None) -> int:
         _, tokenizer_sha = resolve_tokenizer(source, args.tokenizer, args.force_tokenizer,
                                              need_file=False)
         paths, seq_len, val_fraction = _eval_settings(args, source)
-        model = load_model(args.checkpoint)
         # Samples as the run cut them: packed, or document-aligned and masked past the end.
         data = build_train_val(paths, None, seq_len=seq_len, val_fraction=val_fraction,
                                align=source.data.get("align", "packed"))
         _check_data_tokenizer(data, tokenizer_sha, source, args.force_tokenizer)
-        result = _evaluate_data(model, data, args.batch_size, args.batches)
+        model = load_model(args.checkpoint, device=device)
+        result = _evaluate_data(model, data, args.batch_size, args.batches, device)
     except (CheckpointError, DataError, UsageError) as err:
         return _fail(str(err))
     print(f"loss {result['loss']:.4f} | ppl {result['ppl']:.2f} | {result['samples']} samples")
+    return 0
+
+
+def _device(parser: argparse.ArgumentParser, given: str | None) -> torch.device:
+    if given is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(given)
+    except RuntimeError:
+        parser.error(f"argument --device: {given!r} is not a device (cpu, cuda, cuda:1, ...)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: {given}, but no CUDA device is available; leave it "
+                     "out to run on the CPU")
+    return device
+
+
+def lm_eval_output(checkpoint: str) -> Path:
+    """Where `eval --lm-eval` writes its results by default: beside the export or checkpoint
+    directory, named after it (RUN/checkpoints/step_N.lm_eval.json, m.lm_eval.json)."""
+    path = Path(checkpoint.rstrip("/\\"))
+    stem = path.stem if path.suffix == ".safetensors" else path.name
+    return path.with_name(f"{stem}.lm_eval.json")
+
+
+def _lm_eval(args: argparse.Namespace, device: torch.device) -> int:
+    """`eval --lm-eval TASKS`: every input checked (tasks, limit, tokenizer, checkpoint) before
+    the model loads, then the harness; its table printed, its results written as JSON."""
+    from megabeta.extras import require
+    from megabeta.model import ConfigError
+
+    try:
+        require("lm_eval", "eval", "--lm-eval")
+        from megabeta.infer import lm_eval as harness
+
+        limit = harness.check_limit(args.limit, "--limit")
+        tasks = harness.find_tasks(args.lm_eval.split(","), args.lm_eval_include)
+        output = Path(args.lm_eval_output) if args.lm_eval_output else lm_eval_output(
+            args.checkpoint)
+        model, tokenizer = harness.load_checkpoint(args.checkpoint, tokenizer=args.tokenizer,
+                                                   force_tokenizer=args.force_tokenizer,
+                                                   device=device)
+        lm = harness.MegabetaLM(model, tokenizer, batch_size=args.batch_size, seed=args.seed)
+        results = harness.run_tasks(lm, tasks, limit=limit, num_fewshot=args.num_fewshot,
+                                    bootstrap_iters=args.bootstrap_iters)
+    except (CheckpointError, DataError, UsageError, ConfigError) as err:
+        return _fail(str(err))
+    results["megabeta"] = {"checkpoint": str(args.checkpoint), "tokenizer": tokenizer.info.path,
+                           "batch_size": args.batch_size, "device": str(device)}
+    print(harness.table(results))
+    try:
+        harness.write_results(results, output)
+    except OSError as err:
+        return _fail(f"--lm-eval-output {output}: cannot write it ({err})")
+    print(f"wrote {output}")
     return 0
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
@@ -40,13 +40,18 @@ def sample_next(logits: Tensor, temperature: float, top_k: int | None, top_p: fl
 @torch.no_grad()
 def generate(model: "DecoderLM", prompt: Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None,
-             seed: int | None = None) -> Tensor:
+             seed: int | None = None,
+             stop: Callable[[Tensor], bool] | None = None) -> Tensor:
     """Prompt `[B, T]` (or `[T]`) followed by `max_new_tokens` sampled tokens.
 
     The same `seed` gives the same tokens. The cache holds exactly prompt + new tokens.
+    `stop(new)` is asked after each new token with the new tokens so far `[B, n]`; when it says
+    True generation ends there (fewer than `max_new_tokens` new tokens come back): the caller's
+    stop sequences, which need the text and so the tokenizer.
     """
     if prompt.dim() == 1:
-        return generate(model, prompt[None], max_new_tokens, temperature, top_k, top_p, seed)[0]
+        return generate(model, prompt[None], max_new_tokens, temperature, top_k, top_p, seed,
+                        stop)[0]
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 0")
     if max_new_tokens == 0:
@@ -62,8 +67,11 @@ def generate(model: "DecoderLM", prompt: Tensor, max_new_tokens: int, temperatur
         token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
         for _ in range(max_new_tokens - 1):
             out.append(token[:, None])
+            if stop is not None and stop(torch.cat(out[1:], dim=1)):
+                break
             token = sample_next(model.step(token, cache), temperature, top_k, top_p, generator)
-        out.append(token[:, None])
+        else:
+            out.append(token[:, None])
     finally:
         model.train(was_training)
     return torch.cat(out, dim=1)

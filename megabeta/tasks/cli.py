@@ -18,7 +18,7 @@ from megabeta.data import DataError
 from megabeta.infer.cli import (UsageError, check_vocabulary, load_model_tokenizer,
                                 resolve_tokenizer, warn_notes)
 from megabeta.tasks.document import TaskFileError
-from megabeta.tasks.evaluate import evaluate_tasks
+from megabeta.tasks.evaluate import read_encoded, score_encoded
 from megabeta.tasks.make import TASKS, generate_documents, write_task_file
 from megabeta.tasks.scoring import TaskScore
 
@@ -190,10 +190,13 @@ def _eval(args: argparse.Namespace) -> int:
         tokenizer_path, tokenizer_sha = resolve_tokenizer(source, args.tokenizer,
                                                           args.force_tokenizer, need_file=True)
         processor = load_model_tokenizer(tokenizer_path)
+        # The files are read and checked against the context before the model loads.
+        documents = read_encoded(args.tasks, processor, source.model_config.max_seq_len,
+                                 args.max_documents)
         model = load_model(args.checkpoint, device=device)
         check_vocabulary(processor, tokenizer_path, model)
-        scores = evaluate_tasks(model, processor, args.tasks, batch_size=args.batch_size,
-                                max_documents=args.max_documents, device=device)
+        scores = list(score_encoded(model, documents, pad_id=max(processor.pad_id, 0),
+                                    batch_size=args.batch_size, device=device).values())
     except (CheckpointError, DataError, UsageError, TaskFileError) as err:
         return _fail(str(err))
     print(format_table(scores))

@@ -84,13 +84,15 @@ class DocumentBuilder:
         return TaskDocument(task, tuple(self._segments), chance)
 
 
-def read_task_file(path: str | Path, max_documents: int = 0) -> Iterator[TaskDocument]:
+def read_task_file(path: str | Path, max_documents: int = 0,
+                   flag: str = "--tasks") -> Iterator[TaskDocument]:
     """The documents of a task file (at most `max_documents`; 0 = all). Blank lines are skipped;
     a line that is not a document with valid `segments` is a TaskFileError naming FILE:LINE.
-    A document without `task` is grouped under the file's name; without `chance`, None."""
+    A document without `task` is grouped under the file's name; without `chance`, None.
+    `flag`: the option or config key that named the file, for the messages."""
     path = Path(path)
     if not path.is_file():
-        raise TaskFileError(f"--tasks {path}: no such file; pass a JSONL file written by "
+        raise TaskFileError(f"{flag} {path}: no such file; pass a JSONL file written by "
                             "`megabeta tasks make`")
     read = 0
     with open(path, encoding="utf-8") as stream:

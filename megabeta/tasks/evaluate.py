@@ -38,18 +38,20 @@ def model_predictor(model: DecoderLM, device: torch.device | str = "cpu") -> Pre
 
 
 def read_encoded(task_files: Sequence[str | Path], processor: Tokenizer,
-                 max_seq_len: int, max_documents: int = 0) -> list[EncodedDocument]:
+                 max_seq_len: int, max_documents: int = 0,
+                 flag: str = "--tasks") -> list[EncodedDocument]:
     """The documents of every file (at most `max_documents` of each; 0 = all), encoded.
-    TaskFileError naming the file when a document needs more context than `max_seq_len`."""
+    TaskFileError naming the file (as given by `flag`) when it holds none or a document needs
+    more context than `max_seq_len`."""
     encoded = []
     for path in task_files:
-        documents = encode_documents(read_task_file(path, max_documents), processor)
+        documents = encode_documents(read_task_file(path, max_documents, flag), processor)
         if not documents:
-            raise TaskFileError(f"--tasks {path}: holds no documents")
+            raise TaskFileError(f"{flag} {path}: holds no documents")
         longest = max(range(len(documents)), key=lambda i: documents[i].input_length)
         needed = documents[longest].input_length
         if needed > max_seq_len:
-            raise TaskFileError(f"--tasks {path}: document {longest + 1} needs {needed} tokens "
+            raise TaskFileError(f"{flag} {path}: document {longest + 1} needs {needed} tokens "
                                 f"of context before its last answer, more than the model's "
                                 f"max_seq_len = {max_seq_len}; make shorter documents (lower "
                                 "--hops, --chains or --length) or evaluate a model with a "
@@ -58,19 +60,27 @@ def read_encoded(task_files: Sequence[str | Path], processor: Tokenizer,
     return encoded
 
 
+def score_encoded(model: DecoderLM, documents: Sequence[EncodedDocument], *, pad_id: int,
+                  batch_size: int = 8,
+                  device: torch.device | str = "cpu") -> dict[str, TaskScore]:
+    """Exact-match scores of `model` (on `device`, in eval mode; its mode is restored after) on
+    documents already encoded (`read_encoded`: checked before any model is loaded or trained),
+    per task in order of first appearance; `pad_id` pads the batches."""
+    was_training = model.training
+    model.eval()
+    try:
+        return score_documents(documents, model_predictor(model, device),
+                               batch_size=batch_size, pad_id=pad_id)
+    finally:
+        model.train(was_training)
+
+
 def evaluate_tasks(model: DecoderLM, processor: Tokenizer,
                    task_files: Sequence[str | Path], *,
                    batch_size: int = 8, max_documents: int = 0,
                    device: torch.device | str = "cpu") -> list[TaskScore]:
-    """Exact-match scores of `model` (on `device`, in eval mode; its mode is restored after)
-    per task of `task_files`, documents of the same task name pooled across files, in order of
-    first appearance. `processor` is the model's tokenizer."""
+    """Exact-match scores of `model` per task of `task_files`, documents of the same task name
+    pooled across files, in order of first appearance. `processor` is the model's tokenizer."""
     documents = read_encoded(task_files, processor, model.config.max_seq_len, max_documents)
-    was_training = model.training
-    model.eval()
-    try:
-        scores = score_documents(documents, model_predictor(model, device),
-                                 batch_size=batch_size, pad_id=max(processor.pad_id, 0))
-    finally:
-        model.train(was_training)
-    return list(scores.values())
+    return list(score_encoded(model, documents, pad_id=max(processor.pad_id, 0),
+                              batch_size=batch_size, device=device).values())

@@ -4,7 +4,8 @@
     step:   lr → micro-batches (forward, backward) → clip, skip if non-finite, update → log
             (the step's loss is the mean over the scored targets of all its micro-batches on all
             ranks, and its gradients are that mean's: `accumulate_step`)
-    every:  eval.interval → evaluate; checkpoint.interval → save
+    every:  eval.interval → evaluate; eval.downstream_interval → downstream evals (task files,
+            lm-eval tasks: downstream.py); checkpoint.interval → save
     signal: SIGTERM / SIGUSR1 / SIGINT → finish the step, save, (requeue under SLURM), exit 0
     watch:  profiler, memory split, spikes, stragglers, hangs, beta_1.2's dials: the hooks of
             `Diagnostics` (diagnostics.py), configured by [profile] and [monitor]
@@ -45,6 +46,7 @@ from megabeta.model import ConfigError, ModelConfig, build_model, count_paramete
 from megabeta.model.flops import training_flops
 from megabeta.parallel.env import choose_device, init_distributed, setup_logging
 from megabeta.train.diagnostics import Diagnostics
+from megabeta.train.downstream import build_downstream
 from megabeta.train.metrics import MetricsLogger, device_peak_flops, memory_gib
 from megabeta.train.schedule import horizon_change_warning, lr_at, schedule_horizon
 from megabeta.train.signals import PreemptionHandler, maybe_requeue
@@ -120,6 +122,11 @@ class Trainer:
         seed_everything(config.train.seed, config.train.deterministic)
         self.grad_accumulation = config.grad_accumulation(self.env.world_size)
         self._setup_data()
+        # Before the checkpoint and the model: a bad task file or task name costs no start-up.
+        self.downstream = build_downstream(config,
+                                           self.data.tokenizer_record(config.data.tokenizer),
+                                           rank=self.env.rank, world_size=self.env.world_size,
+                                           device=self.device)
         self.checkpoints = CheckpointManager(self.run_dir, config.checkpoint.keep)
         resume = self.checkpoints.resolve(config.resume)
         if resume is not None:
@@ -149,6 +156,11 @@ class Trainer:
                  config.parallel.backend, self.env.world_size, self.env.launcher,
                  config.model.arch, count_parameters(config.model), self.grad_accumulation,
                  self.peak_flops, peak_source, self.engine.model.attention_backend.name)
+        if self.downstream is not None:
+            log.info("downstream evals (%s): %s",
+                     f"every {config.eval.downstream_interval} steps and at the end"
+                     if config.eval.downstream_interval else "at the end",
+                     self.downstream.describe())
 
     # ---- set-up -----------------------------------------------------------------------------------
     def _setup_data(self) -> None:
@@ -324,6 +336,10 @@ class Trainer:
                 if config.eval.interval and step % config.eval.interval == 0 and not done:
                     diagnostics.enter("eval")
                     metrics.log(step, self.evaluate(), prefix="eval")
+                interval = config.eval.downstream_interval
+                if self.downstream is not None and interval and step % interval == 0 and not done:
+                    diagnostics.enter("eval")
+                    metrics.log(step, self.downstream.run(self.engine.model), prefix="eval")
                 exit_now = (config.train.exit_after and not done
                             and step - first_step >= config.train.exit_after)
                 if preemption.should_stop() or exit_now:
@@ -343,6 +359,8 @@ class Trainer:
         if final_eval:
             metrics.log(self.state.step, final_eval, prefix="eval")
             last.update({f"eval_{k}": v for k, v in final_eval.items()})
+        if self.downstream is not None:
+            metrics.log(self.state.step, self.downstream.run(self.engine.model), prefix="eval")
         if config.checkpoint.save_at_end:
             self.save()
         return last

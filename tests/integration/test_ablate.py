@@ -255,3 +255,74 @@ def test_plan_prints_the_arms_and_the_trainer_command(tmp_path: Path,
     assert "-m megabeta.train" in printed and "--data.align=document" in printed
     assert "--resume=auto" in printed and "--train.seed=1" in printed
     assert not (tmp_path / "out").exists()
+
+
+# ---- summary.png (issue 32, item 4) --------------------------------------------------------------
+def _fake_run(out: Path, arm: str, seed: int, shift: float) -> None:
+    """metrics.jsonl of a finished 4-step run: training losses and two validation evaluations."""
+    run_dir = out / "runs" / f"{arm}-seed{seed}"
+    run_dir.mkdir(parents=True)
+    lines = [{"step": s, "loss": 3.0 - 0.3 * s + shift, "s_per_batch": 0.1, "tokens_per_s": 640}
+             for s in range(1, 5)]
+    lines += [{"step": s, "split": "eval", "loss": 3.1 - 0.25 * s + shift} for s in (2, 4)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_summary_png_shows_every_arm(tmp_path: Path) -> None:
+    from megabeta.ablate.plot import arm_curves, summary_figure, write_plot
+
+    arms = ["standard", "beta_1.2_c8"]
+    results = []
+    for seed in (1, 2):
+        for index, arm in enumerate(arms):
+            _fake_run(tmp_path, arm, seed, shift=0.1 * index + 0.05 * seed)
+            result = _result(arm, seed, 2.0 + 0.1 * index, accuracy=0.5 + 0.1 * index + 0.02 * seed)
+            results.append({**result, "steps": 4})
+    rows = summarize(results, arms, reference="standard")
+    curves = arm_curves(tmp_path, rows, results)
+    # The band: mean, min and max over the two seeds at each step.
+    assert curves["standard"]["train"][1] == pytest.approx((2.775, 2.75, 2.8))
+    assert sorted(curves["beta_1.2_c8"]["test"]) == [2, 4]
+    figure = summary_figure(rows, curves)
+    (legend,) = figure.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["standard (reference)", "beta_1.2_c8"]
+    assert [ax.get_xticklabels()[0].get_text() for ax in figure.axes[2:]] == ["parity-L8"]
+
+    path = write_plot(tmp_path, rows, results, title="test")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1500, 460)
+    assert len(data) > 20_000  # three panels of lines, bands and bars, not an empty canvas
+
+
+def test_summary_png_without_matplotlib_names_the_extra(tmp_path, monkeypatch) -> None:
+    import sys
+
+    from megabeta.ablate.plot import summary_figure
+    from megabeta.extras import MissingExtra
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(MissingExtra, match=r"pip install 'megabeta\[plot\]'"):
+        summary_figure([], {})
+
+
+# ---- bad input found before any arm trains (issue 32, item 5) -------------------------------------
+def test_a_task_document_beyond_the_context_fails_before_training(
+        tiny_data, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from megabeta.tasks.cli import main as tasks_main
+
+    prefix, tokenizer = tiny_data
+    long = tmp_path / "chains32.jsonl"
+    assert tasks_main(["make", "--task", "chains", "--hops", "32", "--count", "2", "--seed", "1",
+                       "--output", str(long)]) == 0
+    out = tmp_path / "abl"
+    argv = ["--arms", "t16_std_tf_rope", "--data", str(prefix), "--tokenizer", str(tokenizer),
+            "--batches", "2", "--seq-len", "32", "--global-batch", "4", "--out", str(out)]
+    assert main([*argv, "--task-files", str(long)]) == 2
+    err = capsys.readouterr().err
+    assert f"--task-files {long}: document 1 needs" in err and "max_seq_len = 32" in err
+    assert not (out / "runs").exists()  # no arm trained
+    assert main([*argv, "--set", "eval.nope=1"]) == 2
+    assert "unknown config key 'eval.nope'" in capsys.readouterr().err
+    assert not (out / "runs").exists()

