@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 
 import pytest
-from lm_eval_helpers import write_tasks
-from train_helpers import TINY, losses
+from support.lm_eval_helpers import write_tasks
+from support.train_helpers import TINY, losses
 
 from data_tools.tokenizer import load_tokenizer
 from megabeta.checkpoint.export import load_model

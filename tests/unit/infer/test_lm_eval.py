@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lm_eval_helpers import TASKS, write_tasks
-from model_helpers import tiny_model
+from support.lm_eval_helpers import TASKS, write_tasks
+from support.model_helpers import tiny_model
 from safetensors.torch import save_file
 
 from data_tools.tokenizer import load_tokenizer
