@@ -24,9 +24,9 @@ from data_tools.train_tokenizer import (
 from megabeta.data.errors import DataError
 
 _DESCRIPTION = """\
-Offline data preparation for megabeta: train a sentencepiece tokenizer, tokenize a corpus into a
-memory-mapped token dataset (Megatron-LM MMIDIDX .bin/.idx plus a JSON sidecar), merge datasets,
-and inspect one. Training runs read the datasets with megabeta.data. See docs/data.md."""
+Offline data preparation for megabeta: train a tokenizer (sentencepiece or byte-level BPE),
+tokenize a corpus into a memory-mapped token dataset (Megatron-LM MMIDIDX .bin/.idx plus a JSON
+sidecar), merge datasets, and inspect one. Training runs read the datasets with megabeta.data. See docs/data.md."""
 
 _EXAMPLES = """\
 examples:
@@ -70,8 +70,10 @@ def _add_read_arguments(parser: argparse.ArgumentParser) -> None:
                             "documents are counted and reported at the end")
     group.add_argument("--skip-bad", action="store_true",
                        help="skip a record that is not JSON, lacks the --text-key field (or "
-                            "--segments-key) or is null, counting it, instead of stopping with "
-                            "an error naming it")
+                            "--segments-key) or is null, and the rest of a file that turns out "
+                            "corrupt (.gz, .zst, .parquet) or has no --text-key column, counting "
+                            "them, instead of stopping with an error naming the file and "
+                            "line/row")
 
 
 def _read_options(args: argparse.Namespace) -> ReadOptions:
@@ -122,6 +124,10 @@ def _warn_skipped(args: argparse.Namespace, report: dict) -> None:
     if report.get("bad_records_skipped"):
         _say(args, f"warning: {report['bad_records_skipped']} bad record(s) skipped (first at "
                    f"{report['first_bad_record']}); --skip-bad was given")
+    if report.get("bad_files_cut"):
+        _say(args, f"warning: {report['bad_files_cut']} unreadable file(s) read only up to the "
+                   f"damage, the rest skipped (first: {report['first_bad_file']}); --skip-bad was "
+                   "given")
     if report.get("empty_documents_kept"):
         _say(args, f"note: {report['empty_documents_kept']} empty document(s) written without "
                    "tokens (--keep-empty)")
@@ -202,9 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--inputs", nargs="+", required=True, metavar="FILE",
                        help=f"training text, files, directories or globs: {ACCEPTED}")
     train.add_argument("--vocab-size", type=int, required=True, metavar="N",
-                       help="vocabulary size, including the 4 specials and 256 byte pieces")
+                       help="vocabulary size, everything included: sentencepiece's 4 specials, "
+                            "2 whitespace and 256 byte pieces (so > 262); --kind bpe's 3 specials "
+                            "and 256 bytes (so > 259)")
     train.add_argument("--output", required=True, metavar="PREFIX",
-                       help="writes PREFIX.model, PREFIX.vocab and PREFIX.model.json")
+                       help="writes PREFIX.model, PREFIX.vocab and PREFIX.model.json; with "
+                            "--kind bpe PREFIX.tokenizer.json and PREFIX.tokenizer.meta.json")
     train.add_argument("--kind", choices=TOKENIZER_KINDS, default=TokenizerTrainingConfig.kind,
                        help="sentencepiece: OUTPUT.model (with .vocab and .model.json); bpe: a "
                             "byte-level BPE with Hugging Face tokenizers, OUTPUT.tokenizer.json "

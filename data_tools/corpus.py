@@ -20,7 +20,7 @@ import io
 import json
 import re
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -52,7 +52,8 @@ class ReadOptions:
     """Write an empty document as a document without tokens (as Megatron does) instead of
     skipping it, so document indices follow the input's records."""
     skip_bad: bool = False
-    """Skip (and count) a record that is not valid JSON or lacks the text field, instead of
+    """Skip (and count) a record that is not valid JSON or lacks the text field, and the rest of
+    a file that turns out corrupt (or a parquet file without the text column), instead of
     stopping with an error."""
 
 
@@ -135,15 +136,47 @@ _READ_BUFFER = 1 << 20
 _PARQUET_BATCH_ROWS = 1024
 
 
-def _decompressed(raw: BinaryIO, file: InputFile) -> tuple[BinaryIO, tuple[type, ...]]:
-    """The decompressed stream of ``raw`` and the errors that mean the file is corrupt."""
+class _UntilCorrupt(io.RawIOBase):
+    """A decompressing stream that ends at its first undecodable byte instead of raising, and
+    keeps the error (``error``). Each read is one ``read1`` of the decompressor (one read of the
+    compressed file, of its fixed size), so what was decoded before the damage is delivered
+    rather than lost with the failing call, and how much that is depends on the file alone, not
+    on ``--chunk-mb``, the worker count or the ranks."""
+
+    def __init__(self, inner: BinaryIO, errors: tuple[type[BaseException], ...]) -> None:
+        super().__init__()
+        self.inner, self.errors = inner, errors
+        self.error: BaseException | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:
+        if self.error is not None:
+            return 0
+        try:
+            data = self.inner.read1(len(buffer))
+        except self.errors as err:
+            self.error = err
+            return 0
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def _decompressed(raw: BinaryIO, file: InputFile) -> tuple[BinaryIO, _UntilCorrupt | None]:
+    """The decompressed stream of ``raw``, and what tells where it turned out corrupt (None for
+    an uncompressed file)."""
     if file.compression == "gzip":
-        return gzip.GzipFile(fileobj=raw, mode="rb"), (gzip.BadGzipFile, EOFError, zlib.error)
-    if file.compression == "zstd":
+        inner, errors = gzip.GzipFile(fileobj=raw, mode="rb"), (gzip.BadGzipFile, EOFError,
+                                                                 zlib.error)
+    elif file.compression == "zstd":
         zstandard = require_extra("zstandard", "zstd", f"{file.path} (a .zst input)")
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-        return io.BufferedReader(reader, _READ_BUFFER), (zstandard.ZstdError, EOFError)
-    return raw, ()
+        inner = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        errors = (zstandard.ZstdError, EOFError)
+    else:
+        return raw, None
+    checked = _UntilCorrupt(inner, errors)
+    return io.BufferedReader(checked, _READ_BUFFER), checked
 
 
 class RecordReader:
@@ -156,6 +189,10 @@ class RecordReader:
         self.file = file
         self.split = "line" if file.kind == "jsonl" else options.split
         self.text_key = options.text_key
+        self.skip_bad = options.skip_bad
+        self.bad_file: str | None = None
+        """With --skip-bad: where this file turned out unreadable (its records before that were
+        read, the rest is skipped); None when it was read whole."""
         self._raw: BinaryIO | None = None
         self._rows = (0, 1)  # parquet: rows read, rows in the file
 
@@ -176,19 +213,28 @@ class RecordReader:
         # A large buffer: readlines through the default 8 KiB one took twice as long.
         with open(self.file.path, "rb", buffering=_READ_BUFFER) as raw:
             self._raw = raw
-            stream, errors = _decompressed(raw, self.file)
-            first = 1
-            try:
-                for chunk in self._chunks(stream, chunk_bytes):
-                    found = True
-                    first = chunk[1][-1] + 1 if len(chunk[1]) else first
-                    yield chunk
-            except errors as err:
-                raise DataError(f"{self.file.path}: not a readable {self.file.compression} file "
-                                f"after line {first - 1} ({err}); re-compress it or remove it "
-                                "from --inputs") from None
+            stream, checked = _decompressed(raw, self.file)
+            cut = (lambda: False) if checked is None else (lambda: checked.error is not None)
+            last = 0
+            for chunk in self._chunks(stream, chunk_bytes, cut):
+                found = True
+                last = chunk[1][-1]
+                yield chunk
+            if cut():
+                where = f"after the record at line {last}" if last else "from its start"
+                self._bad(f"not a readable {self.file.compression} file {where} "
+                          f"({checked.error})", "re-compress it or remove it from --inputs")
+                return
         if not found:
             raise DataError(f"{self.file.path}: contains no text; remove it from --inputs")
+
+    def _bad(self, problem: str, fix: str) -> None:
+        """This file is unreadable from here on (corrupt, or no text column): one error naming
+        it, or with --skip-bad the rest of it skipped and the file counted."""
+        if not self.skip_bad:
+            raise DataError(f"{self.file.path}: {problem}; {fix}, or pass --skip-bad to skip "
+                            "what cannot be read (counted)")
+        self.bad_file = f"{self.file.path}: {problem}"
 
     def _parquet_chunks(self, chunk_bytes: int) -> Iterator[tuple[list, Sequence[int]]]:
         """Rows of the text column, a batch at a time (pyarrow reads one row group at a time,
@@ -202,17 +248,20 @@ class RecordReader:
             # closed (93 MB held for a 90 MB file), so memory grew with the file.
             parquet = pq.ParquetFile(path, pre_buffer=False)
         except (pa.ArrowException, OSError) as err:
-            raise DataError(f"{path}: not a readable parquet file ({err}); rewrite it or remove "
-                            "it from --inputs") from None
+            self._bad(f"not a readable parquet file ({err})",
+                             "rewrite it or remove it from --inputs")
+            return
         schema = parquet.schema_arrow
         if key not in schema.names:
-            raise DataError(f"{path}: no column {key!r} (columns: {schema.names}); pass "
-                            "--text-key with the column that holds the text")
+            self._bad(f"no column {key!r} (columns: {schema.names})",
+                             "pass --text-key with the column that holds the text")
+            return
         column = schema.field(key).type
         if not any(check(column) for check in (pa.types.is_string, pa.types.is_large_string,
                                               pa.types.is_binary, pa.types.is_large_binary)):
-            raise DataError(f"{path}: column {key!r} holds {column}, not text; pass --text-key "
-                            "with the string column that holds the text")
+            self._bad(f"column {key!r} holds {column}, not text",
+                             "pass --text-key with the string column that holds the text")
+            return
         self._rows = (0, parquet.metadata.num_rows)
         records: list = []
         size = 0
@@ -228,30 +277,37 @@ class RecordReader:
                         records, size = [], 0
                 self._rows = (self._rows[0] + batch.num_rows, self._rows[1])
         except (pa.ArrowException, OSError) as err:
-            raise DataError(f"{path}: not a readable parquet file after row "
-                            f"{first + len(records) - 1} ({err}); rewrite it or remove it from "
-                            "--inputs") from None
+            # The rows read before are whole (pyarrow decodes a batch or raises), so they stay.
+            self._bad(f"not a readable parquet file after row {first + len(records) - 1} "
+                      f"({err})", "rewrite it or remove it from --inputs")
         if records:
             yield records, range(first, first + len(records))
-        elif first == 1:
+        elif first == 1 and self.bad_file is None:
             raise DataError(f"{path}: contains no rows; remove it from --inputs")
 
     def __iter__(self) -> Iterator[tuple[bytes, int]]:
         for records, lines in self.chunks(1 << 20):
             yield from zip(records, lines)
 
-    def _chunks(self, stream: BinaryIO,
-                chunk_bytes: int) -> Iterator[tuple[list[bytes], Sequence[int]]]:
+    def _chunks(self, stream: BinaryIO, chunk_bytes: int,
+                cut: Callable[[], bool]) -> Iterator[tuple[list[bytes], Sequence[int]]]:
+        """``cut()``: the stream ended at a corrupt byte; the record it was in is incomplete and
+        left out (a line without its line ending, the file or paragraph being read)."""
         if self.split == "none":
-            yield [stream.read()], [1]
+            whole = stream.read()
+            if not cut():
+                yield [whole], [1]
         elif self.split == "line":
             first = 1
             while lines := stream.readlines(chunk_bytes):
-                yield lines, range(first, first + len(lines))
-                first += len(lines)
+                if cut() and not lines[-1].endswith(b"\n"):
+                    lines.pop()
+                if lines:
+                    yield lines, range(first, first + len(lines))
+                    first += len(lines)
         else:
             records, starts, size = [], [], 0
-            for record, start in _paragraphs(stream):
+            for record, start in _paragraphs(stream, cut):
                 records.append(record)
                 starts.append(start)
                 size += len(record)
@@ -262,7 +318,7 @@ class RecordReader:
                 yield records, starts
 
 
-def _paragraphs(stream: BinaryIO) -> Iterator[tuple[bytes, int]]:
+def _paragraphs(stream: BinaryIO, cut: Callable[[], bool]) -> Iterator[tuple[bytes, int]]:
     lines: list[bytes] = []
     start = 0
     for number, line in enumerate(stream, 1):
@@ -274,7 +330,7 @@ def _paragraphs(stream: BinaryIO) -> Iterator[tuple[bytes, int]]:
         if not lines:
             start = number
         lines.append(line)
-    if lines:
+    if lines and not cut():
         yield _strip_eol(b"".join(lines)), start
 
 
@@ -300,6 +356,14 @@ class DocumentCounts:
     bad: int = 0
     """Records skipped by --skip-bad (not JSON, no text field, null)."""
     first_bad: str | None = None
+    bad_files: int = 0
+    """Files --skip-bad read only up to where they turned out unreadable (corrupt .gz, .zst or
+    .parquet; a parquet file without the text column, wholly)."""
+    first_bad_file: str | None = None
+
+    def add_bad_file(self, where: str) -> None:
+        self.bad_files += 1
+        self.first_bad_file = self.first_bad_file or where
 
     def add(self, later: DocumentCounts) -> None:
         """Fold in the counts of input that comes after this one's."""
@@ -311,6 +375,8 @@ class DocumentCounts:
         self.empty_kept += later.empty_kept
         self.bad += later.bad
         self.first_bad = self.first_bad or later.first_bad
+        self.bad_files += later.bad_files
+        self.first_bad_file = self.first_bad_file or later.first_bad_file
 
     def as_report(self, policy: str) -> dict:
         report = {"empty_documents_skipped": self.empty, "first_empty_document": self.first_empty,
@@ -321,6 +387,8 @@ class DocumentCounts:
             report["empty_documents_kept"] = self.empty_kept
         if self.bad:
             report.update(bad_records_skipped=self.bad, first_bad_record=self.first_bad)
+        if self.bad_files:
+            report.update(bad_files_cut=self.bad_files, first_bad_file=self.first_bad_file)
         return report
 
 

@@ -51,6 +51,8 @@ class Chunk:
     file_index: int
     records: list
     lines: Sequence[int]
+    bad_file: str | None = None
+    """--skip-bad: the file turned out unreadable after these records (the last chunk of it)."""
 
 
 @dataclass
@@ -74,6 +76,8 @@ def read_chunks(files: list[InputFile], options: ReadOptions, chunk_bytes: int,
             yield Chunk(file_index, records, lines)
             on_progress(reader.position - reported)
             reported = reader.position
+        if reader.bad_file is not None:  # counted by whoever decodes it, in input order
+            yield Chunk(file_index, [], [], reader.bad_file)
         on_progress(file.size - reported)
 
 
@@ -107,6 +111,8 @@ class _Encoder:
         """Records to documents (UTF-8, JSON, the policies); the part that needs no tokenizer."""
         file = self.setup.files[chunk.file_index]
         counts = DocumentCounts()
+        if chunk.bad_file is not None:
+            counts.add_bad_file(chunk.bad_file)
         decode = decode_segments if self.setup.options.segments_key is not None \
             else decode_document
         documents = []

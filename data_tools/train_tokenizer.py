@@ -60,9 +60,10 @@ class TokenizerTrainingConfig:
     """What ``megabeta-data train-tokenizer`` does."""
 
     inputs: list[str]
-    """Training text (.txt, .jsonl, optionally .gz)."""
+    """Training text: files, directories or globs of any accepted input (data_tools.corpus)."""
     output: str
-    """Writes OUTPUT.model, OUTPUT.vocab and OUTPUT.model.json."""
+    """Writes OUTPUT.model, OUTPUT.vocab and OUTPUT.model.json (--kind bpe: OUTPUT.tokenizer.json
+    and OUTPUT.tokenizer.meta.json)."""
     vocab_size: int = 32000
     """Pieces in the vocabulary, specials and 256 byte pieces included."""
     model_type: str = "bpe"
@@ -124,6 +125,8 @@ def sample_sentences(files: list[InputFile], options: ReadOptions, max_sentences
                 seen += 1
             progress.advance(reader.position - position, 1 if text is not None else 0)
             position = reader.position
+        if reader.bad_file is not None:
+            counts.add_bad_file(reader.bad_file)
     return TrainingSample(reservoir, seen, counts)
 
 

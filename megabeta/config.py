@@ -41,7 +41,7 @@ class DataConfig:
     val_fraction: float = 0.01
     """Share of each dataset's documents (its last ones) held out for evaluation."""
     tokenizer: str = ""
-    """Tokenizer .model of the run: datasets made by another tokenizer are refused; used to decode."""
+    """Tokenizer of the run (.model or tokenizer.json): datasets made by another are refused; used to decode."""
     num_workers: int = 1
     """DataLoader worker processes per rank (0 = load in the training process)."""
     verify_token_ids: bool = False

@@ -27,3 +27,14 @@ from support.train_helpers import build_dataset
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """(dataset prefix, tokenizer .model)."""
     return build_dataset(tmp_path_factory.mktemp("tiny_data"))
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Intra-op threads at 1 for a test that trains in this process: a model this small gains
+    nothing from a second thread, and on a loaded 2-core machine OpenMP's spinning threads made
+    a 5-step run take 25 s instead of 1 s."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

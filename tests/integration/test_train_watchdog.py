@@ -3,12 +3,16 @@ the straggler report and the hang watchdog must name rank 1."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from megabeta.train.watchdog import name_laggards
-from support.train_helpers import REPO, TINY_CONFIG, TINY_OVERRIDES
+import torch
+import torch.distributed as dist
+
+from megabeta.train.watchdog import Watchdog, enable_flight_recorder, name_laggards
+from support.train_helpers import TINY_CONFIG, TINY_OVERRIDES
 from support.dist_helpers import launcher_free_environ
 from support import REPO, SCRIPTS
 
@@ -45,3 +49,27 @@ def test_slow_and_stalled_rank_is_named(tiny_data, tmp_path: Path) -> None:
         assert "Thread" in stacks and "megabeta/train/watchdog.py" in stacks
     # The stalled rank's main thread was caught in its sleep.
     assert "stall_rank.py" in (run_dir / "hang" / "rank1_step4.txt").read_text()
+
+
+def test_nccl_flight_recorder_is_turned_on_and_dumped(tmp_path: Path, monkeypatch) -> None:
+    """The NCCL-only steps, with NCCL stood in for (the CPU build has none): the recorder's
+    buffer set before the process group unless the user set one, and a hang report writes the
+    recorder's dump beside the stacks."""
+    monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE", raising=False)
+    enable_flight_recorder()
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "64")
+    enable_flight_recorder()
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "64"
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(torch._C._distributed_c10d, "_dump_nccl_trace",
+                        lambda: b"last collectives", raising=False)
+    watchdog = Watchdog(3600, tmp_path, rank=0, world_size=1)
+    try:
+        watchdog.report(5, "optimizer", 4000.0)
+    finally:
+        watchdog.close()
+    hang = tmp_path / "hang"
+    assert (hang / "nccl_trace_rank0.pkl").read_bytes() == b"last collectives"
+    assert "Thread" in (hang / "rank0_step5.txt").read_text()

@@ -15,6 +15,9 @@ import sentencepiece as spm
 from support.corpus import documents, tokenize, train_tiny_tokenizer, write_jsonl
 
 from data_tools.cli import main
+from data_tools.corpus import ReadOptions, input_files
+from data_tools.progress import ByteProgress
+from data_tools.train_tokenizer import sample_sentences
 from megabeta.data import IndexedDataset
 
 pa = pytest.importorskip("pyarrow")
@@ -151,3 +154,48 @@ def test_sentencepiece_output_is_megatrons_format_built_by_hand(base, tmp_path):
     assert (tmp_path / "ds.idx").read_bytes() == index
     assert (tmp_path / "ds.bin").read_bytes() == \
         np.concatenate([np.array(i, dtype=np.uint16) for i in ids]).tobytes()
+
+
+def test_corrupt_files_stop_with_one_error_or_are_read_up_to_the_damage(base, tmp_path,
+                                                                         capsys):
+    """A .zst whose second frame is garbage, a .gz cut in half, a parquet that is not one: one
+    error naming the file; with --skip-bad each is read up to the damage (the record the damage
+    cut is left out), counted, and the output is the same for any chunking and worker count."""
+    _, docs, _, model = base
+    texts = docs[:40]
+    zst = tmp_path / "a.jsonl.zst"
+    zst.write_bytes(zstandard.ZstdCompressor().compress(
+        write_jsonl(tmp_path / "frame.jsonl", texts[:25]).read_bytes()) + bytes(range(64)) * 2)
+    whole = gzip.compress(write_jsonl(tmp_path / "all.jsonl", texts).read_bytes())
+    gz = tmp_path / "b.jsonl.gz"
+    gz.write_bytes(whole[:len(whole) // 2])
+    not_parquet = tmp_path / "c.parquet"
+    not_parquet.write_bytes(b"PAR1 this is not parquet")
+    inputs = [zst, gz, not_parquet]
+    for bad in inputs:
+        assert tokenize(model, [bad], tmp_path / "out") == 2
+        err = capsys.readouterr().err
+        assert f"{bad}: not a readable" in err and "--skip-bad" in err and "Traceback" not in err
+    outputs = []
+    for extra in ([], ["--chunk-mb", "0.0002", "--workers", "2"]):
+        prefix = tmp_path / f"skip{len(outputs)}"
+        assert main(["tokenize", "--tokenizer", str(model), "--inputs", *map(str, inputs),
+                     "--output-prefix", str(prefix), "--skip-bad", *extra]) == 0
+        outputs.append(dataset_bytes(prefix))
+        err = capsys.readouterr().err
+        assert f"3 unreadable file(s) read only up to the damage, the rest skipped (first: {zst}: " \
+               f"not a readable zstd file after the record at line 25" in err, err
+    assert outputs[0] == outputs[1]
+    report = IndexedDataset(tmp_path / "skip0").sidecar["report"]
+    assert report["bad_files_cut"] == 3 and "bad_records_skipped" not in report
+    # What was kept: the zst's first frame, then the gz's whole lines before the cut.
+    from_gz = IndexedDataset(tmp_path / "skip0").num_documents - 25
+    assert 0 < from_gz < len(texts)
+    reference = write_jsonl(tmp_path / "kept.jsonl", texts[:25] + texts[:from_gz])
+    assert tokenize(model, [reference], tmp_path / "kept") == 0
+    assert outputs[0] == dataset_bytes(tmp_path / "kept")
+    # train-tokenizer's sample reads the same way.
+    options = ReadOptions(skip_bad=True)
+    with ByteProgress(1, "sample", quiet=True) as progress:
+        sample = sample_sentences(input_files(inputs), options, 10_000, 0, progress)
+    assert sample.counts.bad_files == 3 and sample.counts.documents == 25 + from_gz

@@ -16,6 +16,8 @@ from megabeta.train.loop import Trainer, TrainingStopped
 from megabeta.train.monitor import RunningWindow, find_straggler
 from support.train_helpers import TINY_CONFIG, TINY_OVERRIDES, snapshot_steps, train_records
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 SPIKE_STEP = 5  # 1-based: the step whose gradients and loss are blown up
 MONITOR = ["--train.steps=5", "--monitor.spike_window=10", "--monitor.spike_min_steps=3",
            "--monitor.loss_zscore=20", "--monitor.grad_norm_zscore=20", "--logging.interval=5",
