@@ -94,7 +94,12 @@ class MegabetaLM(TemplateLM):
             raise UsageError(f"tokenizer {self.tokenizer.info.path} has no end-of-text token; "
                              "the harness's requests start from it (pass the tokenizer the model "
                              "was trained with)")
-        self.device = next(self.model.parameters()).device
+        self._device = next(self.model.parameters()).device
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs (a read-only property of the harness's LM from lm-eval 0.4.10)."""
+        return self._device
 
     # ---- what TemplateLM asks for ----------------------------------------------------------------
     @property
