@@ -383,6 +383,10 @@ MOVED_KEYS = {**{f"model.{k}": v for k, v in MOVED_FIELDS.items()},
               "parallel.compile": "execution.compile"}
 """Keys of older configs -> where the setting lives now."""
 
+RENAMED_KEYS = {"execution.cell_kernels": "execution.elementwise_kernels"}
+"""Keys of older configs that still work under their new name: a run's recorded config and the
+configs written for it keep loading ("cell" now means one (block, layer) unit only)."""
+
 
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
@@ -433,6 +437,18 @@ def _unknown(name: str, known: list[str]) -> ConfigError:
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(known))}"
     return ConfigError(f"unknown config key {name!r}{hint}")
+
+
+def _renamed(flat: dict[str, Any]) -> dict[str, Any]:
+    """`flat` with RENAMED_KEYS under their new names (both given: an error naming them)."""
+    out = {}
+    for key, value in flat.items():
+        new = RENAMED_KEYS.get(key, key)
+        if new in out or (new != key and new in flat):
+            raise ConfigError(f"config keys {key!r} and {new!r} are the same setting (renamed "
+                              f"{new!r}): keep one")
+        out[new] = value
+    return out
 
 
 def _all_keys() -> list[str]:
@@ -514,7 +530,7 @@ def config_from_flat(flat: dict[str, Any], source: str = "config") -> TrainConfi
     tables: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
     top_types = _field_types(TrainConfig)
-    for key, value in flat.items():
+    for key, value in _renamed(flat).items():
         if key not in known:
             raise _unknown(key, known)
         if "." in key:

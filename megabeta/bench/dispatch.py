@@ -93,12 +93,13 @@ def counting_config(block_size: int = 32, **overrides: Any) -> ModelConfig:
     return get_preset("t19_flash", **{**small, **overrides})
 
 
-def per_cell(attention: str, *, cell_kernels: str = "torch", blocks: tuple[int, int] = (3, 5),
+def per_cell(attention: str, *, elementwise_kernels: str = "torch",
+             blocks: tuple[int, int] = (3, 5),
              activation_checkpoint: str = "block", **overrides: Any) -> dict[str, Any]:
     """Launches per (block, layer) cell of a training step: the difference between steps of
     `blocks[1]` and `blocks[0]` blocks, per extra cell; plus the operators of the longer step."""
     config = counting_config(**overrides)
-    execution = ExecutionConfig(attention=attention, cell_kernels=cell_kernels,
+    execution = ExecutionConfig(attention=attention, elementwise_kernels=elementwise_kernels,
                                 activation_checkpoint=activation_checkpoint)
     torch.manual_seed(0)
     model = build_model(config, execution)
@@ -107,7 +108,7 @@ def per_cell(attention: str, *, cell_kernels: str = "torch", blocks: tuple[int, 
         tokens = torch.randint(0, config.vocab_size, (1, n * config.block_size))
         counts.append(count_step(model, tokens))
     cells = (blocks[1] - blocks[0]) * config.num_layers
-    return {"attention": attention, "cell_kernels": cell_kernels,
+    return {"attention": attention, "elementwise_kernels": elementwise_kernels,
             "per_cell": (counts[1].total - counts[0].total) / cells,
             "step": counts[1].total, "ops": dict(counts[1].by_op.most_common()),
             "launches": counts[1].launches()}
@@ -132,9 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"standard arm: {standard_per_layer():.0f} launches per layer (whole sequence)")
     for attention in args.attention:
         kernels = "triton" if attention == "triton" else "torch"
-        result = per_cell(attention, cell_kernels=kernels)
+        result = per_cell(attention, elementwise_kernels=kernels)
         top = ", ".join(f"{op} {n}" for op, n in list(result["ops"].items())[:args.top])
-        print(f"{attention:>10} (cell kernels {kernels}): {result['per_cell']:.1f} per cell; "
+        print(f"{attention:>10} (elementwise kernels {kernels}): "
+              f"{result['per_cell']:.1f} per cell; "
               f"step {result['step']}; Triton launches {result['launches'] or 0}; top: {top}")
 
 

@@ -6,11 +6,11 @@
 Sections, in order:
 
 1. versions and features: torch, CUDA, triton, the device, bf16, TF32, and whether
-   `execution.attention = "triton"` and `execution.cell_kernels = "triton"` can
+   `execution.attention = "triton"` and `execution.elementwise_kernels = "triton"` can
    be selected (a tiny model is built with each);
 2. kernel checks, forward and backward, fp32 and bf16, against float64 CPU references: the Triton
    block attention (megabeta/kernels/triton_attention.py) at t19_flash's shapes and the fused
-   cell kernels (megabeta/kernels/triton_cell.py) against megabeta.model.layers;
+   elementwise kernels (megabeta/kernels/triton_elementwise.py) against megabeta.model.layers;
 3. model exactness on the device for the triton attention backend:
    beta_1.2 at c = T equals the standard arm, prefill + steps equal the forward, and beta_1.2 at
    c = 8 equals the float64 explicit backend (logits, loss, fp32 gradients);
@@ -88,7 +88,7 @@ MODES = {"eager": dict(activation_checkpoint="block"),
          "wavefront": dict(schedule="wavefront", activation_checkpoint="wave")}
 """The speed section's modes: the beta arm's execution settings."""
 SETTINGS = {"attention=triton": dict(attention="triton"),
-            "cell_kernels=triton": dict(cell_kernels="triton")}
+            "elementwise_kernels=triton": dict(elementwise_kernels="triton")}
 """The execution settings whose availability section 1 probes (and later sections rely on)."""
 ARTICLE_RESERVE_S = {"cuda": 60.0, "cpu": 8.0}
 """Budget kept for section 6 while section 5 runs (its three arms, warm-up and timing)."""
@@ -347,8 +347,8 @@ def _probe(run: Run, execution: dict[str, Any]) -> tuple[str | None, str]:
         return f"ConfigError: {_first_line(exc)}", "not selectable"
     except Exception as exc:  # noqa: BLE001 - a setting that builds but fails is unavailable too
         return f"{type(exc).__name__}: {_first_line(exc)}", "selectable but its forward fails"
-    what = (f"selected: attention backend {model.attention_backend.name}, cell kernels "
-            f"{model.cell_kernels.name}")
+    what = (f"selected: attention backend {model.attention_backend.name}, elementwise kernels "
+            f"{model.elementwise_kernels.name}")
     wanted = execution.get("attention")
     if wanted and model.attention_backend.name != wanted:
         what += f" (NOT {wanted}: the model runs another backend for it here)"
@@ -546,10 +546,10 @@ def cell_cases(quick: bool) -> dict[str, tuple[int, ...]]:
     return dict(rows=(4, 32, 1600), heads=(4, 32, 24, 16, 200), gate_up=(4, 32, 2 * 3200))
 
 
-def check_cell_kernels(run: Run, dtypes: list[str]) -> None:
-    """The Triton cell kernels against the torch functions of megabeta.model.layers run in
+def check_elementwise_kernels(run: Run, dtypes: list[str]) -> None:
+    """The Triton elementwise kernels against the torch functions of megabeta.model.layers run in
     float64, forward and backward."""
-    from megabeta.kernels import triton_cell
+    from megabeta.kernels import triton_elementwise
     from megabeta.model import layers
 
     shapes = cell_cases(run.quick)
@@ -563,16 +563,16 @@ def check_cell_kernels(run: Run, dtypes: list[str]) -> None:
     projection = (batch, n, (rotary + plain) * head_dim)
 
     kernels: dict[str, tuple[list[tuple[int, ...]], Callable[..., Any], Callable[..., Any]]] = {
-        "rms_normalize": ([shapes["rows"]], lambda x: triton_cell.rms_normalize(x, eps),
+        "rms_normalize": ([shapes["rows"]], lambda x: triton_elementwise.rms_normalize(x, eps),
                           lambda x: layers.rms_normalize(x, eps)),
         "add_rms_normalize": ([shapes["rows"]] * 2,
-                              lambda x, d: triton_cell.add_rms_normalize(x, d, eps),
+                              lambda x, d: triton_elementwise.add_rms_normalize(x, d, eps),
                               lambda x, d: layers.add_rms_normalize(x, d, eps)),
         "split_heads_rope": ([projection],
-                             lambda y: triton_cell.split_heads_rope(y, cos.to(y), sin.to(y),
+                             lambda y: triton_elementwise.split_heads_rope(y, cos.to(y), sin.to(y),
                                                                     **rope),
                              lambda y: layers.split_heads_rope(y, cos, sin, **rope)),
-        "swiglu": ([shapes["gate_up"]], lambda x: triton_cell.swiglu(x), layers.swiglu),
+        "swiglu": ([shapes["gate_up"]], lambda x: triton_elementwise.swiglu(x), layers.swiglu),
     }
     for kernel, (input_shapes, fn, reference) in kernels.items():
         inputs = {f"x{i}": _round_to(torch.randn(*shape, generator=gen, dtype=torch.float64),
@@ -603,7 +603,7 @@ def section_kernels(run: Run) -> None:
     dtypes = ["fp32", "bf16"]
     if not run.cuda:
         dtypes = ["fp32"]
-        for what in ("block_attention bf16", "cell kernels bf16"):
+        for what in ("block_attention bf16", "elementwise kernels bf16"):
             report.not_run(key, what, "no GPU: Triton's CPU interpreter gets bfloat16 wrong "
                                       "(tl.dot, triton#11584), so bf16 is checked on a GPU only")
     try:
@@ -623,15 +623,15 @@ def section_kernels(run: Run) -> None:
         with attempt(run, key, f"block_attention {case.name}"):
             check_block_attention(run, case, dtypes)
     try:
-        from megabeta.kernels import triton_cell  # noqa: F401
+        from megabeta.kernels import triton_elementwise  # noqa: F401
         cell_ok = None
     except ImportError as exc:
-        cell_ok = f"megabeta.kernels.triton_cell does not import: {exc}"
+        cell_ok = f"megabeta.kernels.triton_elementwise does not import: {exc}"
     why = cell_ok or run.budget.why_not(estimate, run.reserve(key))
     if why:
-        report.not_run(key, "cell kernels (rms_normalize, split_heads_rope, swiglu)", why)
+        report.not_run(key, "elementwise kernels (rms_normalize, split_heads_rope, swiglu)", why)
     else:
-        check_cell_kernels(run, dtypes)
+        check_elementwise_kernels(run, dtypes)
 
 
 # ---- section 3: model exactness -----------------------------------------------------------------
@@ -680,7 +680,7 @@ def _tokens(vocab: int, batch: int, length: int, seed: int) -> Tensor:
 
 def _runs(model: DecoderLM) -> str:
     """What the model really runs (a setting may map to another backend on this device)."""
-    return f"; runs {model.attention_backend.name}, cell kernels {model.cell_kernels.name}"
+    return f"; runs {model.attention_backend.name}, elementwise kernels {model.elementwise_kernels.name}"
 
 
 def _grads(model: DecoderLM) -> dict[str, Tensor]:

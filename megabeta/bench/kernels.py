@@ -7,7 +7,7 @@ not type-check like the compiler), and only the compiler says how many registers
 takes, whether it spills to local memory and how much shared memory it needs. So this runs a
 training step (forward and backward) of the model itself, on CPU, in each variant the presets
 and execution settings reach, with `execution.attention = triton` and
-`execution.cell_kernels = triton`; each launch the model's own code makes is compiled for the
+`execution.elementwise_kernels = triton`; each launch the model's own code makes is compiled for the
 target instead of run (`megabeta.kernels.compile_target`), so the variants cannot drift from
 what runs on a GPU.
 
@@ -100,7 +100,7 @@ def run_step(variant: Variant) -> None:
     Triton launches reach the active launch observer."""
     config = variant.config()
     wavefront = variant.schedule == "wavefront"
-    execution = ExecutionConfig(attention="triton", cell_kernels="triton",
+    execution = ExecutionConfig(attention="triton", elementwise_kernels="triton",
                                 schedule=variant.schedule,
                                 activation_checkpoint="wave" if wavefront else "block")
     params, autocast = DTYPES[variant.dtype]

@@ -53,7 +53,7 @@ class Settings:
     block_size: int = 32
     rounds: int = 4
     attention: str = "auto"
-    cell_kernels: str = "auto"
+    elementwise_kernels: str = "auto"
     checkpoint: bool = False
     t19_len: int = 2048
     dispatches_only: bool = False
@@ -97,7 +97,7 @@ def _built_on(device: torch.device, config: ModelConfig, execution: ExecutionCon
 
 def _execution(schedule: str, settings: Settings, checkpoint: bool) -> ExecutionConfig:
     return ExecutionConfig(schedule=schedule, attention=settings.attention,
-                           cell_kernels=settings.cell_kernels,
+                           elementwise_kernels=settings.elementwise_kernels,
                            activation_checkpoint=SCHEDULES[schedule] if checkpoint else "none")
 
 
@@ -162,7 +162,7 @@ def measure(settings: Settings, device: torch.device) -> Figures:
     shape = dict(s.shape, vocab_size=s.vocab, max_seq_len=s.seq_len)
     beta = dict(shape, block_size=s.block_size)
     models = {"standard": _model(s.control, ExecutionConfig(attention=s.attention,
-                                                            cell_kernels=s.cell_kernels),
+                                                            elementwise_kernels=s.elementwise_kernels),
                                  device, **shape)}
     for schedule in SCHEDULES:
         models[schedule] = _model(s.preset, _execution(schedule, s, s.checkpoint), device,
@@ -225,8 +225,8 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="c (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=d.rounds, help="timed rounds (median)")
     parser.add_argument("--attention", default=d.attention, help="execution.attention")
-    parser.add_argument("--cell-kernels", default=d.cell_kernels,
-                        help="execution.cell_kernels (%(default)s)")
+    parser.add_argument("--cell-kernels", default=d.elementwise_kernels,
+                        help="execution.elementwise_kernels (%(default)s)")
     parser.add_argument("--checkpoint", action="store_true",
                         help="time each schedule with its activation checkpointing (block / wave)")
     parser.add_argument("--t19-len", type=int, default=d.t19_len,
@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         for preset in (settings.preset, "t19_flash"):
             counts = dispatches(preset, settings, device)
             print(f"- dispatches per step, {preset} ({settings.attention} attention, "
-                  f"{settings.cell_kernels} cell kernels, {device}): block {counts['block']}, "
+                  f"{settings.elementwise_kernels} elementwise kernels, {device}): "
+                  f"block {counts['block']}, "
                   f"wavefront {counts['wavefront']}: "
                   f"{counts['wavefront'] / counts['block']:.2f}x")
         return

@@ -42,7 +42,7 @@ from megabeta.model.transformer import DecoderLM, ParallelPlan
 from megabeta.model.wavefront import run_wavefront
 
 
-class CellWeights:
+class PassWeights:
     """The fused weights of one pass (layers.Projection, layers.SharedWeight), per layer l:
 
     - `input(l, finished=True)`: one matmul of layer l's normalized input for layer l-1's
@@ -56,7 +56,7 @@ class CellWeights:
 
     def __init__(self, model: "Beta12Transformer", finished: bool, length: int, *,
                  traced: bool = False, ends_only: bool = False) -> None:
-        c, kernels = model.config, model.cell_kernels
+        c, kernels = model.config, model.elementwise_kernels
         # Read by a compiled block step (`traced`): gradients by plain autograd, none of the
         # Python-side sums (SharedWeight, BiasRows) that a graph cannot hold.
         project = functools.partial(Projection, head_dim=c.head_dim, kernels=kernels,
@@ -89,7 +89,7 @@ class CellWeights:
         return [t for p in projections for t in p.tensors()] + [
             t for b in self.branches for t in b.tensors()] + biases
 
-    def with_tensors(self, tensors: list[Tensor]) -> "CellWeights":
+    def with_tensors(self, tensors: list[Tensor]) -> "PassWeights":
         """These weights reading `tensors` (in `tensors()`'s order) instead, by plain autograd:
         what a captured block step reads from fixed addresses (model/block_graphs.py)."""
         it = iter(tensors)
@@ -103,7 +103,7 @@ class CellWeights:
                                         for t in (b.slope, b.self_bias, b.group_shift)))
                         for b in self.biases]
         if next(it, None) is not None:
-            raise ValueError("CellWeights.with_tensors: more tensors than the weights read")
+            raise ValueError("PassWeights.with_tensors: more tensors than the weights read")
         return other
 
 
@@ -190,7 +190,7 @@ class Beta12Transformer(DecoderLM):
         return [self.config.source_layers(l) for l in range(len(self.layers))]
 
     def _block(self, x: Tensor, rope: tuple[Tensor, Tensor], history: BufferedView | PieceView,
-               weights: CellWeights, *, dropout: float, finished: bool,
+               weights: PassWeights, *, dropout: float, finished: bool,
                construction: bool) -> BlockOutput:
         """All layers on the tokens `x [B, n, d]` of one block, whose positions' RoPE tables
         are `rope` (cos, sin `[n, d_h]`).
@@ -201,11 +201,11 @@ class Beta12Transformer(DecoderLM):
         `finished`/`construction`: whether the block's finished / construction KVs are wanted.
 
         Layer l-1's finished K/V are projections of its output, which is layer l's input: they
-        come out of layer l's input matmul (CellWeights), and the last layer's after the loop.
+        come out of layer l's input matmul (PassWeights), and the last layer's after the loop.
         """
         cos, sin = rope
         eps = self.config.norm_eps
-        attention, kernels = self.attention_backend, self.cell_kernels
+        attention, kernels = self.attention_backend, self.elementwise_kernels
         out = BlockOutput(x)
         fin_k, fin_v = out.finished_k, out.finished_v
         con_k, con_v = out.construction_k, out.construction_v
@@ -255,7 +255,7 @@ class Beta12Transformer(DecoderLM):
         if self.execution.schedule == "wavefront" and length > c:
             # Padded to whole blocks (wavefront.py); the tables of the whole padded sequence.
             padded = -(-length // c) * c
-            weights = CellWeights(self, finished=True, length=padded, ends_only=True)
+            weights = PassWeights(self, finished=True, length=padded, ends_only=True)
             cos, sin = self.rope(0, padded, x)
             history = self._history(x, static=False)
             try:
@@ -265,7 +265,7 @@ class Beta12Transformer(DecoderLM):
             return self.head(hidden, targets)
         static = (self.block_step is not None or self.block_graphs is not None) and length > c
         # Built once per pass, outside the checkpointed blocks (which only read them).
-        weights = CellWeights(self, finished=length > c, length=length, traced=static)
+        weights = PassWeights(self, finished=length > c, length=length, traced=static)
         # The tables of the whole sequence, once per pass; each block reads a slice (no copy).
         cos, sin = self.rope(0, length, x)
         history = self._history(x, static=static)
@@ -292,7 +292,7 @@ class Beta12Transformer(DecoderLM):
             history.close()
         return self.head(torch.cat(hidden, dim=1), targets)
 
-    def _prepare_static(self, history: BufferedHistory, weights: CellWeights, x: Tensor) -> None:
+    def _prepare_static(self, history: BufferedHistory, weights: PassWeights, x: Tensor) -> None:
         """Allocate the history before block 0 (the captured step's own buffers with CUDA
         graphs, which also take this pass's weights)."""
         c, graphs = self.config, self.block_graphs
@@ -305,7 +305,7 @@ class Beta12Transformer(DecoderLM):
         history.allocate(x.shape[0], heads, width, device=x.device, buffers=buffers)
 
     def _static_block(self, x: Tensor, rope: tuple[Tensor, Tensor], view: StepView,
-                      weights: CellWeights, *, dropout: float) -> BlockOutput:
+                      weights: PassWeights, *, dropout: float) -> BlockOutput:
         """One block of a static pass: a full block replayed (CUDA graphs, which recompute in
         backward themselves) or through the compiled step; a ragged last block eagerly (it
         would be a second graph). Finished KVs always (the last block's are not read)."""
@@ -393,7 +393,7 @@ class Beta12Transformer(DecoderLM):
         c = self.config.block_size
         x = self.tok_embeddings(tokens)
         weights = self.decode_weights(
-            cache, lambda: CellWeights(self, finished=True, length=cache.capacity))
+            cache, lambda: PassWeights(self, finished=True, length=cache.capacity))
         logits = []
         done = 0
         while done < tokens.shape[1]:

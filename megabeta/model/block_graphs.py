@@ -109,7 +109,7 @@ class BlockGraphs:
         self._shapes: dict[tuple, _Shape] = {}
         self._current: _Shape | None = None
         self._weight_inputs: list[Tensor] = []
-        """The current pass's weight tensors (`CellWeights.tensors()`), inputs of every block."""
+        """The current pass's weight tensors (`PassWeights.tensors()`), inputs of every block."""
         self._pending = 0
         """Blocks of the current pass whose backward has not run yet."""
 
@@ -140,7 +140,7 @@ class BlockGraphs:
         return current.history
 
     def begin_pass(self, weights: Any, blocks: int) -> None:
-        """Copy this pass's weights (`CellWeights`) to the fixed ones; `blocks` graphed blocks
+        """Copy this pass's weights (`PassWeights`) to the fixed ones; `blocks` graphed blocks
         will run."""
         current = self._current
         # Listed once per pass: `run` hands them to every block's node (the hot path).

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megabeta.model.attention.select import BACKENDS
 from megabeta.model.config import ConfigError
 
 CHECKPOINT_MODES = ("none", "block", "wave")
 SCHEDULES = ("block", "wavefront")
-ATTENTION_BACKENDS = ("auto", "explicit", "cpu_flash", "cpu_fused", "triton")
+ATTENTION_BACKENDS = ("auto", *BACKENDS)
 REMOVED_ATTENTION = {
     "sdpa": "explicit (attention dropout) or auto",
     "cuda_flash": "triton (what auto selects on CUDA)",
@@ -21,7 +22,7 @@ REMOVED_ATTENTION = {
 """Backends that were dropped, and what to use instead (docs/benchmarks/2026-12-04-gpu.md:
 `cuda_flash` gave wrong bf16 gradients and a memory fault on an H200, `sdpa` ran 1.75x
 slower than `triton` there)."""
-CELL_KERNELS = ("auto", "torch", "triton")
+ELEMENTWISE_KERNELS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -34,7 +35,7 @@ class ExecutionConfig:
     """beta12's order of (block, layer) cells: `block` (block by block) or `wavefront` (the cells of a wave b·(k+1) + l together, batched; docs/architecture.md)."""
     attention: str = "auto"
     """Attention backend: `auto`, `explicit` (the spec's softmax written out; attention dropout), `cpu_flash`, `cpu_fused` or `triton` (docs/architecture.md)."""
-    cell_kernels: str = "auto"
+    elementwise_kernels: str = "auto"
     """RMSNorm, RoPE and SwiGLU: `torch`, `triton` (fused kernels, megabeta[gpu]) or `auto` (triton on CUDA where installed)."""
     compile: bool = False
     """torch.compile: beta12's block step, one graph for every block (`cpu_fused` or `triton` attention); the other arms' residual branches (applied by the engine)."""
@@ -52,7 +53,7 @@ class ExecutionConfig:
         for name, allowed in (("activation_checkpoint", CHECKPOINT_MODES),
                               ("attention", ATTENTION_BACKENDS),
                               ("schedule", SCHEDULES),
-                              ("cell_kernels", CELL_KERNELS)):
+                              ("elementwise_kernels", ELEMENTWISE_KERNELS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"execution.{name} = {getattr(self, name)!r}: must be one of "
                                   f"{', '.join(allowed)}")
@@ -80,4 +81,4 @@ class ExecutionConfig:
 
 
 __all__ = ["ExecutionConfig", "CHECKPOINT_MODES", "SCHEDULES", "ATTENTION_BACKENDS",
-           "REMOVED_ATTENTION", "CELL_KERNELS"]
+           "REMOVED_ATTENTION", "ELEMENTWISE_KERNELS"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -138,10 +138,10 @@ def swiglu(gate_up: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class CellKernels:
-    """Implementations of a cell's elementwise work (`model.cell_kernels`, chosen once per
-    model by `cell_kernels.select_cell_kernels`): these torch functions, or the fused Triton
-    kernels of `megabeta.kernels.triton_cell`, which have the same signatures."""
+class ElementwiseKernels:
+    """Implementations of a cell's elementwise work (`model.elementwise_kernels`, chosen once per
+    model by `elementwise.select_elementwise_kernels`): these torch functions, or the fused Triton
+    kernels of `megabeta.kernels.triton_elementwise`, which have the same signatures."""
 
     name: str
     rms_normalize: Callable[[Tensor, float], Tensor]
@@ -150,7 +150,8 @@ class CellKernels:
     swiglu: Callable[[Tensor], Tensor]
 
 
-TORCH_KERNELS = CellKernels("torch", rms_normalize, add_rms_normalize, split_heads_rope, swiglu)
+TORCH_KERNELS = ElementwiseKernels("torch", rms_normalize, add_rms_normalize, split_heads_rope,
+                                   swiglu)
 
 
 class SharedWeight:
@@ -186,22 +187,36 @@ class SharedWeight:
         else:
             self.grad.addmv_(rows.t(), ones)
 
+    def collected(self) -> Tensor | None:
+        total, self.grad, self._ones = self.grad, None, {}
+        return total
+
+
+class Collector(Protocol):
+    """Where the readers of one pass leave a tensor's gradient by hand (a shared weight's sum, a
+    bias's rows), for `HandOut` to give autograd once."""
+
+    def collected(self) -> Tensor | None:
+        """The gradient left so far (None: nothing), handed over: the collector starts again."""
+
 
 class HandOut(torch.autograd.Function):
-    """Forward: the shared weight as is (a view). Backward, after every reader's: its
-    accumulated gradient."""
+    """Forward: a tensor as is (a view). Backward, after every reader's: what its `Collector`
+    gathered, plus what readers returned through autograd. The one hand-out of by-hand
+    gradients: shared and stacked weights (here, model/wavefront.py) and the attention biases'
+    rows (attention/backend.py)."""
 
     @staticmethod
-    def forward(ctx: Any, weight: Tensor, shared: SharedWeight) -> Tensor:
-        ctx.shared = shared
+    def forward(ctx: Any, t: Tensor, collector: Collector) -> Tensor:
+        ctx.collector = collector
         ctx.set_materialize_grads(False)
-        return weight.view_as(weight)
+        return t.view_as(t)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, None]:
-        shared, ctx.shared = ctx.shared, None
-        total, shared.grad, shared._ones = shared.grad, None, {}
-        if grad is not None:  # a reader that is not `linear` (e.g. under autocast)
+        collector, ctx.collector = ctx.collector, None
+        total = collector.collected()
+        if grad is not None:  # a reader that is not by hand (e.g. under autocast)
             total = grad if total is None else total + grad
         return total, None
 
@@ -283,7 +298,7 @@ class Projection:
     """
 
     def __init__(self, parts: list[Rows], head_dim: int,
-                 kernels: CellKernels = TORCH_KERNELS, *, accumulate: bool = True) -> None:
+                 kernels: ElementwiseKernels = TORCH_KERNELS, *, accumulate: bool = True) -> None:
         self.kernels = kernels
         rotary = [p for p in parts if p.rotary]
         plain = [p for p in parts if not p.rotary]
@@ -468,7 +483,7 @@ class TransformerLayer(nn.Module):
         return self._dropped(linear(o.transpose(1, 2).flatten(2), weights.out))
 
     def mlp_delta(self, normalized: Tensor, weights: "BranchWeights",
-                  kernels: CellKernels = TORCH_KERNELS) -> Tensor:
+                  kernels: ElementwiseKernels = TORCH_KERNELS) -> Tensor:
         """The SwiGLU branch `w2(silu(w1 x) * w3 x)` of `normalized = rms_normalize(a)`."""
         gate_up = linear(normalized, weights.gate_up)
         return self._dropped(linear(kernels.swiglu(gate_up), weights.down))

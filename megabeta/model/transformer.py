@@ -22,10 +22,10 @@ from megabeta.model.attention import NO_BIAS, AttentionBackend, KeySet, select_a
 from megabeta.model.cache import DecodeCache, KVBuffer
 from megabeta.model.config import ConfigError, ModelConfig
 from megabeta.model.execution import ExecutionConfig
-from megabeta.model.cell_kernels import select_cell_kernels
+from megabeta.model.elementwise import select_elementwise_kernels
 from megabeta.model.layers import (
     BranchWeights,
-    CellKernels,
+    ElementwiseKernels,
     Projection,
     RMSNorm,
     TransformerLayer,
@@ -98,13 +98,13 @@ class DecoderLM(nn.Module):
 
     # ---- execution ------------------------------------------------------------------------------
     def _select_kernels(self) -> None:
-        """Choose the attention backend (attention/select.py) and the cell kernels
-        (cell_kernels.py) for the parameters' device, once: here and whenever the model is
+        """Choose the attention backend (attention/select.py) and the elementwise kernels
+        (elementwise.py) for the parameters' device, once: here and whenever the model is
         moved (`_apply`), never per call."""
         c = self.config
         device = self.tok_embeddings.weight.device
-        self.cell_kernels: CellKernels = select_cell_kernels(self.execution.cell_kernels,
-                                                             device=device)
+        self.elementwise_kernels: ElementwiseKernels = select_elementwise_kernels(
+            self.execution.elementwise_kernels, device=device)
         self.attention_backend: AttentionBackend = select_attention(
             self.execution.attention, device=device, dropout=c.dropout, head_dim=c.head_dim)
 
@@ -210,7 +210,7 @@ class StandardTransformer(DecoderLM):
         (layers.Projection, layers.BranchWeights), built once per pass."""
         c = self.config
         return [(Projection(layer.attention.input_rows(layer.attention_norm), c.head_dim,
-                            self.cell_kernels),
+                            self.elementwise_kernels),
                  layer.pass_weights())
                 for layer in self.layers]
 
@@ -218,7 +218,7 @@ class StandardTransformer(DecoderLM):
                cos: Tensor, sin: Tensor, cache: KVBuffer | None) -> tuple[Tensor, Tensor, Tensor]:
         """One layer on tokens with RoPE tables `cos/sin`; earlier tokens' KVs come from `cache`."""
         projection, branches = weights
-        kernels, eps = self.cell_kernels, self.config.norm_eps
+        kernels, eps = self.elementwise_kernels, self.config.norm_eps
         q, k, v = projection(kernels.rms_normalize(x, eps), cos, sin)
         keys = KeySet(k=k, v=v)
         if cache is not None:

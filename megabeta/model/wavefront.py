@@ -6,7 +6,7 @@ independent: (T/c - 1)·p + L waves instead of (T/c)·L cells, a wave holding up
 consecutive blocks at layers that step down by p (`WavePlan`).
 
 Where a cell ends. In the block schedule layer m's finished K/V come out of layer m+1's input
-matmul (beta12.CellWeights). Here they are first read one wave after cell (b, m), by cell
+matmul (beta12.PassWeights). Here they are first read one wave after cell (b, m), by cell
 (b+1, m-k), which runs in the same wave as (b, m+1): so a cell is layer l's attention and MLP
 followed by layer l+1's fused input projection (layer l's finished K/V, layer l+1's queries and
 construction K/V): the same matmuls of the same numbers as the block schedule, done one wave
@@ -51,7 +51,7 @@ from megabeta.model.history import BufferedHistory, PieceHistory
 from megabeta.model.layers import HandOut, Projection, autocast_dtype, fused_input_rows
 
 if TYPE_CHECKING:  # only for annotations: beta12 imports this module
-    from megabeta.model.beta12 import Beta12Transformer, CellWeights
+    from megabeta.model.beta12 import Beta12Transformer, PassWeights
 
 QKV = tuple[Tensor, Tensor, Tensor]
 """A wave's cells' queries, construction keys and values, stacked `[n, B, heads, c, d_h]`."""
@@ -138,6 +138,10 @@ class StackedWeight:
             ones = self._ones[rows.shape[1]] = rows.new_ones(1, 1, rows.shape[1])
         grad.unsqueeze(1).baddbmm_(ones.expand(rows.shape[0], -1, -1), rows)
 
+    def collected(self) -> Tensor | None:
+        total, self.grad, self._ones = self.grad, None, {}
+        return total
+
     def zero_grad_buffer(self) -> Tensor:
         """`grad`, zero-filled on first use."""
         if self.grad is None:
@@ -196,11 +200,11 @@ class _WaveLinear(torch.autograd.Function):
 
 class WaveWeights:
     """One pass's weights for the wavefront: `cell`, the per-layer fused weights of the
-    entering and leaving cells and the attention biases (`CellWeights(ends_only=True)`), and
+    entering and leaving cells and the attention biases (`PassWeights(ends_only=True)`), and
     for the batched matmuls each kind of weight stacked in reverse layer order, built from the
     parameters (the per-layer fused copies are not kept next to the stacks)."""
 
-    def __init__(self, model: "Beta12Transformer", cell: "CellWeights") -> None:
+    def __init__(self, model: "Beta12Transformer", cell: "PassWeights") -> None:
         self.cell = cell
         layers = list(model.layers)[::-1]
         self.out = StackedWeight([layer.attention.wo.weight for layer in layers])
@@ -224,9 +228,9 @@ class WaveWeights:
 
 def _next_projection(model: "Beta12Transformer", layer: int) -> Projection:
     """Layer `layer`'s input projection fused with layer `layer - 1`'s finished K/V
-    (`CellWeights.input(layer, True)`)."""
+    (`PassWeights.input(layer, True)`)."""
     rows = fused_input_rows(model.layers[layer - 1], model.layers[layer])
-    return Projection(rows, model.config.head_dim, model.cell_kernels)
+    return Projection(rows, model.config.head_dim, model.elementwise_kernels)
 
 
 @dataclass
@@ -263,7 +267,7 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
     construction KVs (stacked, oldest cell first); `views`: each cell's history view;
     `cos/sin [blocks, c, d_h]`: RoPE tables per block; `entering`: the block that enters the
     next wave, whose layer-0 projection is laid next to the continuing cells' here."""
-    kernels, eps = model.cell_kernels, model.config.norm_eps
+    kernels, eps = model.elementwise_kernels, model.config.norm_eps
     attention = model.attention_backend
     cell = weights.cell
     n, batch, c, d = x.shape
@@ -309,7 +313,7 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
 
 def _enter(model: "Beta12Transformer", weights: WaveWeights, block: Entering) -> QKV:
     """A block's layer-0 queries and construction K/V `[B, heads, c, d_h]` each."""
-    normalized = model.cell_kernels.rms_normalize(block.x, model.config.norm_eps)
+    normalized = model.elementwise_kernels.rms_normalize(block.x, model.config.norm_eps)
     return tuple(weights.cell.input(0, False)(normalized, block.cos, block.sin))
 
 
@@ -358,7 +362,7 @@ def _next_inputs(normalized: Tensor, weights: WaveWeights, sel: slice, cos: Tens
 
 
 def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tensor,
-                  cell: "CellWeights", history: BufferedHistory | PieceHistory, *,
+                  cell: "PassWeights", history: BufferedHistory | PieceHistory, *,
                   dropout: float) -> Tensor:
     """The final hidden states `[B, T, d]` of the embeddings `x [B, T, d]` (T > c), wave by
     wave; `cos/sin [T', d_h]` cover the padded length T' = ⌈T/c⌉·c."""

@@ -129,12 +129,12 @@ def test_block_attention_check_fails_a_kernel_that_drops_the_self_bias(
 
 def test_cell_kernel_check_fails_a_wrong_swiglu(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from megabeta.kernels import triton_cell
+    from megabeta.kernels import triton_elementwise
 
-    monkeypatch.setattr(triton_cell, "swiglu", lambda gate_up: torch.nn.functional.gelu(
+    monkeypatch.setattr(triton_elementwise, "swiglu", lambda gate_up: torch.nn.functional.gelu(
         gate_up.chunk(2, dim=-1)[0]) * gate_up.chunk(2, dim=-1)[1])
     run = _run(tmp_path)
-    gpu.check_cell_kernels(run, ["fp32"])
+    gpu.check_elementwise_kernels(run, ["fp32"])
     verdicts = {r["check"]: r["verdict"] for r in run.report.sections["kernels"]["rows"]}
     assert verdicts == {"rms_normalize": "pass", "add_rms_normalize": "pass",
                         "split_heads_rope": "pass", "swiglu": "FAIL"}

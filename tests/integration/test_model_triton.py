@@ -1,5 +1,5 @@
 """The model on the path a GPU takes: `execution.attention = "triton"` and
-`execution.cell_kernels = "triton"`, under Triton's CPU interpreter in float32, against the naive
+`execution.elementwise_kernels = "triton"`, under Triton's CPU interpreter in float32, against the naive
 spec reference and the explicit backend's float64 gradients (spec §4.3). Shapes are tiny: the
 interpreter runs every program instance in numpy."""
 
@@ -27,7 +27,7 @@ def _pair(case: str, **execution: str) -> tuple[torch.nn.Module, torch.nn.Module
     """The triton model in float32 and the explicit one in float64, with the same weights."""
     overrides = {**SMALL, **CASES.get(case, WAVE_CASES.get(case))}
     reference = tiny_model(attention="explicit", **overrides)
-    model = tiny_model(attention="triton", cell_kernels="triton", **execution, **overrides)
+    model = tiny_model(attention="triton", elementwise_kernels="triton", **execution, **overrides)
     model.load_state_dict(reference.state_dict())
     return model.float(), reference
 
@@ -50,7 +50,7 @@ WAVE_CASES = {
 def test_triton_path_matches_reference_and_explicit_gradients(case: str, schedule: str,
                                                               checkpoint: str) -> None:
     model, reference = _pair(case, activation_checkpoint=checkpoint, schedule=schedule)
-    assert (model.attention_backend.name, model.cell_kernels.name) == ("triton", "triton")
+    assert (model.attention_backend.name, model.elementwise_kernels.name) == ("triton", "triton")
     x = tokens(batch=1, length=T)
     expected = reference_logits(reference.state_dict(), reference.config, x)
     torch.testing.assert_close(model(x).double(), expected, atol=2e-5, rtol=1e-4)

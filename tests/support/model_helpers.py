@@ -6,12 +6,24 @@ from typing import Any, Callable
 
 import torch
 
-from megabeta.model import DecoderLM, ExecutionConfig, ModelConfig, build_model
+from megabeta.model import ConfigError, DecoderLM, ExecutionConfig, ModelConfig, build_model
+from megabeta.model.attention.select import BACKENDS
 
 VOCAB = 37
 
-ATTENTION = ["explicit", "cpu_flash", "cpu_fused"]
-"""Every attention backend that runs on this CPU (execution.attention)."""
+def _runs_here(name: str) -> bool:
+    try:
+        BACKENDS[name](8, device=torch.device("cpu"), setting=name)
+    except ConfigError:
+        return False
+    return True
+
+
+ATTENTION = [name for name in BACKENDS if name != "triton" and _runs_here(name)]
+"""Every registered attention backend that runs natively on this CPU
+(`attention/select.BACKENDS`): Triton's runs here only under its interpreter, in the tests of
+its own (tests/integration/test_model_triton.py), whatever TRITON_INTERPRET another test
+module set."""
 
 
 def tiny_config(**overrides: Any) -> ModelConfig:
@@ -35,13 +47,13 @@ def randomise(model: DecoderLM, seed: int = 0) -> DecoderLM:
 
 
 def tiny_model(dtype: torch.dtype = torch.float64, seed: int = 0, attention: str = "auto",
-               activation_checkpoint: str = "none", cell_kernels: str = "auto",
+               activation_checkpoint: str = "none", elementwise_kernels: str = "auto",
                schedule: str = "block", **overrides: Any) -> DecoderLM:
     """`tiny_config(**overrides)` with randomised weights, run with the attention backend, cell
     kernels, schedule and activation checkpointing given."""
     torch.manual_seed(seed)
     execution = ExecutionConfig(attention=attention, activation_checkpoint=activation_checkpoint,
-                                cell_kernels=cell_kernels, schedule=schedule)
+                                elementwise_kernels=elementwise_kernels, schedule=schedule)
     return randomise(build_model(tiny_config(**overrides), execution).to(dtype), seed)
 
 

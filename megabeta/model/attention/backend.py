@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megabeta.model.layers import HandOut
+
 
 @dataclass(frozen=True)
 class KeyLayout:
@@ -97,33 +99,31 @@ class BiasRows:
     def _through(self, t: Tensor | None, kind: str, index: Any) -> Tensor | None:
         if t is None or not (t.requires_grad and torch.is_grad_enabled()):
             return t
-        return _HandOutRows.apply(t, self, kind, index)
+        return HandOut.apply(t, _RowsReduction(self, kind, index, t.shape, t.dtype))
 
 
-class _HandOutRows(torch.autograd.Function):
-    """Forward: the tensor as is. Backward, after every reader's: the reduction of the rows at
-    `index` (the shift is subtracted from scores: minus its rows' sums over batch and position;
-    b_σ: the diagonal's sum)."""
+@dataclass(eq=False)
+class _RowsReduction:
+    """The gradient of a bias read through `BiasRows` (`layers.HandOut`'s collector): the
+    reduction of its rows at `index`, once every reader's backward has run (the shift is
+    subtracted from scores: minus its rows' sums over batch and position; b_σ: the diagonal's
+    sum)."""
 
-    @staticmethod
-    def forward(ctx: Any, t: Tensor, rows: BiasRows, kind: str, index: Any) -> Tensor:
-        ctx.rows, ctx.kind, ctx.index = rows, kind, index
-        ctx.shape, ctx.dtype = t.shape, t.dtype
-        ctx.set_materialize_grads(False)
-        return t.view_as(t)
+    rows: BiasRows
+    kind: str
+    index: Any
+    shape: torch.Size
+    dtype: torch.dtype
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, None, None, None]:
-        rows, ctx.rows = ctx.rows, None
-        total = grad
-        if rows.shift is not None:
-            if ctx.kind == "shift":
-                part = -rows.shift[ctx.index].sum((-3, -1))
-            else:
-                part = rows.diag[ctx.index].sum((-3, -2, -1))
-            part = part.reshape(ctx.shape).to(ctx.dtype)
-            total = part if total is None else total + part
-        return total, None, None, None
+    def collected(self) -> Tensor | None:
+        rows = self.rows
+        if rows.shift is None:
+            return None
+        if self.kind == "shift":
+            part = -rows.shift[self.index].sum((-3, -1))
+        else:
+            part = rows.diag[self.index].sum((-3, -2, -1))
+        return part.reshape(self.shape).to(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -362,16 +362,16 @@ def after_backward(x: Tensor, callback: Callable[[], None] | None) -> Tensor:
     call, once that call's backward (which adds into the history's gradient buffers) is done."""
     if callback is None or not torch.is_grad_enabled():
         return x
-    return _AfterBackward.apply(x, callback)
+    return HandOut.apply(x, _Notify(callback))
 
 
-class _AfterBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, callback: Callable[[], None]) -> Tensor:
-        ctx.callback = callback
-        return x.view_as(x)
+@dataclass(eq=False)
+class _Notify:
+    """A `layers.HandOut` collector that gathers nothing: it tells `callback` that the readers'
+    backward has run."""
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        ctx.callback()
-        return grad, None
+    callback: Callable[[], None]
+
+    def collected(self) -> None:
+        self.callback()
+        return None

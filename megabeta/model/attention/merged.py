@@ -18,7 +18,7 @@ So keys and values stay `head_dim` wide everywhere (no extra head columns, no si
 that read the same rows of adjacent source layers come stacked (`GroupBatch`, views of the
 history's buffers).
 
-The merge (`_Merged`) is written once; the kernels it calls come from a `PartKernels` chosen once
+The merge (`_Merged`) is written once; the kernels it calls come from a `CpuKernels` chosen once
 per backend. Every kernel is ATen's attention with its lse (which is not differentiable, hence
 the custom autograd function); in backward each part's kernel gets the MERGED output and lse
 (shifted by the part's depth bias), which makes it produce that part's exact share of the
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -65,68 +65,40 @@ from megabeta.model.attention.backend import (
 )
 
 
-class PartKernels(Protocol):
-    """The kernels `_Merged` attends to the parts with. Tensors are `[B, H, n, d_h]` queries and
-    `[B, H_kv, S, d_h]` keys/values; every lse is `[B, H, n]` in the merge's precision (float32,
-    or float64 for float64 inputs), unpadded."""
-
-    def mask_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype the own keys' mask is built in, for inputs of `dtype`."""
-
-    def fuses_groups(self, dtype: torch.dtype) -> bool:
-        """Whether the groups run on the fused kernels of `megabeta/kernels/finished_groups.py`
-        (merged in place; `group_forward`/`group_backward` are then not called)."""
-
-    @property
-    def stored_dtypes(self) -> frozenset[torch.dtype] | None:
-        """The dtypes a history these kernels read can have (`KeyLayout.dtypes`)."""
-
-    def own_forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None,
-                    scale: float) -> tuple[Tensor, Tensor]:
-        """Output and lse over the block's own keys, causal, `mask` (`_self_mask`, or None
-        without a self bias) added to the scores."""
-
-    def own_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
-                     lse: Tensor, mask: Tensor | None,
-                     scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        """The own keys' share of dq, and their dk, dv, for the merged `out` and `lse`."""
-
-    def group_forward(self, q: Tensor, k: Tensor, v: Tensor, *,
-                      scale: float) -> tuple[Tensor, Tensor]:
-        """Output and lse over all of `k/v` (no mask)."""
-
-    def group_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
-                       lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        """A group's share of dq, and its dk, dv, for the merged `out` and the merged `lse`
-        shifted by the group's depth bias."""
-
-
 flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 @dataclass(frozen=True)
 class CpuKernels:
-    """ATen's CPU flash kernels; `fused_groups`: the groups on megabeta's fused kernels where the
-    dtype allows."""
+    """The kernels `_Merged` attends to the parts with: ATen's CPU flash kernels;
+    `fused_groups`: the groups on megabeta's fused kernels where the dtype allows. Tensors are
+    `[B, H, n, d_h]` queries and `[B, H_kv, S, d_h]` keys/values; every lse is `[B, H, n]` in the
+    merge's precision (float32, or float64 for float64 inputs), unpadded."""
 
     fused_groups: bool = False
 
     def mask_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the own keys' mask is built in, for inputs of `dtype`."""
         # The kernel adds a float mask of the lse's precision (float32 for bf16 inputs).
         return torch.promote_types(dtype, torch.float32)
 
     def fuses_groups(self, dtype: torch.dtype) -> bool:
+        """Whether the groups run on the fused kernels of `megabeta/kernels/finished_groups.py`
+        (merged in place; `group_forward`/`group_backward` are then not called)."""
         return self.fused_groups and finished_groups.supports(dtype)
 
     @property
     def stored_dtypes(self) -> frozenset[torch.dtype] | None:
+        """The dtypes a history these kernels read can have (`KeyLayout.dtypes`)."""
         # Under bf16 autocast the fused kernels (and the static block step, which needs them)
         # read a float32 history rather than fall back to the per-group ATen kernels.
         return frozenset(finished_groups.DTYPES) if self.fused_groups else None
 
     def own_forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None,
                     scale: float) -> tuple[Tensor, Tensor]:
+        """Output and lse over the block's own keys, causal, `mask` (`_self_mask`, or None
+        without a self bias) added to the scores."""
         out, lse = flash_cpu(q, k, v, dropout_p=0.0, is_causal=True, attn_mask=mask,
                              scale=scale)[:2]
         return out, lse
@@ -134,17 +106,21 @@ class CpuKernels:
     def own_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
                      lse: Tensor, mask: Tensor | None,
                      scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        """The own keys' share of dq, and their dk, dv, for the merged `out` and `lse`."""
         dq, dk, dv = flash_cpu_backward(grad, q, k, v, out, lse, dropout_p=0.0, is_causal=True,
                                         attn_mask=mask, scale=scale)[:3]
         return dq, dk, dv
 
     def group_forward(self, q: Tensor, k: Tensor, v: Tensor, *,
                       scale: float) -> tuple[Tensor, Tensor]:
+        """Output and lse over all of `k/v` (no mask)."""
         out, lse = flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, scale=scale)[:2]
         return out, lse
 
     def group_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
                        lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        """A group's share of dq, and its dk, dv, for the merged `out` and the merged `lse`
+        shifted by the group's depth bias."""
         dq, dk, dv = flash_cpu_backward(grad, q, k, v, out, lse, dropout_p=0.0,
                                         is_causal=False, scale=scale)[:3]
         return dq, dk, dv
@@ -161,7 +137,7 @@ class _MergedAttention(CellByCell):
 
     name: str
 
-    def __init__(self, head_dim: int, *, kernels: PartKernels) -> None:
+    def __init__(self, head_dim: int, *, kernels: CpuKernels) -> None:
         self.layout = KeyLayout(head_dim, dtypes=kernels.stored_dtypes)
         self.kernels = kernels
 
@@ -254,7 +230,7 @@ def _joined(pieces: list[Tensor]) -> Tensor:
 
 
 def merged_attention(q: Tensor, k: Tensor, v: Tensor, batches: list[GroupBatch],
-                     bias: AttentionBias, scale: float, *, kernels: PartKernels,
+                     bias: AttentionBias, scale: float, *, kernels: CpuKernels,
                      anchor: Tensor | None = None,
                      on_backward: Callable[[], None] | None = None) -> Tensor:
     """Attention `[B, H, n, d_h]` of queries `q` over the groups in `batches`, their own keys
@@ -281,7 +257,7 @@ class _Merged(torch.autograd.Function):
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
                 slope: Tensor | None, anchor: Tensor | None, batches: list[GroupBatch],
                 on_backward: Callable[[], None] | None, scale: float,
-                kernels: PartKernels) -> Tensor:
+                kernels: CpuKernels) -> Tensor:
         out, lse, weighted, weights = merge_forward(q, k, v, self_bias, slope, batches,
                                                     scale=scale, kernels=kernels)
         ctx.scale, ctx.batches, ctx.on_backward = scale, batches, on_backward
@@ -485,7 +461,7 @@ def _has_depth(slope: Tensor | None, batches: list[GroupBatch]) -> bool:
 
 def merge_forward(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
                   slope: Tensor | None, batches: list[GroupBatch], *, scale: float,
-                  kernels: PartKernels) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+                  kernels: CpuKernels) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """The merged attention's output (q's dtype) and lse, and, where the depth bias's gradient
     will need them, each group's weighted output and merge weight; the groups on the kernels'
     `group_forward`."""
@@ -512,7 +488,7 @@ def merge_forward(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
 def merge_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    self_bias: Tensor | None, slope: Tensor | None, weighted: Tensor | None,
                    weights: Tensor | None, batches: list[GroupBatch], *, scale: float,
-                   kernels: PartKernels, bias_grad: bool
+                   kernels: CpuKernels, bias_grad: bool
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """dq, dk, dv (the own keys), d_self_bias (when `bias_grad`) and d_slope of `merge_forward`
     for its `out, lse, weighted, weights`; the groups' key and value gradients are added into
@@ -572,7 +548,7 @@ def _rowdot(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
 
 
 def _attend_groups(q: Tensor, batches: list[GroupBatch], biases: list[Tensor | float],
-                   scale: float, kernels: PartKernels) -> tuple[Tensor, Tensor]:
+                   scale: float, kernels: CpuKernels) -> tuple[Tensor, Tensor]:
     """Each group's own attention output `[G, B, H, n, d_h]` and lse `[G, B, H, n]` (its depth
     bias, from `_bias`, included), one kernel call per batch of stacked groups."""
     outs, lses = [], []

@@ -6,6 +6,7 @@ the attention dropout, when a model is built or moved
 from __future__ import annotations
 
 import warnings
+from typing import Protocol
 
 import torch
 
@@ -14,7 +15,7 @@ from megabeta.model.attention.backend import AttentionBackend
 from megabeta.model.attention.explicit import ExplicitAttention
 from megabeta.model.attention.merged import CpuMergedAttention
 import megabeta.model.attention.merged_op  # noqa: F401  (registers megabeta::merged_attention)
-from megabeta.model.cell_kernels import require_triton, triton_runs_on
+from megabeta.model.elementwise import require_triton, triton_runs_on
 from megabeta.model.config import ConfigError
 
 
@@ -42,12 +43,7 @@ def select_attention(name: str, *, device: torch.device, dropout: float,
     if name == "auto":
         name = auto_attention(device=device, dropout=dropout)
     setting = f"execution.attention = {name!r}"
-    if name == "triton":
-        require_triton(device, setting)
-    elif name == "cpu_fused" and not finished_groups.build():
-        raise ConfigError(f"{setting}: the fused CPU kernels could not be built here (the "
-                          "warning above says why): use cpu_flash or auto")
-    backend = _construct(name, head_dim)
+    backend = BACKENDS[name](head_dim, device=device, setting=setting)
     caps = backend.capabilities
     if dropout and not caps.dropout:
         raise ConfigError(f"{setting} has no attention dropout (model.dropout = {dropout}): "
@@ -58,11 +54,36 @@ def select_attention(name: str, *, device: torch.device, dropout: float,
     return backend
 
 
-def _construct(name: str, head_dim: int) -> AttentionBackend:
-    if name == "explicit":
-        return ExplicitAttention(head_dim)
-    if name == "triton":
-        from megabeta.model.attention.triton_backend import TritonAttention  # imports triton
+def _explicit(head_dim: int, *, device: torch.device, setting: str) -> AttentionBackend:
+    return ExplicitAttention(head_dim)
 
-        return TritonAttention(head_dim)
-    return CpuMergedAttention(head_dim, fused_kernels=name == "cpu_fused")
+
+def _cpu_flash(head_dim: int, *, device: torch.device, setting: str) -> AttentionBackend:
+    return CpuMergedAttention(head_dim, fused_kernels=False)
+
+
+def _cpu_fused(head_dim: int, *, device: torch.device, setting: str) -> AttentionBackend:
+    if not finished_groups.build():
+        raise ConfigError(f"{setting}: the fused CPU kernels could not be built here (the "
+                          "warning above says why): use cpu_flash or auto")
+    return CpuMergedAttention(head_dim, fused_kernels=True)
+
+
+def _triton(head_dim: int, *, device: torch.device, setting: str) -> AttentionBackend:
+    require_triton(device, setting)
+    from megabeta.model.attention.triton_backend import TritonAttention  # imports triton
+
+    return TritonAttention(head_dim)
+
+
+class BackendFactory(Protocol):
+    def __call__(self, head_dim: int, *, device: torch.device,
+                 setting: str) -> AttentionBackend:
+        """The backend for keys of `head_dim` on `device`; a ConfigError naming `setting` when
+        it cannot run there (what it needs is missing)."""
+
+
+BACKENDS: dict[str, BackendFactory] = {"explicit": _explicit, "cpu_flash": _cpu_flash,
+                                       "cpu_fused": _cpu_fused, "triton": _triton}
+"""Every `execution.attention` value but `auto`, and how its backend is made: a new backend is
+its module and one entry here (`execution.ATTENTION_BACKENDS` lists these names)."""

@@ -47,7 +47,7 @@ class TritonAttention(CellByCell):
 
     name = "triton"
     reads_buffers = True
-    # CUDA (or a CPU under Triton's interpreter: select.py asks cell_kernels.require_triton).
+    # CUDA (or a CPU under Triton's interpreter: select.py asks elementwise.require_triton).
     capabilities = Capabilities(devices=frozenset({"cuda", "cpu"}), dropout=False,
                                 static_step=True, batched_waves=True)
 

@@ -11,7 +11,7 @@ from megabeta.kernels import ops
 
 SMALL = dict(block_size=8, d_model=32, hidden_dim=48, num_heads=2, num_kv_heads=2)
 GPU_PATH_CEILING = 40
-"""Launches per cell on the path a GPU takes (Triton attention and cell kernels), forward,
+"""Launches per cell on the path a GPU takes (Triton attention and elementwise kernels), forward,
 recompute and backward together (issue target); 223 on the concatenating fallback this path
 replaces."""
 
@@ -42,7 +42,7 @@ def test_mutating_custom_op_with_a_default_is_refused() -> None:
 
 def test_gpu_path_launches_few_kernels_per_cell() -> None:
     pytest.importorskip("triton", reason="triton is not installed (pip install 'megabeta[gpu]')")
-    fused = per_cell("triton", cell_kernels="triton", blocks=(2, 3), **SMALL)
+    fused = per_cell("triton", elementwise_kernels="triton", blocks=(2, 3), **SMALL)
     fallback = per_cell("explicit", blocks=(2, 3), **SMALL)
     assert fused["per_cell"] <= GPU_PATH_CEILING, fused
     assert fused["per_cell"] * 4 < fallback["per_cell"], (fused["per_cell"],
@@ -101,7 +101,7 @@ def test_the_wavefront_launches_its_matmuls_and_attention_per_wave_not_per_cell(
 
 
 def test_the_gpu_path_wavefront_launches_at_most_035x_the_block_schedule() -> None:
-    """The issue's dispatch target on the path a GPU takes (Triton attention and cell kernels):
+    """The issue's dispatch target on the path a GPU takes (Triton attention and elementwise kernels):
     a beta_1.2_test-shaped step (L = 20, k = 2, 16 blocks of 32) on the wavefront with wave
     checkpointing launches at most 0.35x the block schedule's kernels, and t19_flash's (about
     4/3 cells a wave) no more than the block schedule's. Triton launches are counted, not
@@ -109,7 +109,7 @@ def test_the_gpu_path_wavefront_launches_at_most_035x_the_block_schedule() -> No
     pytest.importorskip("triton", reason="triton is not installed (pip install 'megabeta[gpu]')")
     from megabeta.bench.wavefront import Settings, dispatches
 
-    settings = Settings(attention="triton", cell_kernels="triton")
+    settings = Settings(attention="triton", elementwise_kernels="triton")
     beta = dispatches("beta_1.2_test", settings, torch.device("cpu"))
     t19 = dispatches("t19_flash", settings, torch.device("cpu"))
     assert beta["wavefront"] <= 0.35 * beta["block"], beta

@@ -80,6 +80,19 @@ def test_moved_key_names_its_new_place(key: str, value: str, new_place: str,
         load_config(path)
 
 
+def test_a_renamed_key_still_loads_under_its_new_name(tmp_path: Path) -> None:
+    """`execution.cell_kernels` (a run's recorded config may carry it) sets
+    execution.elementwise_kernels; giving both is an error naming them."""
+    path = tmp_path / "old.toml"
+    path.write_text('[execution]\ncell_kernels = "torch"\n')
+    assert load_config(path).execution.elementwise_kernels == "torch"
+    assert load_config(None, ["--execution.cell_kernels=torch"]).execution.elementwise_kernels \
+        == "torch"
+    with pytest.raises(ConfigError, match="'execution.cell_kernels' and "
+                                          "'execution.elementwise_kernels' are the same setting"):
+        load_config(path, ["--execution.elementwise_kernels=auto"])
+
+
 def test_execution_section_is_apart_from_the_model() -> None:
     config = load_config(None, ["--execution.attention=explicit",
                                 "--execution.activation_checkpoint=block"])

@@ -109,13 +109,13 @@ def test_triton_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ConfigError, match="execution.attention = 'triton' runs on CUDA.*"
                                           "TRITON_INTERPRET=1"):
         tiny_model(attention="triton")
-    with pytest.raises(ConfigError, match="execution.cell_kernels = 'triton' runs on CUDA"):
-        tiny_model(cell_kernels="triton")
+    with pytest.raises(ConfigError, match="execution.elementwise_kernels = 'triton' runs on CUDA"):
+        tiny_model(elementwise_kernels="triton")
 
 
-def test_cell_kernels_are_chosen_once_and_held() -> None:
-    assert tiny_model().cell_kernels.name == "torch"  # auto on CPU
+def test_elementwise_kernels_are_chosen_once_and_held() -> None:
+    assert tiny_model().elementwise_kernels.name == "torch"  # auto on CPU
     pytest.importorskip("triton")
-    model = tiny_model(cell_kernels="triton")
-    assert model.cell_kernels.name == "triton"
-    assert model.float().cell_kernels.name == "triton"
+    model = tiny_model(elementwise_kernels="triton")
+    assert model.elementwise_kernels.name == "triton"
+    assert model.float().elementwise_kernels.name == "triton"

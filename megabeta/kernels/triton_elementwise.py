@@ -227,8 +227,8 @@ def rms_normalize(x: Tensor, eps: float) -> Tensor:
 
 def add_rms_normalize(x: Tensor, delta: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """`(a, rms_normalize(a, eps))` for the residual sum `a = x + delta` (one shape; the sum in
-    the dtype torch promotes the two to): a residual add fused into the norm that reads it. One launch forward, one backward, which
-    also adds `a`'s own gradient to the norm's, the sum autograd would otherwise launch."""
+    the dtype torch promotes the two to): a residual add fused into the norm that reads it. One
+    launch forward, one backward, which also adds `a`'s own gradient to the norm's, the sum autograd would otherwise launch."""
     return _add_rms_normalize_op(x, delta, eps)
 
 

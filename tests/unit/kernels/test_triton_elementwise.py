@@ -1,4 +1,4 @@
-"""The Triton cell kernels (megabeta/kernels/triton_cell.py) against the torch versions in
+"""The Triton elementwise kernels (megabeta/kernels/triton_elementwise.py) against the torch versions in
 megabeta.model.layers and against float64 formulas written out here, forward and backward
 (autograd through the custom ops), on widths that are not powers of two (masked tiles), ragged
 token counts and strided inputs and gradients. Each op is also checked with
@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-pytest.importorskip("triton", reason="triton is not installed: the Triton cell kernels "
-                                     "(megabeta/kernels/triton_cell.py) cannot run")
+pytest.importorskip("triton", reason="triton is not installed: the Triton elementwise kernels "
+                                     "(megabeta/kernels/triton_elementwise.py) cannot run")
 
-from megabeta.kernels import ops, triton_cell as tc  # noqa: E402
+from megabeta.kernels import ops, triton_elementwise as tc  # noqa: E402
 from megabeta.model import layers  # noqa: E402
 
 EPS = 1e-5

@@ -1,5 +1,6 @@
-"""The one place a model's cell kernels (RMSNorm, RoPE, SwiGLU) are chosen, from
-`execution.cell_kernels` and the device, when a model is built or moved (`DecoderLM._select_kernels`)."""
+"""The one place a model's elementwise kernels (RMSNorm, RoPE, SwiGLU) are chosen, from
+`execution.elementwise_kernels` and the device, when a model is built or moved
+(`DecoderLM._select_kernels`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from megabeta.kernels.ops import target_device_type
 from megabeta.model.config import ConfigError
-from megabeta.model.layers import TORCH_KERNELS, CellKernels
+from megabeta.model.layers import TORCH_KERNELS, ElementwiseKernels
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -33,15 +34,16 @@ def require_triton(device: torch.device, setting: str) -> None:
                           f"TRITON_INTERPRET=1 set before start-up); this model is on {device}")
 
 
-def select_cell_kernels(name: str, *, device: torch.device) -> CellKernels:
-    """`torch` (megabeta.model.layers), `triton` (megabeta.kernels.triton_cell), or for `auto`
-    triton on a CUDA device where it is installed, else torch."""
+def select_elementwise_kernels(name: str, *, device: torch.device) -> ElementwiseKernels:
+    """`torch` (megabeta.model.layers), `triton` (megabeta.kernels.triton_elementwise), or for
+    `auto` triton on a CUDA device where it is installed, else torch."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and triton_runs_on(device) else "torch"
     if name == "torch":
         return TORCH_KERNELS
-    require_triton(device, f"execution.cell_kernels = {name!r}")
-    from megabeta.kernels import triton_cell  # imports triton: only when chosen
+    require_triton(device, f"execution.elementwise_kernels = {name!r}")
+    from megabeta.kernels import triton_elementwise  # imports triton: only when chosen
 
-    return CellKernels("triton", triton_cell.rms_normalize, triton_cell.add_rms_normalize,
-                       triton_cell.split_heads_rope, triton_cell.swiglu)
+    return ElementwiseKernels("triton", triton_elementwise.rms_normalize,
+                              triton_elementwise.add_rms_normalize,
+                              triton_elementwise.split_heads_rope, triton_elementwise.swiglu)
