@@ -39,10 +39,12 @@ def fed(tiny_data, tmp_path_factory) -> tuple[Path, list[tuple[torch.Tensor, tor
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # see conftest's one_torch_thread (a module-scoped run here)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(loop, "accumulate_step", recording)
-        loop.Trainer(config).train()
-    torch.set_num_threads(threads)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(loop, "accumulate_step", recording)
+            loop.Trainer(config).train()
+    finally:
+        torch.set_num_threads(threads)
     return run_dir, steps
 
 
