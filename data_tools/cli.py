@@ -40,7 +40,8 @@ examples:
   megabeta-data tokenize --tokenizer tok/m.model --inputs tasks.jsonl \\
       --output-prefix data/tasks --segments-key segments
   megabeta-data merge --inputs data/a data/b --output-prefix data/ab
-  megabeta-data inspect data/corpus"""
+  megabeta-data inspect data/corpus
+  megabeta-data inspect --run runs/x --step 1200"""
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -179,6 +180,25 @@ def _run_merge(args: argparse.Namespace) -> int:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
+    wanted = [f"--{name}" for name in ("step", "position", "sample")
+              if getattr(args, name) is not None]
+    if (args.prefix is None) == (args.run_dir is None):
+        args.parser.error("pass a dataset PREFIX, or --run RUN_DIR with --step, --position or "
+                          "--sample (not both)")
+    if args.run_dir is None:
+        if wanted:
+            args.parser.error(f"{wanted[0]} picks a sample of a training run: add --run RUN_DIR "
+                              "(for documents of a dataset use --samples)")
+    else:
+        if not wanted:
+            args.parser.error("--run needs --step N, --position P or --sample I: which "
+                              "samples of the run to show")
+        # Rebuilding a run's data needs megabeta's config, which imports torch: only here.
+        from data_tools.inspect_run import RunQuery, inspect_run
+
+        inspect_run(RunQuery(args.run_dir, args.step, args.position, args.sample,
+                             args.tokenizer), sys.stdout)
+        return 0
     failures = inspect(InspectConfig(args.prefix, args.tokenizer, args.samples,
                                      args.sample_tokens), sys.stdout)
     if failures:
@@ -293,20 +313,39 @@ def build_parser() -> argparse.ArgumentParser:
     mrg.set_defaults(run=_run_merge)
 
     ins = commands.add_parser(
-        "inspect", formatter_class=_Formatter, help="counts, histogram, samples and checks",
+        "inspect", formatter_class=_Formatter,
+        help="counts, histogram, samples and checks; or a run's training samples",
         description="Print counts, a histogram of document lengths and decoded samples, and "
                     "check that index and .bin agree, every id is below the vocabulary size, the "
                     "sidecar matches, documents end with EOS and the loss mask (if any) "
-                    "matches its sidecar entry. Exit status 2 if a check fails.")
-    ins.add_argument("prefix", metavar="PREFIX", help="dataset prefix (without .bin/.idx)")
+                    "matches its sidecar entry. Exit status 2 if a check fails. With --run "
+                    "instead of PREFIX: decode the training samples a run read at --step, "
+                    "--position or --sample (as a spike warning names them), its data rebuilt "
+                    "from the run's config.toml as the trainer built it.")
+    ins.add_argument("prefix", metavar="PREFIX", nargs="?",
+                     help="dataset prefix (without .bin/.idx); leave out with --run")
     ins.add_argument("--tokenizer", metavar="MODEL", default=InspectConfig.tokenizer,
                      help="model for decoding and the hash check (default: the sidecar's, when "
-                          "the file is present and matches)")
+                          "the file is present and matches; with --run the run's)")
     ins.add_argument("--samples", type=int, default=InspectConfig.samples, metavar="N",
                      help="documents to decode, spread over the dataset")
     ins.add_argument("--sample-tokens", type=int, default=InspectConfig.sample_tokens,
-                     metavar="N", help="tokens shown per decoded document")
-    ins.set_defaults(run=_run_inspect)
+                     metavar="N", help="tokens shown per decoded document (--run shows whole "
+                                       "samples)")
+    run = ins.add_argument_group("a run's training samples")
+    run.add_argument("--run", metavar="RUN_DIR", dest="run_dir",
+                     help="a training run's directory (its config.toml names the data, blend, "
+                          "split, seq_len, align and seed)")
+    where = run.add_mutually_exclusive_group()
+    where.add_argument("--step", type=int, metavar="N",
+                       help="every sample of optimizer step N (train.global_batch of them)")
+    where.add_argument("--position", type=int, metavar="P",
+                       help="the sample at position P of the run's global sample stream (a "
+                            "spike warning's `stream positions`)")
+    where.add_argument("--sample", type=int, metavar="I",
+                       help="index I of the training split (a spike warning's `dataset "
+                            "samples`)")
+    ins.set_defaults(run=_run_inspect, parser=ins)
     return parser
 
 

@@ -12,13 +12,14 @@ Public API (documented in ``docs/data.md``):
 - :func:`epoch_permutation`, :class:`GlobalSampler` -- seeded shuffling; a distributed sampler
   whose state is global (samples consumed, seed, epoch, data fingerprint).
 - :class:`StatefulLoader` -- DataLoader batches that advance the sampler when handed out.
-- :func:`build_train_val` -- prefixes to train/validation datasets in one call.
+- :func:`build_train_val` -- prefixes to train/validation datasets in one call;
+  :func:`build_run_data` -- the same from a run's [data] settings, as the trainer calls it.
 - :class:`DataError` -- every data problem, with a message naming the file and the fix.
 - :mod:`megabeta.data.format` -- the on-disk format, shared with the writer in ``data_tools``.
 """
 
 from megabeta.data.blend import BlendedDataset, blend_schedule
-from megabeta.data.build import TrainValData, build_train_val
+from megabeta.data.build import TrainValData, build_run_data, build_train_val
 from megabeta.data.errors import DataError
 from megabeta.data.format import file_sha256
 from megabeta.data.indexed import IndexedDataset
@@ -39,6 +40,7 @@ __all__ = [
     "StatefulLoader",
     "TrainValData",
     "blend_schedule",
+    "build_run_data",
     "build_train_val",
     "collate_tokens",
     "count_scored",

@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megabeta.data.blend import BlendedDataset, SampleDataset
 from megabeta.data.errors import DataError
@@ -20,6 +21,9 @@ from megabeta.data.indexed import IndexedDataset
 from megabeta.data.packed import DocumentDataset, PackedDataset
 from megabeta.data.sampler import GlobalSampler
 from megabeta.data.split import split_documents
+
+if TYPE_CHECKING:
+    from megabeta.config import DataConfig
 
 ALIGN_MODES = ("packed", "document")
 """How samples are cut: across document boundaries (PackedDataset), or one per document start
@@ -137,6 +141,17 @@ def build_train_val(prefixes: Sequence[str | os.PathLike], weights: Sequence[flo
         special_ids={key: special[key] for key in ("pad_id", "bos_id", "eos_id", "unk_id")
                      if key in special},
     )
+
+
+def build_run_data(settings: DataConfig, tokenizer: str | os.PathLike = "") -> TrainValData:
+    """The data of a run's [data] settings, exactly as the trainer builds it: `megabeta-data
+    inspect --run` rebuilds a run's samples through this too, so it shows what the run read.
+    ``tokenizer`` (default: ``settings.tokenizer``) must be the one the datasets were made with."""
+    tokenizer = tokenizer or settings.tokenizer
+    return build_train_val(settings.path, settings.weights or None, seq_len=settings.seq_len,
+                           val_fraction=settings.val_fraction,
+                           expected_tokenizer_hash=file_sha256(tokenizer) if tokenizer else None,
+                           verify_token_ids=settings.verify_token_ids, align=settings.align)
 
 
 def _combine(parts: list[SampleDataset], weights: Sequence[float] | None) -> SampleDataset:

@@ -65,6 +65,7 @@ class Diagnostics:
                  optimizer: torch.optim.Optimizer | None) -> None:
         self.config = config.monitor
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.run_dir = run_dir
         self.model, self.optimizer = model, optimizer
         self.profiler = StepProfiler(config.profile, run_dir, rank, device)
         self.stability = StabilityMonitor(config.monitor)
@@ -125,7 +126,8 @@ class Diagnostics:
     def report_spike(self, spike: Spike, positions: tuple[int, int],
                      samples: list[int]) -> None:
         if self.rank == 0:
-            log.warning("%s", describe_spike(spike, self.config.spike_action, positions, samples))
+            log.warning("%s", describe_spike(spike, self.config.spike_action, positions, samples,
+                                             self.run_dir))
 
     # ---- every log interval ---------------------------------------------------------------------
     def on_log(self, step: int, probe: Tensor | None) -> list[Record]:

@@ -34,9 +34,8 @@ from megabeta.config import TrainConfig, config_to_dict, save_config
 from megabeta.data import (
     MaskedBatch,
     StatefulLoader,
-    build_train_val,
+    build_run_data,
     count_scored,
-    file_sha256,
     split_batch,
 )
 from megabeta.data.loader import Batch
@@ -172,13 +171,7 @@ class Trainer:
             raise ConfigError(f"data.tokenizer = {config.data.tokenizer!r}: no such file; pass the "
                               "tokenizer (.model or tokenizer.json) the dataset was tokenized "
                               "with, or leave it empty")
-        tokenizer_hash = file_sha256(config.data.tokenizer) if config.data.tokenizer else None
-        self.data = build_train_val(config.data.path, config.data.weights or None,
-                                    seq_len=config.data.seq_len,
-                                    val_fraction=config.data.val_fraction,
-                                    expected_tokenizer_hash=tokenizer_hash,
-                                    verify_token_ids=config.data.verify_token_ids,
-                                    align=config.data.align)
+        self.data = build_run_data(config.data)
         vocab = self.data.vocab_size
         if config.model.vocab_size == -1:
             vocab = self.data.require_vocab_size("model.vocab_size = -1")

@@ -26,6 +26,7 @@ import re
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -148,13 +149,15 @@ class StepGate:
 
 
 def describe_spike(spike: Spike, action: str, positions: tuple[int, int],
-                   samples: list[int]) -> str:
-    """The warning a spike gets: step, why, data position, per-layer gradient norms."""
+                   samples: list[int], run_dir: Path) -> str:
+    """The warning a spike gets: step, why, data position (with the command that decodes its
+    samples), per-layer gradient norms."""
     shown = ", ".join(map(str, samples[:16])) + (", ..." if len(samples) > 16 else "")
     norms = ", ".join(f"{k} {v:.4g}" for k, v in spike.layer_norms.items())
     verdict = {"log": "applied", "skip": "update skipped", "stop": "update skipped, stopping"}
     return (f"spike at step {spike.step} ({verdict[action]}): {'; '.join(spike.reasons)} | data: "
-            f"stream positions [{positions[0]}, {positions[1]}), dataset samples [{shown}] | "
+            f"stream positions [{positions[0]}, {positions[1]}), dataset samples [{shown}] "
+            f"(megabeta-data inspect --run {run_dir} --step {spike.step}) | "
             f"grad norms per layer: {norms}")
 
 

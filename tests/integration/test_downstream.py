@@ -5,25 +5,30 @@ With attention dropout on (so any draw from the global generators would show in 
 with downstream evals every 2 steps, task files and lm-eval tasks (the harness reseeds every global
 generator) takes bitwise the losses of a run without them. A run with downstream evals stopped at
 step 2 and resumed takes bitwise the losses of an uninterrupted one (without dropout: a resumed
-launch's start-up draws from the global generator, evals or not). Their results are logged as eval/<task>/<metric> to metrics.jsonl and TensorBoard, with
-their cost; the task accuracy is that of `megabeta tasks eval`'s scoring of the final checkpoint.
-Bad task files and task names stop the run at start-up, before any step.
+launch's start-up draws from the global generator, evals or not). Their results are logged as
+eval/<task>/<metric> to metrics.jsonl and TensorBoard, with their cost; the task accuracy is that
+of `megabeta tasks eval`'s scoring of the final checkpoint. On 2 ranks (DDP and FSDP2) every
+metric is the one a single process computes from the same checkpoint, rank 0 alone writes them,
+and the steps stay bitwise. Bad task files and task names stop the run at start-up, before any
+step.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
-from support.lm_eval_helpers import write_tasks
-from support.train_helpers import TINY, losses
+from support.lm_eval_helpers import WORDS, write_tasks
+from support.train_helpers import TINY, launch, losses
 
 from data_tools.tokenizer import load_tokenizer
 from megabeta.checkpoint.export import load_model
 from megabeta.config import load_config
 from megabeta.model import ConfigError
 from megabeta.tasks.cli import main as tasks_main
+from megabeta.tasks.document import TaskDocument
 from megabeta.tasks.evaluate import evaluate_tasks
 from megabeta.train.loop import Trainer
 
@@ -37,7 +42,28 @@ def inputs(tiny_data, tmp_path_factory) -> dict[str, Path]:
     long = root / "chains.jsonl"
     assert tasks_main(["make", "--task", "chains", "--hops", "32", "--count", "2", "--seed",
                        "1", "--output", str(long)]) == 0
-    return {"parity": parity, "long": long, "include": write_tasks(root / "lm_tasks", 3)}
+    return {"parity": parity, "long": long, "echo": write_echo(root / "echo.jsonl", 9),
+            "include": write_tasks(root / "lm_tasks", 3)}
+
+
+def write_echo(path: Path, count: int) -> Path:
+    """`count` documents of 1 to 4 words of the corpus, each with a one-character answer inside
+    a word: half of them the word's next character, half a repeat of the one before. A model a
+    few steps old mostly predicts its input token again, so it gets some of these right and some
+    wrong, unlike parity's, which it gets all wrong: accuracies that tell one shard from all."""
+    rng = random.Random(5)
+    with open(path, "w", encoding="utf-8") as stream:
+        for index in range(count):
+            segments: list[tuple[str, bool]] = []
+            for _ in range(1 + index % 4):
+                word = rng.choice(WORDS)
+                cut = rng.randrange(1, len(word))
+                answer = word[cut - 1] if rng.random() < 0.5 else word[cut]
+                before = segments.pop()[0] if segments else ""
+                segments += [(before + word[:cut], False), (answer, True),
+                             (word[cut + 1:] + " ", False)]
+            stream.write(TaskDocument("echo", tuple(segments)).to_json() + "\n")
+    return path
 
 
 def train(run_dir: Path, tiny_data, *extra: str) -> Trainer:
@@ -109,3 +135,63 @@ def test_bad_downstream_input_stops_the_run_before_any_step(tiny_data, inputs, t
         train(tmp_path / "run", tiny_data, *extra)
     assert message.format(long=inputs["long"], missing=missing) in str(caught.value)
     assert not (tmp_path / "run").exists()  # nothing written: no step ran
+
+
+def launch_args(tiny_data, run_dir: Path, *extra: str) -> list[str]:
+    prefix, tokenizer = tiny_data
+    return [*TINY, f"--data.path={prefix}", f"--data.tokenizer={tokenizer}",
+            f"--run_dir={run_dir}", "--train.steps=4", "--checkpoint.interval=2",
+            "--model.dropout=0.1", *extra]
+
+
+def scored_alone(checkpoint: Path, tokenizer: Path, task_files: list[Path],
+                 include: Path) -> dict[str, float]:
+    """The downstream metrics of one process scoring `checkpoint`'s weights: the task files by
+    `megabeta tasks eval`'s scoring, the lm-eval tasks by the harness with the run's settings."""
+    from megabeta.infer import lm_eval as harness
+
+    model, processor = load_model(checkpoint), load_tokenizer(tokenizer)
+    scores = evaluate_tasks(model, processor, task_files)
+    tasks = harness.find_tasks(["mb_choice", "mb_generate"], str(include))
+    results = harness.run_tasks(harness.MegabetaLM(model, processor, batch_size=2), tasks,
+                                limit=2, bootstrap_iters=0)
+    return {**{f"{s.task}/accuracy": s.accuracy for s in scores},
+            **harness.metric_values(results)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_downstream_evals_on_two_ranks(backend, tiny_data, inputs, tmp_path):
+    """2 ranks (gloo): task files sharded across them, the harness on rank 0 (under FSDP2 on
+    weights gathered from both ranks' shards). The metrics are those one process computes from
+    the same checkpoint, only rank 0 writes them, and the steps are bitwise those of a 2-rank
+    run without evals (dropout on: a draw from any rank's generators would show)."""
+    plain, evals = tmp_path / "plain", tmp_path / "evals"
+    task_files = [inputs["parity"], inputs["echo"]]
+    launch(launch_args(tiny_data, plain, f"--parallel.backend={backend}"), nproc=2)
+    done = launch(launch_args(tiny_data, evals, f"--parallel.backend={backend}",
+                              *downstream(inputs),
+                              f"--eval.tasks={','.join(map(str, task_files))}"), nproc=2)
+    assert losses(evals) == losses(plain)
+    assert len(losses(plain)) == 4
+
+    lines = (evals / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == len(set(lines))  # one writer: no record twice
+    records = [r for r in map(json.loads, lines) if "downstream_s" in r]
+    assert [r["step"] for r in records] == [2, 4]
+    rank0_share = tmp_path / "echo-rank0.jsonl"
+    rank0_share.write_text("".join(inputs["echo"].read_text().splitlines(True)[0::2]))
+    shard_differs = False
+    for record in records:
+        logged = {k: v for k, v in record.items() if k not in ("step", "split", "downstream_s")}
+        checkpoint = evals / "checkpoints" / f"step_{record['step']:08d}"
+        assert logged == scored_alone(checkpoint, tiny_data[1], task_files, inputs["include"])
+        (alone,) = evaluate_tasks(load_model(checkpoint), load_tokenizer(tiny_data[1]),
+                                  [rank0_share])
+        shard_differs |= alone.accuracy != logged["echo/accuracy"]
+    assert shard_differs  # else rank 0's share alone would pass for the gathered result
+
+    assert len(list((evals / "tb").glob("events.out.tfevents.*"))) == 1
+    output = done.stdout + done.stderr
+    assert "[rank 1]" not in output
+    assert output.count("eval step 2 |") == 1  # rank 0's log line, once

@@ -68,6 +68,7 @@ def test_injected_spike_is_reported_and_skipped_or_applied(action, tiny_data, tm
     # The data position of the step: the stream positions of its 4 samples.
     start = (SPIKE_STEP - 1) * 4
     assert f"stream positions [{start}, {start + 4})" in message
+    assert f"(megabeta-data inspect --run {trainer.run_dir} --step {SPIKE_STEP})" in message
     # Per-layer norms before clipping: their root sum of squares is the step's grad norm.
     norms = dict(part.rsplit(" ", 1) for part in message.split("grad norms per layer: ")[1]
                  .split(", "))
