@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -384,6 +385,9 @@ def section_checks(run: Run) -> None:
     if not CHECKS_DIR.is_dir():
         report.not_run(key, "the device checks", f"{CHECKS_DIR} is not there: they run from a "
                                                   "source checkout of megabeta")
+        return
+    if importlib.util.find_spec("pytest") is None:
+        report.not_run(key, "the device checks", "pytest is not installed (pip install pytest)")
         return
     seconds = run.budget.left() - run.reserve(key)
     if seconds <= 0:
