@@ -112,7 +112,7 @@ class Report:
             key: dict(title=TITLES[key], rows=[], notes=[], not_run=[], errors=[])
             for key in SECTIONS}
         self.checks: Counter[str] = Counter()
-        """The device checks' outcomes: passed, failed (pytest's errors too), skipped."""
+        """The device checks' outcomes: passed, failed (pytest's errors too), xfailed, skipped."""
 
     def log(self, text: str) -> None:
         print(f"[{time.monotonic() - self.start:6.1f}s] {text}", flush=True)
@@ -141,10 +141,11 @@ class Report:
                 if row.get("outcome") in ("failed", "error")]
 
     def summary(self) -> dict[str, int]:
-        """The device checks by outcome (passed, failed with pytest's errors, skipped), then
+        """The device checks by outcome (passed, failed with pytest's errors, expected failures,
+        skipped), then
         what was not run and the errors of this script's sections."""
         return dict(passed=self.checks["passed"], failed=self.checks["failed"],
-                    skipped=self.checks["skipped"],
+                    xfailed=self.checks["xfailed"], skipped=self.checks["skipped"],
                     not_run=sum(len(sec["not_run"]) for sec in self.sections.values()),
                     errors=sum(len(sec["errors"]) for sec in self.sections.values()))
 
@@ -159,7 +160,8 @@ class Report:
         s = self.summary()
         lines = ["# megabeta GPU device check", "",
                  *(f"- {k}: {_fmt(v)}" for k, v in meta.items()),
-                 f"- checks: {s['passed']} passed, {s['failed']} FAILED, {s['skipped']} skipped; "
+                 f"- checks: {s['passed']} passed, {s['failed']} FAILED, {s['xfailed']} expected "
+                 f"failures, {s['skipped']} skipped; "
                  f"{s['not_run']} not run, {s['errors']} errors", ""]
         for row in self.failures():
             lines.append(f"- **FAILED**: {_row_label(row)}")
@@ -358,8 +360,9 @@ def checks_command(run: Run, junit: Path) -> list[str]:
 
 def junit_results(path: Path) -> list[dict[str, Any]]:
     """One dict per test case of a pytest JUnit report: `check` (the test and its
-    parameters), `outcome` (passed, failed, error, skipped), `seconds`, `why` (the message of a
-    failure, error or skip) and the properties the test recorded (`worst`, `tol`)."""
+    parameters), `outcome` (passed, failed, error, skipped, xfailed: an expected failure),
+    `seconds`, `why` (the message of a failure, error, skip or expected failure) and the
+    properties the test recorded (`worst`, `tol`)."""
     results = []
     for case in ElementTree.parse(path).getroot().iter("testcase"):
         row: dict[str, Any] = dict(check=f"{case.get('classname', '').rsplit('.', 1)[-1]}::"
@@ -368,7 +371,8 @@ def junit_results(path: Path) -> list[dict[str, Any]]:
         for kind in ("failure", "error", "skipped"):
             found = case.find(kind)
             if found is not None:
-                row["outcome"] = {"failure": "failed"}.get(kind, kind)
+                xfail = kind == "skipped" and found.get("type") == "pytest.xfail"
+                row["outcome"] = "xfailed" if xfail else {"failure": "failed"}.get(kind, kind)
                 text = (found.get("message") or found.text or "").strip()
                 row["why"] = text.splitlines()[0][:300] if text else ""
                 break
@@ -421,14 +425,15 @@ def section_checks(run: Run) -> None:
     results = junit_results(junit)
     for row in results:
         outcome = row["outcome"]
-        report.checks[outcome if outcome in ("passed", "skipped") else "failed"] += 1
+        report.checks["failed" if outcome == "error" else outcome] += 1
         if outcome != "skipped":
             report.add(key, row)
     skipped = Counter(row["why"] for row in results if row["outcome"] == "skipped")
     for why, count in skipped.items():
         report.not_run(key, f"{count} check{'s' if count > 1 else ''}", why)
     report.note(key, f"pytest exit code {code}: {report.checks['passed']} passed, "
-                     f"{report.checks['failed']} failed, {report.checks['skipped']} skipped")
+                     f"{report.checks['failed']} failed, {report.checks['xfailed']} expected "
+                     f"failures, {report.checks['skipped']} skipped")
 
 
 # ---- sections 3-5: wavefront, speed, article -----------------------------------------------------
@@ -948,7 +953,8 @@ def main(argv: list[str] | None = None) -> Report:
         report.write()
     summary = report.summary()
     report.log(f"done: checks {summary['passed']} passed, {summary['failed']} FAILED, "
-               f"{summary['skipped']} skipped; {summary['not_run']} not run, "
+               f"{summary['xfailed']} expected failures, {summary['skipped']} skipped; "
+               f"{summary['not_run']} not run, "
                f"{summary['errors']} errors; "
                f"{out_dir / 'gpu.md'}")
     return report
