@@ -20,12 +20,14 @@ os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.envir
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from support.train_helpers import build_dataset
-
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """(dataset prefix, tokenizer .model)."""
+    # Imported here: the data tools need sentencepiece, which a GPU machine running only the
+    # device checks (tests/gpu) may lack.
+    from support.train_helpers import build_dataset
+
     return build_dataset(tmp_path_factory.mktemp("tiny_data"))
 
 

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
               "  data   tokenization and loader throughput, tokenizer memory\n"
               "  train  tokens/s and MFU per parallel backend, framework overhead, checkpoints\n"
               "  dispatch  kernel launches per (block, layer) cell of a training step\n"
-              "  gpu    the device check for one CUDA GPU: kernels, exactness, speed, MFU\n"
+              "  gpu    one CUDA GPU: the device checks (pytest -m gpu tests/gpu), speed, MFU\n"
               "  checkpoint  what fsync (durable commits) adds to a checkpoint save\n"
               "  step   the block step eager, compiled once, CUDA-graphed (paired)\n"
               "  wavefront  the wavefront schedule vs the block schedule and standard (paired)\n"

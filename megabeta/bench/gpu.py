@@ -1,4 +1,4 @@
-"""The device check for one CUDA GPU: kernels, model exactness, speed and MFU, in one script.
+"""The device check for one CUDA GPU: the gpu test suite, then speed and MFU, in one script.
 
     python -m megabeta.bench gpu                       # on the GPU machine (megabeta bench gpu)
     python -m megabeta.bench gpu --device cpu --quick  # the same plumbing, tiny, on a CPU
@@ -8,41 +8,47 @@ Sections, in order:
 1. versions and features: torch, CUDA, triton, the device, bf16, TF32, and whether
    `execution.attention = "triton"` and `execution.elementwise_kernels = "triton"` can
    be selected (a tiny model is built with each);
-2. kernel checks, forward and backward, fp32 and bf16, against float64 CPU references: the Triton
-   block attention (megabeta/kernels/triton_attention.py) at t19_flash's shapes and the fused
-   elementwise kernels (megabeta/kernels/triton_elementwise.py) against megabeta.model.layers;
-3. model exactness on the device for the triton attention backend:
-   beta_1.2 at c = T equals the standard arm, prefill + steps equal the forward, and beta_1.2 at
-   c = 8 equals the float64 explicit backend (logits, loss, fp32 gradients);
-4. the wavefront schedule (megabeta/bench/wavefront.py, paired in one process): beta_1.2_test
+2. the device checks: `pytest -m gpu tests/gpu` in a child process (the Triton block attention
+   and elementwise kernels against float64 references, fwd and bwd, fp32 and bf16, at small and
+   t19_flash sizes; the model on the triton backend against the explicit one, decoding, the
+   wavefront and the compiled and graphed static step against the eager loop), its JUnit
+   report in checks.xml and its output in checks.log; --quick leaves out the t19_flash sizes
+   (`-m "gpu and not full_size"`); without CUDA every check is collected and skipped;
+3. the wavefront schedule (megabeta/bench/wavefront.py, paired in one process): beta_1.2_test
    (c = 32, batch 8 x 512) on the block and the wavefront schedule next to the standard arm
    (FLOP/s ratios), kernel-launching dispatches per step of either schedule on this device, and
    t19_flash wavefront against block time;
-5. speed: t19_flash forward+backward with block checkpointing under bf16 autocast at 4096 and
+4. speed: t19_flash forward+backward with block checkpointing under bf16 autocast at 4096 and
    16384 tokens, micro-batch 1 and the largest that fits, eager / compiled / CUDA-graphed, and
    on the wavefront schedule with wave checkpointing, next to the standard arm of the same
    shape: s/step, tokens/s, MFU, peak memory;
-6. the article's §7 arms at batch 16 next to its 0.876 / 0.124 / 0.094 s/batch.
+5. the article's §7 arms at batch 16 next to its 0.876 / 0.124 / 0.094 s/batch.
 
-Time: everything runs within --budget-s seconds (default 420); what no longer fits is skipped and
-listed with the reason, as is everything that cannot run here, and a failing check records its
-error and the script goes on. Output: gpu.json and gpu.md (Markdown tables) in $OUT when set,
-else in --out (default: the current directory), rewritten after every section; progress lines
-on stdout.
+Time: everything runs within --budget-s seconds (default 420); the checks by CHECKS_SHARE of
+it (checks not started by then are skipped and counted), what no longer fits later is skipped
+and listed with the reason, as is everything that cannot run here, and a failing part records
+its error and the script goes on. Output: gpu.json and gpu.md (Markdown tables) in $OUT when
+set, else in --out (default: the current directory), rewritten after every section; progress
+lines on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import gc
+import importlib.util
 import json
 import math
 import os
 import platform
+import shlex
+import subprocess
+import sys
 import time
 import traceback
+import xml.etree.ElementTree as ElementTree
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -59,27 +65,15 @@ from megabeta.bench.model import peak_mib, timed  # noqa: E402
 from megabeta.bench.roofline import device_for, step_bound  # noqa: E402
 from megabeta.model import (ConfigError, DecoderLM, ExecutionConfig, ModelConfig,  # noqa: E402
                             build_model, get_preset)
-from megabeta.model.attention.backend import per_query_head  # noqa: E402
 from megabeta.model.flops import training_flops  # noqa: E402
 from megabeta.parallel.wrap import apply_compile  # noqa: E402
 from megabeta.train.metrics import device_peak_flops  # noqa: E402
 
-KERNEL_TOL = {"fp32": 1e-4, "bf16": 2e-2}
-"""Kernel checks: max |kernel - float64 reference| over max |reference|, per output tensor."""
-MODEL_TOL = {"fp32": 1e-4, "bf16": 5e-2}
-"""Model checks (logits, loss), relative to the reference's largest magnitude as above."""
-GRAD_TOL = {"fp32": 1e-3, "bf16": 5e-2}
-"""Model parameter gradients (a few layers of rounding more than one kernel)."""
-GRAD_FLOOR = {"fp32": 1e-3, "bf16": 1e-2}
-"""Smallest gradient scale, as a fraction of the largest parameter gradient (see `rel_err`):
-bf16 rounds the largest gradients at about 1e-2 of their scale, so a small gradient is judged
-against that."""
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ARTICLE_S_PER_BATCH = {"beta_1.2_test": 0.876, "beta_1.2_c256": 0.124, "t16_std_tf_rope": 0.094}
 """Article §7.1: s/batch at B = 16 (its sequence length is not stated; --article-seq-len)."""
-SECTIONS = ("versions", "kernels", "exactness", "wavefront", "speed", "article")
-TITLES = {"versions": "Versions and features", "kernels": "Kernel checks (forward and backward)",
-          "exactness": "Model exactness on the device",
+SECTIONS = ("versions", "checks", "wavefront", "speed", "article")
+TITLES = {"versions": "Versions and features",
+          "checks": "Device checks (pytest -m gpu tests/gpu)",
           "wavefront": "The wavefront schedule (paired)", "speed": "Speed: t19_flash",
           "article": "The article's §7 arms at batch 16"}
 MODES = {"eager": dict(activation_checkpoint="block"),
@@ -91,10 +85,18 @@ SETTINGS = {"attention=triton": dict(attention="triton"),
             "elementwise_kernels=triton": dict(elementwise_kernels="triton")}
 """The execution settings whose availability section 1 probes (and later sections rely on)."""
 ARTICLE_RESERVE_S = {"cuda": 60.0, "cpu": 8.0}
-"""Budget kept for section 6 while section 5 runs (its three arms, warm-up and timing)."""
-SHARE_END = {"kernels": 0.25, "exactness": 0.45, "wavefront": 0.55}
+"""Budget kept for section 5 while section 4 runs (its three arms, warm-up and timing)."""
+SHARE_END = {"checks": 0.45, "wavefront": 0.55}
 """The fraction of --budget-s by which these sections must be done, so that the speed sections
 keep their time; time they leave unused goes to the later sections."""
+CHECKS_DEADLINE_ENV = "MEGABETA_CHECKS_DEADLINE"
+"""The wall-clock time (time.time()) after which tests/gpu/conftest.py skips each check not yet
+started, set for the child pytest."""
+CHECKS_GRACE_S = 90.0
+"""How long the child pytest may run past that deadline (a check started before it finishes;
+a first compilation takes a minute) before it is stopped."""
+CHECKS_DIR = Path(__file__).resolve().parents[2] / "tests" / "gpu"
+"""The device checks: in a source checkout, beside the package (they are not installed)."""
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -109,14 +111,15 @@ class Report:
         self.sections: dict[str, dict[str, Any]] = {
             key: dict(title=TITLES[key], rows=[], notes=[], not_run=[], errors=[])
             for key in SECTIONS}
+        self.checks: Counter[str] = Counter()
+        """The device checks' outcomes: passed, failed (pytest's errors too), xfailed, skipped."""
 
     def log(self, text: str) -> None:
         print(f"[{time.monotonic() - self.start:6.1f}s] {text}", flush=True)
 
     def add(self, section: str, row: dict[str, Any]) -> None:
         self.sections[section]["rows"].append(row)
-        shown = {k: v for k, v in row.items() if k != "errors"}
-        self.log(f"  {' | '.join(_fmt(v) for v in shown.values())}")
+        self.log(f"  {' | '.join(_fmt(v) for v in row.values())}")
 
     def note(self, section: str, text: str) -> None:
         self.sections[section]["notes"].append(text)
@@ -132,14 +135,17 @@ class Report:
             dict(what=what, error=f"{type(exc).__name__}: {_first_line(exc)}", traceback=tail))
         self.log(f"  ERROR {what}: {type(exc).__name__}: {_first_line(exc)}")
 
-    def failures(self) -> list[tuple[str, dict[str, Any]]]:
-        return [(key, row) for key, sec in self.sections.items() for row in sec["rows"]
-                if row.get("verdict") == "FAIL"]
+    def failures(self) -> list[dict[str, Any]]:
+        """The device checks that failed or raised outside their test (pytest's errors)."""
+        return [row for row in self.sections["checks"]["rows"]
+                if row.get("outcome") in ("failed", "error")]
 
     def summary(self) -> dict[str, int]:
-        rows = [r for sec in self.sections.values() for r in sec["rows"]]
-        return dict(passed=sum(r.get("verdict") == "pass" for r in rows),
-                    failed=len(self.failures()),
+        """The device checks by outcome (passed, failed with pytest's errors, expected failures,
+        skipped), then
+        what was not run and the errors of this script's sections."""
+        return dict(passed=self.checks["passed"], failed=self.checks["failed"],
+                    xfailed=self.checks["xfailed"], skipped=self.checks["skipped"],
                     not_run=sum(len(sec["not_run"]) for sec in self.sections.values()),
                     errors=sum(len(sec["errors"]) for sec in self.sections.values()))
 
@@ -154,10 +160,11 @@ class Report:
         s = self.summary()
         lines = ["# megabeta GPU device check", "",
                  *(f"- {k}: {_fmt(v)}" for k, v in meta.items()),
-                 f"- checks: {s['passed']} passed, {s['failed']} FAILED, {s['not_run']} not run, "
-                 f"{s['errors']} errors", ""]
-        for failed_section, row in self.failures():
-            lines.append(f"- **FAILED** ({failed_section}): {_row_label(row)}")
+                 f"- checks: {s['passed']} passed, {s['failed']} FAILED, {s['xfailed']} expected "
+                 f"failures, {s['skipped']} skipped; "
+                 f"{s['not_run']} not run, {s['errors']} errors", ""]
+        for row in self.failures():
+            lines.append(f"- **FAILED**: {_row_label(row)}")
         for n, (key, sec) in enumerate(self.sections.items(), 1):
             lines += ["", f"## {n}. {sec['title']}", ""]
             lines += [f"- {text}" for text in sec["notes"]]
@@ -193,7 +200,7 @@ def _fmt(value: Any) -> str:
 
 
 def _row_label(row: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k not in ("errors", "verdict"))
+    return ", ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k != "outcome")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
@@ -270,57 +277,6 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-# ---- comparisons --------------------------------------------------------------------------------
-
-def rel_err(got: Tensor | None, want: Tensor, floor: float = 0.0) -> float:
-    """max |got - want| / max(max |want|, floor) (float64, on the CPU); inf for a missing
-    tensor or a shape mismatch, nan when `got` holds NaN. `floor`: the scale of a reference
-    that is (near) zero, e.g. the gradient of a parameter the loss does not depend on."""
-    if got is None:
-        return math.inf
-    got, want = got.detach().double().cpu(), want.detach().double().cpu()
-    if got.shape != want.shape:
-        return math.inf
-    if not want.numel():
-        return 0.0
-    err = (got - want).abs().max().item()
-    scale = max(want.abs().max().item(), floor)
-    return err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
-
-
-def verdict(errors: dict[str, float], tol: float) -> str:
-    """`pass` when every error is within `tol` (NaN is not), else `FAIL`."""
-    return "pass" if errors and all(e <= tol for e in errors.values()) else "FAIL"
-
-
-def _check_row(check: str, case: str, dtype: str, errors: dict[str, float],
-               tol: float) -> dict[str, Any]:
-    worst = max(errors, key=lambda k: math.inf if errors[k] != errors[k] else errors[k])
-    return dict(check=check, case=case, dtype=dtype, tol=tol,
-                worst=f"{worst} {_fmt(errors[worst])}", verdict=verdict(errors, tol),
-                errors=errors)
-
-
-def _round_to(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """float64 values that `dtype` represents exactly: one reference serves every dtype."""
-    return t.to(dtype).double()
-
-
-def _value_and_grads(fn: Callable[..., Tensor | tuple[Tensor, ...]], inputs: dict[str, Tensor],
-                     weights: list[Tensor]) -> dict[str, Tensor]:
-    """`fn`'s outputs (`out0`, …) and the gradients (`d<name>`; zero where unused) of
-    `Σ out·weight` w.r.t. the inputs (fresh leaves)."""
-    leaves = {k: t.detach().clone().requires_grad_() for k, t in inputs.items()}
-    out = fn(*leaves.values())
-    outs = list(out) if isinstance(out, tuple) else [out]
-    loss = sum((o * w.to(o.device, o.dtype)).sum() for o, w in zip(outs, weights))
-    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves.values(), grads)]
-    result = {f"out{i}" if len(outs) > 1 else "out": o for i, o in enumerate(outs)}
-    result.update({f"d{k}": g for k, g in zip(leaves, grads)})
-    return result
-
-
 # ---- section 1: versions and features -----------------------------------------------------------
 
 def _tiny_config(**overrides: Any) -> ModelConfig:
@@ -384,11 +340,6 @@ def section_versions(run: Run) -> None:
     items["float32 matmul precision (default)"] = torch.get_float32_matmul_precision()
     for name, value in items.items():
         report.add(key, dict(item=name, value=value))
-    # fp32 checks compare against float64: TF32 would be a 1e-3 error of its own.
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cudnn.allow_tf32 = False
-    report.note(key, "this run sets float32 matmul precision 'highest' and cuDNN TF32 off, so "
-                     "fp32 checks see IEEE float32 products")
     for name, execution in SETTINGS.items():
         why, what = _probe(run, execution)
         if why is not None:
@@ -397,498 +348,95 @@ def section_versions(run: Run) -> None:
                              value=what if why is None else f"{what}: {why}"))
 
 
-# ---- section 2: kernel checks -------------------------------------------------------------------
+# ---- section 2: the device checks (tests/gpu) ----------------------------------------------------
 
-@dataclass(frozen=True)
-class AttentionCase:
-    """One block attention call: a block of `n` queries at `layer` starting at `start`, reading
-    groups `sources` of a `[layers, batch, kv_heads, length, head_dim]` history."""
-
-    name: str
-    batch: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    n: int
-    layers: int
-    length: int
-    start: int
-    sources: tuple[int, ...]
-    layer: int
-    window: int
-
-    def lo(self, source: int) -> int:
-        """First history row group `source` reads (history.group_rows)."""
-        deeper = self.window > 0 and source > self.layer
-        return max(0, self.start - self.window) if deeper else 0
-
-    def label(self) -> str:
-        return (f"{self.name}: B{self.batch} H{self.heads}/{self.kv_heads} d{self.head_dim} "
-                f"n{self.n} sources {list(self.sources)} at layer {self.layer} T{self.length} "
-                f"start {self.start} window {self.window}")
+def checks_command(run: Run, junit: Path) -> list[str]:
+    """The child pytest: the gpu-marked tests of CHECKS_DIR (without the t19_flash sizes under
+    --quick), every outcome listed (-rA), a JUnit report, no cache written into the checkout."""
+    marker = "gpu and not full_size" if run.quick else "gpu"
+    return [sys.executable, "-m", "pytest", "-m", marker, str(CHECKS_DIR), "-q", "-rA",
+            f"--junitxml={junit}", "-p", "no:cacheprovider", *shlex.split(run.args.checks_args)]
 
 
-def attention_cases(quick: bool) -> list[AttentionCase]:
-    """t19_flash's shapes (d_h 200, 8 heads, c = 32, 3 groups, T = 4096) with GQA and a deep-token
-    window; --quick: the same structure at interpreter sizes (d_h 24, ragged tiles)."""
-    if quick:
-        return [AttentionCase("mha", 1, 2, 2, 24, 8, 3, 40, 24, (0, 1, 2), 0, 0),
-                AttentionCase("gqa+window", 2, 2, 1, 24, 8, 4, 40, 24, (1, 2, 3), 1, 10),
-                AttentionCase("one block", 1, 2, 1, 24, 8, 0, 0, 0, (), 0, 0)]
-    return [AttentionCase("t19 mha", 1, 8, 8, 200, 32, 4, 4096, 2080, (0, 1, 2), 0, 0),
-            AttentionCase("t19 gqa+window", 2, 8, 2, 200, 32, 4, 4096, 2080, (1, 2, 3), 1, 1000),
-            AttentionCase("t19 one block", 1, 8, 8, 200, 32, 0, 0, 0, (), 0, 0)]
-
-
-def attention_inputs(case: AttentionCase, seed: int = 0) -> dict[str, Tensor]:
-    """float64 CPU inputs, all representable in bfloat16: `q, k, v, hist_k, hist_v, shift,
-    self_bias`, the output weights `grad` and the gradient buffers' earlier content
-    `prior_k, prior_v` (the kernel must ADD to it)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int, scale: float = 1.0, offset: float = 0.0) -> Tensor:
-        t = torch.randn(*shape, generator=gen, dtype=torch.float64) * scale + offset
-        return _round_to(t, torch.bfloat16)
-
-    b, h, hkv, d, n = case.batch, case.heads, case.kv_heads, case.head_dim, case.n
-    hist = (case.layers, b, hkv, case.length, d)
-    return dict(q=rand(b, h, n, d), k=rand(b, hkv, n, d), v=rand(b, hkv, n, d),
-                hist_k=rand(*hist), hist_v=rand(*hist),
-                shift=_round_to(torch.rand(len(case.sources), h, generator=gen,
-                                           dtype=torch.float64) * 2, torch.bfloat16),
-                self_bias=rand(1, scale=0.3, offset=1.5), grad=rand(b, h, n, d),
-                prior_k=rand(*hist, scale=0.1), prior_v=rand(*hist, scale=0.1))
-
-
-def reference_block_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
-                              shift: Tensor, self_bias: Tensor, case: AttentionCase) -> Tensor:
-    """The block attention contract as one explicit softmax: group g's rows [lo_g, start) of
-    hist[sources[g]] with score minus shift[g, h], then the causal own keys with b_σ on the
-    diagonal; scores q·k/√d."""
-    heads, n = q.shape[1], q.shape[2]
-    keys, values, bias = [], [], []
-    for g, m in enumerate(case.sources):
-        rows = slice(case.lo(m), case.start)
-        keys.append(hist_k[m, :, :, rows])
-        values.append(hist_v[m, :, :, rows])
-        bias.append((-shift[g]).view(heads, 1, 1).expand(heads, n, rows.stop - rows.start))
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    square = q.new_zeros(n, n).masked_fill(~causal, float("-inf"))
-    bias.append((square + torch.eye(n, dtype=q.dtype) * self_bias).expand(heads, n, n))
-    keys_all = per_query_head(torch.cat([*keys, k], dim=2), heads)
-    values_all = per_query_head(torch.cat([*values, v], dim=2), heads)
-    scores = q @ keys_all.transpose(-1, -2) / math.sqrt(q.shape[-1]) + torch.cat(bias, dim=2)
-    return torch.softmax(scores, dim=-1) @ values_all
-
-
-def _reference_attention_grads(case: AttentionCase, inputs: dict[str, Tensor]
-                               ) -> dict[str, Tensor]:
-    names = ("q", "k", "v", "hist_k", "hist_v", "shift", "self_bias")
-    got = _value_and_grads(lambda *xs: reference_block_attention(*xs, case),
-                           {k: inputs[k] for k in names}, [inputs["grad"]])
-    return {("d_" + k[1:] if k.startswith("d") else k): t for k, t in got.items()}
-
-
-def run_block_attention(case: AttentionCase, inputs: dict[str, Tensor], dtype: torch.dtype,
-                        device: torch.device) -> dict[str, Tensor]:
-    """`triton_attention.block_attention` forward and backward as the triton backend calls it:
-    rows >= start of the history are NaN (never to be read), the start a 0-d view of a position
-    table, the gradient buffers float32 holding `prior_*` (to be added to)."""
-    from megabeta.kernels import triton_attention
-
-    def leaf(name: str, kind: torch.dtype = dtype) -> Tensor:
-        return inputs[name].to(device, kind).requires_grad_()
-
-    q, k, v = leaf("q"), leaf("k"), leaf("v")
-    shift, self_bias = leaf("shift", torch.float32), leaf("self_bias", torch.float32)
-    if case.sources:
-        hist_k, hist_v = (inputs[n].to(device, dtype) for n in ("hist_k", "hist_v"))
-        hist_k[:, :, :, case.start:] = float("nan")
-        hist_v[:, :, :, case.start:] = float("nan")
-        grad_k, grad_v = (inputs[n].to(device, torch.float32) for n in ("prior_k", "prior_v"))
-        start = torch.arange(case.length, device=device)[case.start]
-    else:
-        hist_k = hist_v = grad_k = grad_v = q.new_empty(0)
-        start = torch.zeros((), dtype=torch.int64, device=device)
-    out = triton_attention.block_attention(
-        q, k, v, hist_k, hist_v, grad_k, grad_v, start, shift, self_bias,
-        sources=list(case.sources), layer=case.layer, window=case.window,
-        scale=1.0 / math.sqrt(case.head_dim))
-    out.backward(inputs["grad"].to(device, dtype))
-    result = dict(out=out, d_q=q.grad, d_k=k.grad, d_v=v.grad, d_shift=shift.grad,
-                  d_self_bias=self_bias.grad)
-    if case.sources:
-        result["d_hist_k"] = grad_k.double().cpu() - inputs["prior_k"].float().double()
-        result["d_hist_v"] = grad_v.double().cpu() - inputs["prior_v"].float().double()
-    return result
-
-
-def check_block_attention(run: Run, case: AttentionCase, dtypes: list[str]) -> None:
-    """Rows of the block attention kernel against the float64 reference, one per dtype."""
-    inputs = attention_inputs(case)
-    want = _reference_attention_grads(case, inputs)
-    if not case.sources:
-        want = {k: t for k, t in want.items() if not k.startswith("d_hist")}
-    for name in dtypes:
-        with attempt(run, "kernels", f"block_attention {case.name} {name}"):
-            got = run_block_attention(case, inputs, DTYPES[name], run.device)
-            errors = {k: rel_err(got[k], want[k]) for k in want}
-            run.report.add("kernels", _check_row("block_attention", case.label(), name, errors,
-                                                 KERNEL_TOL[name]))
-
-
-def cell_cases(quick: bool) -> dict[str, tuple[int, ...]]:
-    """Shapes: rows `[B, n, d]`, the projection `[B, n, heads·d_h]` as (B, n, rotary heads,
-    plain heads, d_h) and SwiGLU's `[B, n, 2h]`; t19_flash's widths (d 1600, d_h 200, hidden
-    3200, one c = 32 block's finished + input projection: 24 rotary heads, 16 plain)."""
-    if quick:
-        return dict(rows=(2, 9, 40), heads=(2, 9, 3, 2, 8), gate_up=(2, 9, 2 * 24))
-    return dict(rows=(4, 32, 1600), heads=(4, 32, 24, 16, 200), gate_up=(4, 32, 2 * 3200))
-
-
-def check_elementwise_kernels(run: Run, dtypes: list[str]) -> None:
-    """The Triton elementwise kernels against the torch functions of megabeta.model.layers run in
-    float64, forward and backward."""
-    from megabeta.kernels import triton_elementwise
-    from megabeta.model import layers
-
-    shapes = cell_cases(run.quick)
-    gen = torch.Generator().manual_seed(1)
-    eps = 1e-6
-    batch, n, rotary, plain, head_dim = shapes["heads"]
-    # RoPE tables rounded to bf16, so the float64 reference sees the numbers the kernel reads;
-    # the kernel gets them in the inputs' dtype, as DecoderLM.rope gives them.
-    cos, sin = (_round_to(t, torch.bfloat16) for t in layers.rope_tables(head_dim, 100, n, 1e4))
-    rope = dict(rotary_heads=rotary, head_dim=head_dim)
-    projection = (batch, n, (rotary + plain) * head_dim)
-
-    kernels: dict[str, tuple[list[tuple[int, ...]], Callable[..., Any], Callable[..., Any]]] = {
-        "rms_normalize": ([shapes["rows"]], lambda x: triton_elementwise.rms_normalize(x, eps),
-                          lambda x: layers.rms_normalize(x, eps)),
-        "add_rms_normalize": ([shapes["rows"]] * 2,
-                              lambda x, d: triton_elementwise.add_rms_normalize(x, d, eps),
-                              lambda x, d: layers.add_rms_normalize(x, d, eps)),
-        "split_heads_rope": ([projection],
-                             lambda y: triton_elementwise.split_heads_rope(y, cos.to(y), sin.to(y),
-                                                                    **rope),
-                             lambda y: layers.split_heads_rope(y, cos, sin, **rope)),
-        "swiglu": ([shapes["gate_up"]], lambda x: triton_elementwise.swiglu(x), layers.swiglu),
-    }
-    for kernel, (input_shapes, fn, reference) in kernels.items():
-        inputs = {f"x{i}": _round_to(torch.randn(*shape, generator=gen, dtype=torch.float64),
-                                     torch.bfloat16)
-                  for i, shape in enumerate(input_shapes)}
-        outputs = reference(*inputs.values())
-        weights = [_round_to(torch.randn(o.shape, generator=gen, dtype=torch.float64),
-                             torch.bfloat16)
-                   for o in (outputs if isinstance(outputs, tuple) else (outputs,))]
-        want = _value_and_grads(reference, inputs, weights)
-        label = " and ".join(f"[{', '.join(map(str, shape))}]" for shape in input_shapes) + (
-            f", {rotary} rotary + {plain} plain heads of {head_dim}"
-            if kernel == "split_heads_rope" else "")
-        for name in dtypes:
-            with attempt(run, "kernels", f"{kernel} {name}"):
-                got = _value_and_grads(fn, {k: x.to(run.device, DTYPES[name])
-                                            for k, x in inputs.items()}, weights)
-                errors = {k: rel_err(got[k], want[k]) for k in want}
-                run.report.add("kernels", _check_row(kernel, label, name, errors,
-                                                     KERNEL_TOL[name]))
-
-
-def section_kernels(run: Run) -> None:
-    report, key = run.report, "kernels"
-    report.note(key, "error = max |kernel - float64 CPU reference| / max |reference| per output "
-                     "and gradient; inputs are bf16-representable, so one reference serves both "
-                     f"dtypes; tolerances fp32 {KERNEL_TOL['fp32']}, bf16 {KERNEL_TOL['bf16']}")
-    dtypes = ["fp32", "bf16"]
-    if not run.cuda:
-        dtypes = ["fp32"]
-        for what in ("block_attention bf16", "elementwise kernels bf16"):
-            report.not_run(key, what, "no GPU: Triton's CPU interpreter gets bfloat16 wrong "
-                                      "(tl.dot, triton#11584), so bf16 is checked on a GPU only")
-    try:
-        from megabeta.kernels import triton_attention  # noqa: F401
-        attention_ok = None if triton_attention.available() else "triton is not importable"
-    except ImportError as exc:
-        attention_ok = f"megabeta.kernels.triton_attention does not import: {exc}"
-    estimate = 20.0 if run.cuda else 4.0
-    for case in attention_cases(run.quick):
-        if attention_ok:
-            report.not_run(key, f"block_attention {case.name}", attention_ok)
-            continue
-        why = run.budget.why_not(estimate, run.reserve(key))
-        if why:
-            report.not_run(key, f"block_attention {case.name}", why)
-            continue
-        with attempt(run, key, f"block_attention {case.name}"):
-            check_block_attention(run, case, dtypes)
-    try:
-        from megabeta.kernels import triton_elementwise  # noqa: F401
-        cell_ok = None
-    except ImportError as exc:
-        cell_ok = f"megabeta.kernels.triton_elementwise does not import: {exc}"
-    why = cell_ok or run.budget.why_not(estimate, run.reserve(key))
-    if why:
-        report.not_run(key, "elementwise kernels (rms_normalize, split_heads_rope, swiglu)", why)
-    else:
-        check_elementwise_kernels(run, dtypes)
-
-
-# ---- section 3: model exactness -----------------------------------------------------------------
-
-def _randomise(model: DecoderLM, seed: int) -> DecoderLM:
-    """Non-trivial weights: matrices with unit-scale outputs (attention far from uniform), norm
-    weights away from one, every beta extra non-zero."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                value = torch.rand(p.shape, generator=gen, dtype=torch.float64) + 0.5
-            elif p.dim() == 2:
-                value = torch.randn(p.shape, generator=gen, dtype=torch.float64) / p.shape[1] ** 0.5
-            else:
-                value = torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5
-            p.copy_(value)
-    return model
-
-
-def _reference(config: ModelConfig, seed: int = 0) -> DecoderLM:
-    """The float64 CPU model on the explicit backend, randomised."""
-    torch.manual_seed(seed)
-    return _randomise(build_model(config, ExecutionConfig(attention="explicit")).double(), seed)
-
-
-def _on_device(run: Run, reference: DecoderLM, dtype: torch.dtype, **execution: Any) -> DecoderLM:
-    model = _build(reference.config, run.device, ExecutionConfig(**execution))
-    model.load_state_dict(reference.state_dict())
-    return model.to(dtype)
-
-
-def _exact_shape(quick: bool) -> tuple[dict[str, Any], int, int]:
-    """(config fields, sequence length, prompt length): a ragged last block, a prompt ending
-    inside a block."""
-    if quick:
-        return dict(vocab_size=61, d_model=32, hidden_dim=48, num_heads=4, num_layers=3,
-                    block_size=8, depth_window=2, max_seq_len=64), 19, 11
-    return dict(vocab_size=97, d_model=160, hidden_dim=224, num_heads=4, num_layers=3,
-                block_size=8, depth_window=2, max_seq_len=128), 45, 13
-
-
-def _tokens(vocab: int, batch: int, length: int, seed: int) -> Tensor:
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _runs(model: DecoderLM) -> str:
-    """What the model really runs (a setting may map to another backend on this device)."""
-    return f"; runs {model.attention_backend.name}, elementwise kernels {model.elementwise_kernels.name}"
-
-
-def _grads(model: DecoderLM) -> dict[str, Tensor]:
-    return {n: torch.zeros_like(p) if p.grad is None else p.grad
-            for n, p in model.named_parameters()}
-
-
-def check_one_block(run: Run, backend: str, dtype_name: str, fields: dict[str, Any], *,
-                    length: int, case: str) -> None:
-    """beta_1.2 at c = T (b_σ = 0, f = 0) against the standard arm with the same weights."""
-    config = ModelConfig(**dict(fields, block_size=length))
-    beta = _reference(config)
-    with torch.no_grad():
-        for layer in beta.layers:
-            layer.attention.self_bias.zero_()
-            layer.attention.f_q.zero_()
-    standard = build_model(config.replace(arch="standard"),
-                           ExecutionConfig(attention="explicit")).double()
-    standard.load_state_dict(beta.state_dict(), strict=False)
-    x = _tokens(config.vocab_size, 2, length, 1)
-    want = standard(x)
-    dtype = DTYPES[dtype_name]
-    model = _on_device(run, beta, dtype, attention=backend)
-    with torch.no_grad():
-        got = model(x.to(run.device))
-        twin = _on_device(run, standard, dtype, attention=backend)(x.to(run.device))
-    errors = {"logits vs float64 standard": rel_err(got, want),
-              "vs standard on device": rel_err(got, twin)}
-    run.report.add("exactness", _check_row(f"{backend}: c = T equals standard",
-                                           f"{case}, T {length}{_runs(model)}", dtype_name,
-                                           errors, MODEL_TOL[dtype_name]))
-
-
-def check_decoding(run: Run, backend: str, dtype_name: str, fields: dict[str, Any], *,
-                   length: int, prompt: int, case: str) -> None:
-    """Prefill of a prompt ending inside a block, then one step per token, equals the forward."""
-    config = ModelConfig(**fields)
-    model = _on_device(run, _reference(config), DTYPES[dtype_name], attention=backend).eval()
-    x = _tokens(config.vocab_size, 2, length, 1).to(run.device)
-    with torch.no_grad():
-        full = model(x)
-        logits, cache = model.prefill(x[:, :prompt])
-        steps = [logits] + [model.step(x[:, t], cache)[:, None] for t in range(prompt, length)]
-    errors = {"prefill+steps vs forward": rel_err(torch.cat(steps, dim=1), full)}
-    run.report.add("exactness", _check_row(f"{backend}: prefill + step = forward",
-                                           f"{case}, c {config.block_size}, prompt {prompt} of "
-                                           f"{length}{_runs(model)}", dtype_name, errors,
-                                           MODEL_TOL[dtype_name]))
-
-
-def check_against_explicit(run: Run, backend: str, dtype_name: str, fields: dict[str, Any], *,
-                           length: int, case: str) -> None:
-    """beta_1.2 at c = 8 on `backend` against the float64 CPU explicit backend: logits, loss and
-    every parameter's gradient, with block checkpointing as in training."""
-    config = ModelConfig(**fields)
-    reference = _reference(config)
-    x, y = _tokens(config.vocab_size, 2, length, 1), _tokens(config.vocab_size, 2, length, 2)
-    with torch.no_grad():
-        want_logits = reference(x)
-    want_loss = reference(x, y)
-    want_loss.backward()
-    model = _on_device(run, reference, DTYPES[dtype_name], attention=backend,
-                       activation_checkpoint="block")
-    with torch.no_grad():
-        got_logits = model(x.to(run.device))
-    loss = model(x.to(run.device), y.to(run.device))
-    errors = {"logits": rel_err(got_logits, want_logits), "loss": rel_err(loss, want_loss)}
-    check = f"{backend}: c = {config.block_size} equals explicit"
-    label = f"{case}, T {length}{_runs(model)}"
-    run.report.add("exactness", _check_row(check, label, dtype_name, errors,
-                                           MODEL_TOL[dtype_name]))
-    loss.backward()
-    want, got = _grads(reference), _grads(model)
-    # A parameter without influence (θ of a layer that reads no deeper group) has a zero
-    # reference gradient: its error is measured against the largest gradient's scale.
-    floor = GRAD_FLOOR[dtype_name] * max(g.abs().max().item() for g in want.values())
-    grads = {f"d {n}": rel_err(got[n], want[n], floor) for n in want}
-    run.report.add("exactness", _check_row(check + " (gradients)", label, dtype_name, grads,
-                                           GRAD_TOL[dtype_name]))
-
-
-def check_static_step(run: Run, backend: str, dtype_name: str, fields: dict[str, Any], *,
-                      length: int, case: str, mode: str) -> None:
-    """The static block step, compiled (`mode` "compiled": execution.compile) or captured in
-    CUDA graphs ("graphed": execution.cuda_graphs), against the eager block loop on the same
-    device and weights: loss and every parameter's gradient over two training steps with
-    block checkpointing; and how many graphs it took (one compiled graph; two CUDA graphs)."""
-    config = ModelConfig(**fields)
-    reference = _reference(config)
-    dtype = DTYPES[dtype_name]
-    execution = dict(attention=backend, activation_checkpoint="block")
-    eager = _on_device(run, reference, dtype, **execution)
-    model = _on_device(run, reference, dtype, cuda_graphs=mode == "graphed", **execution)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    if mode == "compiled":
-        apply_compile(model)
-    captures = count_graph_captures() if run.cuda else contextlib.nullcontext([0])
-    errors: dict[str, float] = {}
-    with captures as count:
-        for step in range(2):
-            x = _tokens(config.vocab_size, 2, length, 1 + step).to(run.device)
-            y = _tokens(config.vocab_size, 2, length, 3 + step).to(run.device)
-            results = []
-            for m in (eager, model):
-                m.zero_grad(set_to_none=True)
-                loss = m(x, y)
-                loss.backward()
-                results.append((loss.detach(), _grads(m)))
-            (want_loss, want), (got_loss, got) = results
-            floor = GRAD_FLOOR[dtype_name] * max(g.abs().max().item() for g in want.values())
-            errors[f"step {step} loss"] = rel_err(got_loss, want_loss)
-            errors[f"step {step} gradients (worst)"] = max(rel_err(got[n], want[n], floor)
-                                                           for n in want)
-    graphs = (torch._dynamo.utils.counters["stats"]["unique_graphs"] if mode == "compiled"
-              else count[0])
-    label = (f"{case}, T {length}, c {config.block_size}{_runs(model)}; "
-             f"{'compiled graphs' if mode == 'compiled' else 'CUDA graphs captured'}: {graphs}")
-    row = _check_row(f"{backend}: {mode} block step equals eager", label, dtype_name, errors,
-                     GRAD_TOL[dtype_name])
-    want_graphs = 1 if mode == "compiled" else 2
-    if graphs != want_graphs:
-        row["verdict"] = "FAIL"
-        row["why"] = f"{graphs} graphs, expected {want_graphs}"
-    run.report.add("exactness", row)
-
-
-def check_wavefront(run: Run, backend: str, dtype_name: str, fields: dict[str, Any], *,
-                    length: int, case: str) -> None:
-    """The wavefront schedule with wave checkpointing against the block schedule on the same
-    device and weights: loss and every parameter's gradient of one training step."""
-    config = ModelConfig(**fields)
-    reference = _reference(config)
-    dtype = DTYPES[dtype_name]
-    models = [_on_device(run, reference, dtype, attention=backend, **execution)
-              for execution in (dict(activation_checkpoint="block"),
-                                dict(schedule="wavefront", activation_checkpoint="wave"))]
-    x = _tokens(config.vocab_size, 2, length, 1).to(run.device)
-    y = _tokens(config.vocab_size, 2, length, 3).to(run.device)
+def junit_results(path: Path) -> list[dict[str, Any]]:
+    """One dict per test case of a pytest JUnit report: `check` (the test and its
+    parameters), `outcome` (passed, failed, error, skipped, xfailed: an expected failure),
+    `seconds`, `why` (the message of a failure, error, skip or expected failure) and the
+    properties the test recorded (`worst`, `tol`)."""
     results = []
-    for m in models:
-        loss = m(x, y)
-        loss.backward()
-        results.append((loss.detach(), _grads(m)))
-    (want_loss, want), (got_loss, got) = results
-    floor = GRAD_FLOOR[dtype_name] * max(g.abs().max().item() for g in want.values())
-    errors = {"loss": rel_err(got_loss, want_loss),
-              "gradients (worst)": max(rel_err(got[n], want[n], floor) for n in want)}
-    run.report.add("exactness", _check_row(
-        f"{backend}: wavefront equals block schedule",
-        f"{case}, T {length}, c {config.block_size}{_runs(models[1])}", dtype_name, errors,
-        GRAD_TOL[dtype_name]))
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        row: dict[str, Any] = dict(check=f"{case.get('classname', '').rsplit('.', 1)[-1]}::"
+                                         f"{case.get('name')}", outcome="passed",
+                                   seconds=round(float(case.get("time", 0.0)), 2))
+        for kind in ("failure", "error", "skipped"):
+            found = case.find(kind)
+            if found is not None:
+                xfail = kind == "skipped" and found.get("type") == "pytest.xfail"
+                row["outcome"] = "xfailed" if xfail else {"failure": "failed"}.get(kind, kind)
+                text = (found.get("message") or found.text or "").strip()
+                row["why"] = text.splitlines()[0][:300] if text else ""
+                break
+        for prop in case.iter("property"):
+            row[prop.get("name")] = prop.get("value")
+        results.append(row)
+    return results
 
 
-def section_exactness(run: Run) -> None:
-    report, key = run.report, "exactness"
-    report.note(key, f"error = max |device - reference| / max |reference|; tolerances fp32 "
-                     f"{MODEL_TOL['fp32']}, bf16 {MODEL_TOL['bf16']} (bf16 parameters); "
-                     f"parameter gradients within {GRAD_TOL} of max(their own scale, "
-                     f"{GRAD_FLOOR} x the largest gradient's) by dtype; references: float64 "
-                     "CPU on the explicit backend")
-    fields, length, prompt = _exact_shape(run.quick)
-    cases = {"mha": fields, "gqa+window": dict(fields, num_kv_heads=2, deep_token_window=12)}
-    if run.quick:
-        del cases["gqa+window"]
-        report.not_run(key, "gqa+window cases", "--quick runs the mha case only")
-    estimate = 15.0 if run.cuda else 3.0
-    for backend in ("triton",):
-        why = run.unavailable.get(f"attention={backend}")
-        if why:
-            report.not_run(key, f"attention = {backend} (all checks)", why)
-            continue
-        dtypes = ["fp32"] if run.quick else ["fp32", "bf16"]
-        if run.quick:
-            report.not_run(key, f"attention = {backend}, bf16", "--quick checks fp32 only")
-        elif backend == "triton" and not run.cuda:
-            dtypes = ["fp32"]
-            report.not_run(key, "attention = triton, bf16", "no GPU: the Triton interpreter "
-                                                            "gets bfloat16 tl.dot wrong")
-        for case, case_fields in cases.items():
-            for dtype_name in dtypes:
-                checks = {
-                    "c = T equals standard": functools.partial(check_one_block, length=length),
-                    "prefill + step": functools.partial(check_decoding, length=length,
-                                                        prompt=prompt),
-                    "c = 8 equals explicit": functools.partial(check_against_explicit,
-                                                               length=length),
-                    "wavefront": functools.partial(check_wavefront, length=length)}
-                # Compiling takes a minute: the first case only.
-                if backend == "triton" and dtype_name == "fp32" and case == "mha":
-                    for mode in ("compiled", "graphed"):
-                        if mode == "graphed" and not run.cuda:
-                            report.not_run(key, f"{backend} graphed block step {case}",
-                                           "CUDA graphs need a CUDA device")
-                            continue
-                        checks[f"{mode} block step"] = functools.partial(
-                            check_static_step, length=length, mode=mode)
-                for what, check in checks.items():
-                    label = f"{backend} {what} {case} {dtype_name}"
-                    why = run.budget.why_not(estimate, run.reserve("exactness"))
-                    if why:
-                        report.not_run(key, label, why)
-                        continue
-                    with attempt(run, key, label):
-                        check(run, backend, dtype_name, case_fields, case=case)
+def section_checks(run: Run) -> None:
+    """`pytest -m gpu tests/gpu` in a child process within the checks' share of the budget:
+    a row per check that ran, the skipped ones counted by reason."""
+    report, key = run.report, "checks"
+    if not CHECKS_DIR.is_dir():
+        report.not_run(key, "the device checks", f"{CHECKS_DIR} is not there: they run from a "
+                                                  "source checkout of megabeta")
+        return
+    if importlib.util.find_spec("pytest") is None:
+        report.not_run(key, "the device checks", "pytest is not installed (pip install pytest)")
+        return
+    seconds = run.budget.left() - run.reserve(key)
+    if seconds <= 0:
+        report.not_run(key, "the device checks", "skipped for time: the budget is spent")
+        return
+    junit, log = run.report.out_dir / "checks.xml", run.report.out_dir / "checks.log"
+    junit.unlink(missing_ok=True)
+    command = checks_command(run, junit)
+    report.note(key, f"`{shlex.join(command[2:])}` (from {CHECKS_DIR.parents[1]}); a check "
+                     f"not started within {seconds:.0f} s is skipped; errors are max |device - "
+                     "float64 reference| / max |reference| (tests/support/device_checks.py), "
+                     "`worst` the largest of a check's outputs and gradients; output in "
+                     "checks.log")
+    env = dict(os.environ, **{CHECKS_DEADLINE_ENV: str(time.time() + seconds)})
+    report.log(f"  running {shlex.join(command[2:])}")
+    try:
+        done = subprocess.run(command, cwd=CHECKS_DIR.parents[1], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              timeout=seconds + CHECKS_GRACE_S)
+        output, code = done.stdout, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        # The output is bytes here even with text=True (subprocess's documented quirk).
+        output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        code = None
+    log.write_text(output)
+    if code is None or not junit.exists():
+        why = (f"stopped after {seconds + CHECKS_GRACE_S:.0f} s" if code is None
+               else f"pytest exited {code} without a report")
+        last = (output.strip().splitlines() or [""])[-1]
+        raise RuntimeError(f"the device checks: {why}; the end of checks.log: {last}")
+    results = junit_results(junit)
+    for row in results:
+        outcome = row["outcome"]
+        report.checks["failed" if outcome == "error" else outcome] += 1
+        if outcome != "skipped":
+            report.add(key, row)
+    skipped = Counter(row["why"] for row in results if row["outcome"] == "skipped")
+    for why, count in skipped.items():
+        report.not_run(key, f"{count} check{'s' if count > 1 else ''}", why)
+    report.note(key, f"pytest exit code {code}: {report.checks['passed']} passed, "
+                     f"{report.checks['failed']} failed, {report.checks['xfailed']} expected "
+                     f"failures, {report.checks['skipped']} skipped")
 
 
-# ---- sections 4-6: speed -------------------------------------------------------------------------
+# ---- sections 3-5: wavefront, speed, article -----------------------------------------------------
 
 @contextlib.contextmanager
 def count_graph_captures() -> Iterator[list[int]]:
@@ -1315,8 +863,8 @@ def section_wavefront(run: Run) -> None:
 
 
 SECTION_FUNCTIONS: dict[str, Callable[[Run], None]] = {
-    "versions": section_versions, "kernels": section_kernels, "exactness": section_exactness,
-    "wavefront": section_wavefront, "speed": section_speed, "article": section_article}
+    "versions": section_versions, "checks": section_checks, "wavefront": section_wavefront,
+    "speed": section_speed, "article": section_article}
 
 
 # ---- entry point --------------------------------------------------------------------------------
@@ -1335,8 +883,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="directory for gpu.json and gpu.md when $OUT is not set")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="comma-separated sections to run (default: all: %(default)s)")
+    parser.add_argument("--checks-args", default="",
+                        help="more pytest arguments for the device checks, e.g. \"-k attention\" "
+                             "or \"-x\" (default: none)")
     parser.add_argument("--attention", default=None,
-                        help="execution.attention of the beta arms in sections 4-6 (default: "
+                        help="execution.attention of the beta arms in sections 3-5 (default: "
                              "triton on CUDA, auto on CPU, where the Triton interpreter takes "
                              "seconds per call; 'auto' when it cannot be selected)")
     parser.add_argument("--compare-attention", default="",
@@ -1344,7 +895,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "beta arm at the first length, batch 1, eager, next to --attention "
                              "(e.g. explicit; default: none)")
     parser.add_argument("--modes", default=",".join(MODES),
-                        help="speed modes of section 5 (eager always runs; default: %(default)s)")
+                        help="speed modes of section 4 (eager always runs; default: %(default)s)")
     parser.add_argument("--speed-lengths", default=None,
                         help="t19_flash sequence lengths (default: 4096,16384; --quick: 64,128)")
     parser.add_argument("--max-batch", type=int, default=None,
@@ -1357,9 +908,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="expected torch.compile time per arm, for the budget (default: 60; "
                              "--quick: 30)")
     parser.add_argument("--article-seq-len", type=int, default=None,
-                        help="sequence length of section 6 (default: 1024; --quick: 64)")
+                        help="sequence length of section 5 (default: 1024; --quick: 64)")
     parser.add_argument("--article-batch", type=int, default=None,
-                        help="batch of section 6 (default: 16, the article's; --quick: 2)")
+                        help="batch of section 5 (default: 16, the article's; --quick: 2)")
     args = parser.parse_args(argv)
     if args.attention is None:
         args.attention = "triton" if args.device.startswith("cuda") else "auto"
@@ -1371,7 +922,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, quick if args.quick else full)
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
-        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+        moved = (" (kernels and exactness are now tests in section checks: pytest -m gpu "
+                 "tests/gpu; --checks-args \"-k ...\" selects among them)"
+                 if unknown & {"kernels", "exactness"} else "")
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}"
+                     + moved)
     return args
 
 
@@ -1397,8 +952,10 @@ def main(argv: list[str] | None = None) -> Report:
                 SECTION_FUNCTIONS[key](run)
         report.write()
     summary = report.summary()
-    report.log(f"done: {summary['passed']} passed, {summary['failed']} FAILED, "
-               f"{summary['not_run']} not run, {summary['errors']} errors; "
+    report.log(f"done: checks {summary['passed']} passed, {summary['failed']} FAILED, "
+               f"{summary['xfailed']} expected failures, {summary['skipped']} skipped; "
+               f"{summary['not_run']} not run, "
+               f"{summary['errors']} errors; "
                f"{out_dir / 'gpu.md'}")
     return report
 

@@ -33,9 +33,11 @@ def tiny_config(**overrides: Any) -> ModelConfig:
     return ModelConfig(**{**base, **overrides})
 
 
-def randomise(model: DecoderLM, seed: int = 0) -> DecoderLM:
+def randomise(model: DecoderLM, seed: int = 0, matrices: bool = False) -> DecoderLM:
     """Give every parameter a non-trivial value: extras (e_k, e_v, f_q, θ, b_σ) non-zero, norm
-    weights away from one, so no flag's effect can hide behind its zero initialisation."""
+    weights away from one, so no flag's effect can hide behind its zero initialisation; with
+    `matrices` also the weight matrices, at unit-scale outputs (attention far from uniform, as
+    a check of low-precision kernels wants)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -43,6 +45,9 @@ def randomise(model: DecoderLM, seed: int = 0) -> DecoderLM:
                 p.copy_(torch.rand(p.shape, generator=gen, dtype=torch.float64) + 0.5)
             elif p.dim() <= 1:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5)
+            elif matrices and p.dim() == 2:
+                scale = p.shape[1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale)
     return model
 
 

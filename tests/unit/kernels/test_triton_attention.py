@@ -1,6 +1,7 @@
-"""The Triton block-attention kernels (megabeta/kernels/triton_attention.py) against an explicit
-float64 attention with autograd over spec §3's key set: [own keys (causal, self bias on the
-diagonal) | each group's history rows (score minus its shift)] in one softmax. Run under
+"""The Triton block-attention kernels (megabeta/kernels/triton_attention.py) against the float64
+block attention reference with autograd (support/reference_attention.py: spec §3's key set,
+[own keys (causal, self bias on the diagonal) | each group's history rows (score minus its
+shift)] in one softmax). Run under
 Triton's CPU interpreter here (float32, tiny grids: tiles of 16, so n and T of 20-48 cross them).
 """
 
@@ -14,6 +15,7 @@ pytest.importorskip("triton", reason="triton is not importable: no Triton kernel
 
 from megabeta.kernels import triton_attention  # noqa: E402
 from megabeta.kernels.ops import LaunchCount  # noqa: E402
+from support.reference_attention import INPUTS, block_attention_grads  # noqa: E402
 
 L, D = 4, 24
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -45,57 +47,12 @@ def _case(*, n: int, start: int, batch: int = 1, heads: int = 4, kv_heads: int =
         window=window, scale=1 / math.sqrt(width), grad=rand(batch, heads, n, width))
 
 
-def _lo(c: dict, source: int) -> int:
-    window, start = c["window"], c["start_value"]
-    return max(0, start - window) if window > 0 and source > c["layer"] else 0
-
-
 def _reference(c: dict, perturb: str | None = None) -> dict:
-    """Explicit attention in float64; `perturb` changes one term, for the mutation checks."""
-    def leaf(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().double().requires_grad_()
-
-    q, k, v, shift = leaf(c["q"]), leaf(c["k"]), leaf(c["v"]), leaf(c["shift"])
-    self_bias = None if c["self_bias"] is None else leaf(c["self_bias"])
-    heads, n = q.shape[1], q.shape[2]
-    per_kv = heads // k.shape[1]
-    start = c["start_value"]
-
-    def per_head(t: torch.Tensor) -> torch.Tensor:
-        return t.repeat_interleave(per_kv, dim=1)
-
-    scores = q @ per_head(k).transpose(-1, -2) * c["scale"]
-    diag = torch.eye(n, dtype=torch.bool)
-    if self_bias is not None:
-        bias = self_bias + (0.5 if perturb == "self_bias" else 0.0)
-        scores = scores + torch.where(diag, bias, torch.zeros((), dtype=torch.float64))
-    causal = torch.ones(n, n, dtype=torch.bool).tril(0 if perturb != "causal" else 1)
-    parts_s, parts_v = [scores.masked_fill(~causal, float("-inf"))], [per_head(v)]
-    group_k, group_v = [], []
-    for g, source in enumerate(c["sources"]):
-        lo = _lo(c, source) + (1 if perturb == "window" and _lo(c, source) > 0 else 0)
-        # Only the valid rows become leaves: the garbage beyond must not reach the reference.
-        gk = leaf(c["hist_k"][source, :, :, lo:start])
-        gv = leaf(c["hist_v"][source, :, :, lo:start])
-        group_k.append((source, lo, gk))
-        group_v.append(gv)
-        sign = 1.0 if perturb == "shift_sign" else -1.0
-        parts_s.append(q @ per_head(gk).transpose(-1, -2) * c["scale"]
-                       + sign * shift[g].view(1, heads, 1, 1))
-        parts_v.append(per_head(gv))
-    s = torch.cat(parts_s, dim=-1)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.softmax(s, dim=-1) @ torch.cat(parts_v, dim=2)
-    (out * c["grad"].double()).sum().backward()
-    grad_hist_k = torch.zeros_like(c["hist_k"], dtype=torch.float64)
-    grad_hist_v = torch.zeros_like(grad_hist_k)
-    for (source, lo, gk), gv in zip(group_k, group_v):
-        grad_hist_k[source, :, :, lo:start] = gk.grad
-        grad_hist_v[source, :, :, lo:start] = gv.grad
-    return dict(out=out.detach(), lse=lse.detach(), dq=q.grad, dk=k.grad, dv=v.grad,
-                d_shift=torch.zeros_like(shift) if shift.grad is None else shift.grad,
-                d_self_bias=None if self_bias is None else self_bias.grad,
-                grad_hist_k=grad_hist_k, grad_hist_v=grad_hist_v)
+    """The shared float64 reference (support/reference_attention.py); `perturb` changes one term,
+    for the mutation checks."""
+    return block_attention_grads({name: c[name] for name in INPUTS}, c["grad"],
+                                 sources=c["sources"], layer=c["layer"], start=c["start_value"],
+                                 window=c["window"], scale=c["scale"], perturb=perturb)
 
 
 def _kwargs(c: dict) -> dict:
@@ -116,8 +73,9 @@ def _kernels(c: dict) -> dict:
             c["grad"], c["q"], c["k"], c["v"], c["hist_k"], c["hist_v"], out, lse, c["start"],
             c["shift"], c["self_bias"], grad_hist_k, grad_hist_v, **_kwargs(c))
     assert count.total == 1
-    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, d_shift=d_shift, d_self_bias=d_self_bias,
-                grad_hist_k=grad_hist_k - base_k, grad_hist_v=grad_hist_v - base_v)
+    return dict(out=out, lse=lse, d_q=dq, d_k=dk, d_v=dv, d_shift=d_shift,
+                d_self_bias=d_self_bias, d_hist_k=grad_hist_k - base_k,
+                d_hist_v=grad_hist_v - base_v)
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,7 +89,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 def _assert_matches(got: dict, want: dict) -> None:
-    for name in ("out", "lse", "dq", "dk", "dv", "d_shift", "grad_hist_k", "grad_hist_v"):
+    for name in ("out", "lse", "d_q", "d_k", "d_v", "d_shift", "d_hist_k", "d_hist_v"):
         torch.testing.assert_close(got[name].double(), want[name], **TOL, msg=name)
     if want["d_self_bias"] is None:
         assert got["d_self_bias"].numel() == 0
@@ -157,9 +115,9 @@ def test_kernels_match_explicit_attention(name: str) -> None:
     _assert_matches(got, want)
     # The output's storage is [B, n, H, d]: heads merge with a view.
     assert got["out"].transpose(1, 2).is_contiguous()
-    assert torch.isfinite(got["grad_hist_k"]).all() and torch.isfinite(got["out"]).all()
+    assert torch.isfinite(got["d_hist_k"]).all() and torch.isfinite(got["out"]).all()
     # The buffers are untouched outside the groups' rows (`want` is zero there).
-    for g in ("grad_hist_k", "grad_hist_v"):
+    for g in ("d_hist_k", "d_hist_v"):
         assert torch.equal(got[g][want[g] == 0], torch.zeros_like(got[g][want[g] == 0]))
 
 
@@ -171,7 +129,7 @@ def test_kernels_differ_from_a_perturbed_reference(perturb: str, case: str) -> N
     _assert_matches(got, _reference(_case(**CASES[case])))
     wrong = _reference(_case(**CASES[case]), perturb)
     assert not _close(got["out"], wrong["out"])
-    assert not _close(got["dq"], wrong["dq"])
+    assert not _close(got["d_q"], wrong["d_q"])
 
 
 def test_half_precision_inputs() -> None:
@@ -182,9 +140,9 @@ def test_half_precision_inputs() -> None:
     for name in ("q", "k", "v", "hist_k", "hist_v", "grad"):
         c[name] = c[name].half()
     got = _kernels(c)
-    assert got["out"].dtype == got["dq"].dtype == got["dk"].dtype == torch.float16
-    for name in ("out", "lse", "dq", "dk", "dv", "d_shift", "d_self_bias", "grad_hist_k",
-                 "grad_hist_v"):
+    assert got["out"].dtype == got["d_q"].dtype == got["d_k"].dtype == torch.float16
+    for name in ("out", "lse", "d_q", "d_k", "d_v", "d_shift", "d_self_bias", "d_hist_k",
+                 "d_hist_v"):
         torch.testing.assert_close(got[name].double(), want[name], rtol=5e-3, atol=5e-3,
                                    msg=name)
 
@@ -216,7 +174,7 @@ def _differentiable(c: dict, grad_hist: tuple[torch.Tensor, torch.Tensor], fn=No
         assert anchor.grad is None
     else:
         assert anchor.grad is not None and anchor.grad.item() == 0.0
-    return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, d_shift=shift.grad,
+    return dict(out=out.detach(), d_q=q.grad, d_k=k.grad, d_v=v.grad, d_shift=shift.grad,
                 d_self_bias=self_bias.grad)
 
 
@@ -227,8 +185,8 @@ def test_autograd_entry_point_matches_and_adds_into_the_buffers() -> None:
     got = _differentiable(c, grad_hist)
     for name, value in got.items():
         torch.testing.assert_close(value.double(), want[name], **TOL, msg=name)
-    torch.testing.assert_close(grad_hist[0].double() - 1, want["grad_hist_k"], **TOL)
-    torch.testing.assert_close(grad_hist[1].double() - 1, want["grad_hist_v"], **TOL)
+    torch.testing.assert_close(grad_hist[0].double() - 1, want["d_hist_k"], **TOL)
+    torch.testing.assert_close(grad_hist[1].double() - 1, want["d_hist_v"], **TOL)
 
 
 def test_compiles_to_one_graph_for_every_start() -> None:
@@ -255,8 +213,8 @@ def test_compiles_to_one_graph_for_every_start() -> None:
         got = _differentiable(c, buffers, compiled)
         for name, value in got.items():
             torch.testing.assert_close(value.double(), want[name], **TOL, msg=name)
-        torch.testing.assert_close(buffers[0].double(), want["grad_hist_k"], **TOL)
-        torch.testing.assert_close(buffers[1].double(), want["grad_hist_v"], **TOL)
+        torch.testing.assert_close(buffers[0].double(), want["d_hist_k"], **TOL)
+        torch.testing.assert_close(buffers[1].double(), want["d_hist_v"], **TOL)
     assert len(graphs) == 1
 
 
@@ -336,10 +294,10 @@ def test_a_wave_in_one_launch_is_its_cells_block_by_block() -> None:
     for i, c in enumerate(cells):
         want = _reference(c)
         torch.testing.assert_close(out[i].detach().double(), want["out"], **TOL)
-        torch.testing.assert_close(q.grad[i].double(), want["dq"], **TOL)
-        torch.testing.assert_close(k.grad[i].double(), want["dk"], **TOL)
-        grad_hist[0] += want["grad_hist_k"]
-        grad_hist[1] += want["grad_hist_v"]
+        torch.testing.assert_close(q.grad[i].double(), want["d_q"], **TOL)
+        torch.testing.assert_close(k.grad[i].double(), want["d_k"], **TOL)
+        grad_hist[0] += want["d_hist_k"]
+        grad_hist[1] += want["d_hist_v"]
         # The shift's gradient is minus the sum of its rows over batch and position.
         torch.testing.assert_close(-rows_w[0][i, :len(c["sources"])].sum((1, 3)).double(),
                                    want["d_shift"], **TOL)

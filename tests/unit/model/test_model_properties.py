@@ -13,6 +13,7 @@ from megabeta.model import build_model
 from megabeta.model.beta12 import Beta12Transformer
 from megabeta.model.history import BufferedHistory
 from support.model_helpers import ATTENTION, VOCAB, tiny_config, tiny_model, tokens
+from support.reference_attention import block_attention
 
 T = 19
 
@@ -224,8 +225,6 @@ def test_merged_attention_refuses_key_groups_it_cannot_differentiate() -> None:
     with torch.no_grad():
         out = merged_attention(q, k, v, [batch], bias, 0.5, kernels=CPU_FUSED)
     # Without autograd the same call is fine and exact: query i sees the group and keys 0 … i.
-    for i in range(q.shape[2]):
-        keys = torch.cat([group[0], k[:, :, :i + 1]], dim=2)
-        values = torch.cat([group[0], v[:, :, :i + 1]], dim=2)
-        probs = torch.softmax(q[:, :, i:i + 1] @ keys.transpose(-1, -2) * 0.5, dim=-1)
-        torch.testing.assert_close(out[:, :, i:i + 1], probs @ values, rtol=1e-12, atol=1e-12)
+    want, _ = block_attention(q, k, v, group, group, torch.zeros(1, 2, dtype=torch.float64), None,
+                              sources=[0], layer=0, start=5, window=0, scale=0.5)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)

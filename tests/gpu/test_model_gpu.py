@@ -1,0 +1,78 @@
+"""beta_1.2 on the GPU with `execution.attention = "triton"`, against float64 CPU references
+(the explicit backend) and against itself on other schedules: c = T equals the standard arm,
+prefill + steps equal the forward, logits, loss and every parameter gradient equal the explicit
+backend's, the wavefront schedule equals the block schedule, and the compiled and CUDA-graphed
+static block step equal the eager loop (in one compiled graph; two CUDA graphs)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+
+from support.device_checks import (DTYPES, FULL_SIZE, GPU_ONLY, GRAD_TOL, MODEL_CASES,
+                                   MODEL_SHAPES, MODEL_TOL, decoding_errors, explicit_errors,
+                                   model_shape, one_block_errors, static_step_errors,
+                                   wavefront_errors)
+
+pytestmark = GPU_ONLY
+
+BACKEND = "triton"
+CUDA = torch.device("cuda")
+SHAPES = [pytest.param(shape, marks=[FULL_SIZE] if shape == "wide" else [])
+          for shape in MODEL_SHAPES]
+
+
+@pytest.fixture(autouse=True)
+def _triton() -> None:
+    pytest.importorskip("triton", reason="triton is not installed (pip install 'megabeta[gpu]')")
+
+
+def _explicit(part: int) -> Callable[..., dict[str, float]]:
+    """Logits and loss (0) or the parameter gradients (1) against the explicit backend."""
+    return lambda dtype, fields, length, prompt: explicit_errors(BACKEND, dtype, CUDA, fields,
+                                                                 length)[part]
+
+
+CHECKS: dict[str, tuple[Callable[..., dict[str, float]], dict[str, float]]] = {
+    "one_block_equals_standard": (lambda dtype, fields, length, prompt: one_block_errors(
+        BACKEND, dtype, CUDA, fields, length), MODEL_TOL),
+    "prefill_steps_equal_forward": (lambda dtype, fields, length, prompt: decoding_errors(
+        BACKEND, dtype, CUDA, fields, length, prompt), MODEL_TOL),
+    "logits_loss_equal_explicit": (_explicit(0), MODEL_TOL),
+    "gradients_equal_explicit": (_explicit(1), GRAD_TOL),
+    "wavefront_equals_block": (lambda dtype, fields, length, prompt: wavefront_errors(
+        BACKEND, dtype, CUDA, fields, length), GRAD_TOL),
+}
+"""Each check: its errors from (dtype, config fields, length, prompt), and its tolerances."""
+BF16_GRADIENTS = {"gradients_equal_explicit", "wavefront_equals_block"}
+"""Gradient checks that bf16 parameters may miss: every gradient sum rounds to bf16, on any
+backend (0.10-0.15 of a bias gradient's scale on the CPU's; docs/benchmarks/2026-12-04-gpu.md:
+0.09-0.12 on triton), and training keeps float32 parameters under autocast. They run and report,
+as expected failures."""
+shapes = pytest.mark.parametrize("shape", SHAPES)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@shapes
+@pytest.mark.parametrize("case", MODEL_CASES)
+@pytest.mark.parametrize("check", CHECKS)
+def test_model_on_triton(check: str, case: str, shape: str, dtype: str, within,
+                         request: pytest.FixtureRequest) -> None:
+    if dtype == "bf16" and check in BF16_GRADIENTS:
+        request.applymarker(pytest.mark.xfail(reason="bf16 parameters round every gradient sum "
+                                                     "(BF16_GRADIENTS)"))
+    measure, tol = CHECKS[check]
+    fields, length, prompt = model_shape(shape, case)
+    within(measure(DTYPES[dtype], fields, length, prompt), tol[dtype])
+
+
+@shapes
+@pytest.mark.parametrize("mode,graphs", [("compiled", 1), ("graphed", 2)])
+def test_static_block_step_equals_eager(mode: str, graphs: int, shape: str, within) -> None:
+    """fp32, MHA: compiling takes a minute, one case is enough."""
+    fields, length, _ = model_shape(shape, "mha")
+    errors, got = static_step_errors(BACKEND, torch.float32, CUDA, fields, length, mode)
+    within(errors, GRAD_TOL["fp32"])
+    assert got == graphs, f"{got} graphs, expected {graphs}"
