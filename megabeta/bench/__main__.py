@@ -9,7 +9,8 @@ BENCHMARKS = {"model": "megabeta.bench.model", "data": "megabeta.bench.data",
               "train": "megabeta.bench.train", "dispatch": "megabeta.bench.dispatch",
               "gpu": "megabeta.bench.gpu", "checkpoint": "megabeta.bench.checkpoint",
               "step": "megabeta.bench.step", "wavefront": "megabeta.bench.wavefront",
-              "kernels": "megabeta.bench.kernels", "roofline": "megabeta.bench.roofline"}
+              "kernels": "megabeta.bench.kernels", "roofline": "megabeta.bench.roofline",
+              "packing": "megabeta.bench.packing"}
 PROG = "megabeta bench"
 
 
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
               "spills\n"
               "  roofline  the training step's FLOPs and HBM bytes per part, its time bound, "
               "MFU ceiling\n"
+              "  packing  padding share of packed, block-aligned and one-document samples\n"
               f"Each takes --help ({PROG} model --help).", file=sys.stderr)
         if argv and argv[0] not in ("-h", "--help"):
             print(f"{PROG}: error: unknown benchmark {argv[0]!r}; choose one of "

@@ -126,6 +126,12 @@ class DocumentDataset:
     def __len__(self) -> int:
         return len(self._starts)
 
+    @property
+    def padding_share(self) -> float:
+        """Share of the samples' input positions that are padding (their compute is wasted)."""
+        real = np.minimum(self._ends - self._starts, self.seq_len).sum()
+        return 1.0 - float(real) / (len(self._starts) * self.seq_len)
+
     def __getitem__(self, index: int) -> MaskedSample:
         if not 0 <= index < len(self._starts):
             raise IndexError(f"sample {index} out of range for {len(self._starts)} samples")
@@ -194,13 +200,13 @@ class BlockAlignedDataset:
         pad_starts = (offsets[:-1] + lengths)[lengths % block != 0]
         self._segment_starts = np.sort(np.concatenate((offsets[:-1], pad_starts)))
         self._length = (used - 1) // seq_len
-        self.stream_tokens = used
-        """Tokens of the stream, padding included (the padding's share: ``padding_share``)."""
 
     @property
     def padding_share(self) -> float:
-        """Share of the stream's positions that are padding."""
-        return 1.0 - float(self._lengths.sum()) / self.stream_tokens
+        """Share of the samples' input positions that are padding (their compute is wasted)."""
+        inputs = self._length * self.seq_len
+        real = np.clip(inputs - self._offsets, 0, self._lengths).sum()
+        return 1.0 - float(real) / inputs
 
     def __len__(self) -> int:
         return self._length

@@ -122,6 +122,15 @@ def test_block_alignment_matches_a_naive_layout(prefixes):
         np.testing.assert_array_equal(sample.documents, ids)
 
 
+@pytest.mark.parametrize("block", [4, BLOCK, SEQ // 2])
+def test_the_padding_share_counts_the_samples_pad_inputs(prefixes, block):
+    dataset = build_train_val(prefixes[1:], seq_len=SEQ, val_fraction=0.1, align="block",
+                              document_mask=True, block_size=block).train
+    _, real, _ = naive_block_stream(raw_documents(prefixes[1], 0.1), block)
+    inputs = np.array(real[:len(dataset) * SEQ])
+    assert dataset.padding_share == pytest.approx(1.0 - inputs.mean(), abs=1e-12)
+
+
 def test_every_document_starts_at_a_multiple_of_the_block_and_pads_are_masked(prefixes):
     data = build(prefixes[:1], "block")
     pads_seen = 0
@@ -166,6 +175,8 @@ def test_document_aligned_samples_give_the_padding_its_own_id(prefixes):
             chunk = doc[first:first + SEQ + 1]
             expected.append((chunk, (np.arange(SEQ) >= len(chunk)).astype(np.int32)))
     assert len(data.train) == len(expected)
+    real = sum(min(len(chunk), SEQ) for chunk, _ in expected)
+    assert data.train.padding_share == pytest.approx(1.0 - real / (len(expected) * SEQ))
     for k, (chunk, ids) in enumerate(expected):
         sample = data.train[k]
         np.testing.assert_array_equal(sample.tokens[:len(chunk)], chunk)
