@@ -15,8 +15,9 @@ from data_tools.writer import IndexedDatasetWriter
 from megabeta.config import load_config
 from megabeta.data import GlobalSampler, MaskedBatch, build_train_val
 from megabeta.infer.evaluate import evaluate
-from megabeta.model import ConfigError, build_model
+from megabeta.model import ConfigError, ExecutionConfig, build_model
 from megabeta.train.documents import require_document_mask_support, takes_documents
+from megabeta.train import loop
 from megabeta.train.loop import Trainer, accumulate_step
 from support.model_helpers import tiny_config
 from support.train_helpers import TINY
@@ -46,13 +47,31 @@ class RecordingEngine:
         return torch.zeros(())
 
 
+# The spec's softmax written out: these tests need no JIT-built CPU kernel.
+EXPLICIT = "--execution.attention=explicit"
+
+
+class Plain(nn.Module):
+    """A stand-in model without document masking."""
+
+    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
+        return tokens.float().mean()
+
+
 def test_a_model_without_documents_is_refused():
-    model = build_model(tiny_config())
-    assert not takes_documents(model)
     with pytest.raises(ConfigError, match=r"data\.document_mask = true needs a model that takes "
                                           r"documents="):
-        require_document_mask_support(model)
+        require_document_mask_support(Plain())
     require_document_mask_support(Recorder())
+
+
+@pytest.mark.parametrize("arch", ["beta12", "standard", "looped"])
+def test_the_arms_are_refused_until_they_take_documents(arch):
+    model = build_model(tiny_config(arch=arch), ExecutionConfig(attention="explicit"))
+    if takes_documents(model):
+        pytest.skip(f"the {arch} arm takes documents=")
+    with pytest.raises(ConfigError, match="documents="):
+        require_document_mask_support(model)
 
 
 def test_training_hands_each_batch_its_ids_and_plain_batches_none():
@@ -87,11 +106,43 @@ def test_evaluation_passes_the_ids_of_block_aligned_samples(tmp_path):
         np.testing.assert_array_equal(call.numpy(), expected)
 
 
-def test_a_run_with_the_mask_and_todays_model_stops_at_start_up(tmp_path, monkeypatch):
+def test_a_run_with_the_mask_and_a_model_without_it_stops_at_start_up(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loop, "build_model", lambda config, execution: Plain())
     config = load_config(TINY[0].split("=", 1)[1], [
         *TINY[1:], f"--data.path={write_dataset(tmp_path / 'd')}", "--data.align=block",
-        "--data.document_mask=true", f"--run_dir={tmp_path / 'run'}"])
+        "--data.document_mask=true", f"--run_dir={tmp_path / 'run'}", EXPLICIT])
     with pytest.raises(ConfigError, match="documents="):
         Trainer(config)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_block_aligned_run_hands_ids_to_every_forward(tmp_path, monkeypatch, one_torch_thread):
+    """Two steps and an evaluation of a model that takes documents= (the tiny model, its forward
+    wrapped to record the ids): every training and evaluation forward gets a batch's ids."""
+    calls: list[Tensor] = []
+
+    def build(config, execution):
+        model = loop_build_model(config, execution)
+        plain = model.forward
+
+        def forward(tokens: Tensor, targets: Tensor | None = None,
+                    documents: Tensor | None = None) -> Tensor:
+            calls.append(documents)
+            return plain(tokens, targets)
+
+        model.forward = forward
+        return model
+
+    loop_build_model = loop.build_model
+    monkeypatch.setattr(loop, "build_model", build)
+    config = load_config(TINY[0].split("=", 1)[1], [
+        *TINY[1:], f"--data.path={write_dataset(tmp_path / 'd')}", "--data.align=block",
+        "--data.document_mask=true", f"--run_dir={tmp_path / 'run'}", "--train.steps=2",
+        "--checkpoint.interval=0", "--checkpoint.save_at_end=false", "--eval.batches=1",
+        "--monitor.beta_dials=false", EXPLICIT])
+    Trainer(config).train()
+    assert len(calls) == 2 * 2 + 1  # 2 steps of 2 micro-batches, 1 evaluation batch
+    for ids in calls:
+        assert ids.dtype == torch.int32 and ids.shape == (2, 32)
+        assert (ids[:, 0] == 0).all() and (ids.diff(dim=1) >= 0).all()
