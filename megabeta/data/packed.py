@@ -79,9 +79,7 @@ class PackedDataset:
 
     @property
     def fingerprint(self) -> str:
-        digest = hashlib.sha256(self.source.fingerprint.encode())
-        digest.update(f"packed:{self.start}:{self.end}:{self.seq_len}".encode())
-        return digest.hexdigest()
+        return _fingerprint(self.source, f"packed:{self.start}:{self.end}:{self.seq_len}")
 
 
 class DocumentDataset:
@@ -151,10 +149,8 @@ class DocumentDataset:
 
     @property
     def fingerprint(self) -> str:
-        digest = hashlib.sha256(self.source.fingerprint.encode())
-        digest.update(f"document:{self.documents.start}:{self.documents.stop}:{self.seq_len}:"
-                      f"{self.pad_id}".encode())
-        return digest.hexdigest()
+        return _fingerprint(self.source, f"document:{self.documents.start}:"
+                            f"{self.documents.stop}:{self.seq_len}:{self.pad_id}")
 
 
 class BlockAlignedDataset:
@@ -231,10 +227,15 @@ class BlockAlignedDataset:
 
     @property
     def fingerprint(self) -> str:
-        digest = hashlib.sha256(self.source.fingerprint.encode())
-        digest.update(f"block:{self.documents.start}:{self.documents.stop}:{self.seq_len}:"
-                      f"{self.block}:{self.pad_id}".encode())
-        return digest.hexdigest()
+        return _fingerprint(self.source, f"block:{self.documents.start}:{self.documents.stop}:"
+                            f"{self.seq_len}:{self.block}:{self.pad_id}")
+
+
+def _fingerprint(source: IndexedDataset, samples: str) -> str:
+    """What a resume compares: the source's fingerprint and how its samples are cut."""
+    digest = hashlib.sha256(source.fingerprint.encode())
+    digest.update(samples.encode())
+    return digest.hexdigest()
 
 
 def _document_range(source: IndexedDataset, documents: range | None) -> range:
