@@ -42,6 +42,7 @@ from megabeta.data import (
 )
 from megabeta.data.loader import Batch
 from megabeta.engine import Engine, build_engine
+from megabeta.engine.base import document_kwargs
 from megabeta.infer.evaluate import evaluate
 from megabeta.model import ConfigError, ModelConfig, build_model, count_parameters
 from megabeta.model.flops import training_flops
@@ -104,7 +105,7 @@ def accumulate_step(engine: Engine, micro_batches: list[Batch], device: torch.de
         inputs, targets = split_batch(batch)
         loss = engine.forward_backward(inputs, targets, last=index == len(micro_batches) - 1,
                                        scale=count * world_size / total,
-                                       documents=batch_documents(batch))
+                                       **document_kwargs(batch_documents(batch)))
         summed.append(loss.double() * count)
     return float(_all_reduce_sum(torch.stack(summed).sum())) / total
 
