@@ -5,7 +5,7 @@ Public API (documented in ``docs/data.md``):
 - :class:`IndexedDataset` -- zero-copy reader of a Megatron-compatible ``PREFIX.bin/.idx`` pair.
 - :class:`PackedDataset` -- ``seq_len + 1``-token samples across document boundaries;
   :class:`DocumentDataset` -- samples aligned to document starts, padded and masked past the end;
-  :class:`BlockAlignedDataset` -- packed with each document starting at a multiple of the block size.
+  :class:`BlockAlignedDataset` -- packed, each document starting at a multiple of the block size.
 - :class:`MaskedSample`, :class:`MaskedBatch` -- samples and batches of datasets with loss masks;
   :func:`split_batch`, :func:`batch_documents`, :func:`count_scored` read a batch of either kind.
 - :func:`split_documents` -- train/validation split by document ranges.

@@ -29,8 +29,8 @@ def evaluate(loss_of: Callable[..., Tensor], dataset: SampleDataset,
     `max_batches` batches per rank; 0 = all), summed over every rank of the process group when
     there is one: each batch's mean `loss_of(inputs, targets)` weighted by its scored targets
     (every target when the data has no loss mask); `loss_of` gets `documents=` the batch's
-    document ids when the data has them (data.document_mask). Returns loss, perplexity, the number of
-    samples and of scored targets."""
+    document ids when the data has them (data.document_mask). Returns loss, perplexity, the
+    number of samples and of scored targets."""
     total, scored, samples = 0.0, 0, 0
     for i, batch in enumerate(StatefulLoader(dataset, sampler, batch_size)):
         if max_batches and i >= max_batches:

@@ -59,4 +59,5 @@ def test_eval_hands_the_model_the_runs_document_ids(tmp_path, monkeypatch):
 def test_eval_refuses_a_model_without_documents(tmp_path, monkeypatch, capsys):
     status, _ = run_eval(tmp_path, monkeypatch, Recorder(takes_documents=False))
     assert status == 2
-    assert "data.document_mask = true needs a model that takes documents=" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "data.document_mask = true needs a model that takes documents=" in error
