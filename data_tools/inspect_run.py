@@ -100,7 +100,8 @@ def run_samples(query: RunQuery) -> RunData:
     if recorded and not query.tokenizer and not Path(recorded).is_file():
         raise DataError(f"{config_path}: data.tokenizer = {recorded!r} is not here; pass "
                         "--tokenizer MODEL, the tokenizer the run was trained with")
-    data = build_run_data(config.data, query.tokenizer or "")
+    data = build_run_data(config.data, block_size=config.model.block_size,
+                          tokenizer=query.tokenizer or "")
     sampler = data.train_sampler(1, 0, config.train.seed)
     batch = config.train.global_batch
     last = config.train.steps * batch

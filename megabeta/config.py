@@ -47,7 +47,9 @@ class DataConfig:
     verify_token_ids: bool = False
     """Scan every token id against the vocabulary at start-up (O(tokens))."""
     align: str = "packed"
-    """`packed` (cut across documents) or `document` (each sample starts a document, masked past it)."""
+    """`packed` (cut across documents), `block` (packed, each document at a multiple of model.block_size; needs document_mask) or `document` (one per sample)."""
+    document_mask: bool = False
+    """Give the model each token's document id (int32, from the .idx) so no token attends to another document (spec §7)."""
 
 
 @dataclass
@@ -277,6 +279,29 @@ class TrainConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
+    def _validate_block_align(self) -> None:
+        """data.align = block: documents start at multiples of beta_1.2's block size c. Without
+        blocks (another arm, or c >= seq_len, one block per sample) there is nothing to align
+        to: spec §7, the mask alone makes packed equal to alone, so that is what to ask for."""
+        d, m = self.data, self.model
+        instead = ("use data.align = packed with data.document_mask = true, which is exact "
+                   "without padding when a sample is one block (spec §7)")
+        if not d.document_mask:
+            raise ConfigError("data.align = 'block' needs data.document_mask = true: alignment "
+                              "makes a document's logits equal to those of the document alone "
+                              "only under the document mask (spec §7)")
+        if m.arch != "beta12":
+            raise ConfigError(f"data.align = 'block' with model.arch = {m.arch!r}: that arm has "
+                              f"no blocks to align to; {instead}")
+        if m.block_size >= d.seq_len:
+            raise ConfigError(f"data.align = 'block' with model.block_size = {m.block_size} >= "
+                              f"data.seq_len = {d.seq_len}: one block per sample; {instead}")
+        if m.block_size >= 1 and d.seq_len % m.block_size:  # a bad block_size: the model says
+            raise ConfigError(f"data.seq_len = {d.seq_len}: data.align = 'block' needs a "
+                              f"multiple of model.block_size = {m.block_size}, so that a "
+                              "sample's blocks are the stream's; pass "
+                              f"--data.seq_len={d.seq_len // m.block_size * m.block_size}")
+
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid setting (the model validates itself)."""
 
@@ -292,8 +317,10 @@ class TrainConfig:
              f"give one weight per data.path ({len(d.path)} paths)")
         need(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in [0, 1)")
         need(d.num_workers >= 0, "data.num_workers", d.num_workers, "must be >= 0")
-        need(d.align in ("packed", "document"), "data.align", d.align,
-             "must be packed or document")
+        need(d.align in ("packed", "block", "document"), "data.align", d.align,
+             "must be packed, block or document")
+        if d.align == "block":
+            self._validate_block_align()
         need(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
         need(t.micro_batch >= 1, "train.micro_batch", t.micro_batch, "must be >= 1")
         need(t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1")

@@ -10,7 +10,8 @@ BENCHMARKS = {"model": "megabeta.bench.model", "data": "megabeta.bench.data",
               "gpu": "megabeta.bench.gpu", "checkpoint": "megabeta.bench.checkpoint",
               "step": "megabeta.bench.step", "wavefront": "megabeta.bench.wavefront",
               "kernels": "megabeta.bench.kernels", "roofline": "megabeta.bench.roofline",
-              "trace": "megabeta.bench.trace"}
+              "trace": "megabeta.bench.trace",
+              "packing": "megabeta.bench.packing"}
 PROG = "megabeta bench"
 
 
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
               "  roofline  the training step's FLOPs and HBM bytes per part, its time bound, "
               "MFU ceiling\n"
               "  trace  a run's profiler trace drawn as a timeline PNG (no browser needed)\n"
+              "  packing  padding share of packed, block-aligned and one-document samples\n"
               f"Each takes --help ({PROG} model --help).", file=sys.stderr)
         if argv and argv[0] not in ("-h", "--help"):
             print(f"{PROG}: error: unknown benchmark {argv[0]!r}; choose one of "

@@ -29,7 +29,7 @@ from megabeta.model import ConfigError, DecoderLM, ExecutionConfig, ModelConfig,
 from megabeta.storage.safe_load import dcp_reader
 
 EXPORT_FORMAT = "megabeta-export/1"
-RUN_DATA_KEYS = ("path", "seq_len", "val_fraction", "align")
+RUN_DATA_KEYS = ("path", "seq_len", "val_fraction", "align", "document_mask")
 """The run's data settings that an export records (its metadata key `data`)."""
 
 
@@ -122,7 +122,8 @@ def read_source(path: str | os.PathLike) -> ModelSource:
                                 "settings are not used")
             return source
         source.data = {"path": list(run.data.path), "seq_len": run.data.seq_len,
-                       "val_fraction": run.data.val_fraction, "align": run.data.align}
+                       "val_fraction": run.data.val_fraction, "align": run.data.align,
+                       "document_mask": run.data.document_mask}
         source.settings_from = str(config_file)
         if not source.tokenizer and run.data.tokenizer:
             # a checkpoint of an older version: only the run config names the tokenizer

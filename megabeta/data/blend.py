@@ -9,7 +9,8 @@ less than the number of datasets.
 
 When any of the datasets has a loss mask the blend hands out :class:`MaskedSample` items
 throughout, the unmasked datasets' samples with every target scored, so a batch is always of one
-kind.
+kind. Document ids (``has_documents``) are all or nothing: a blend of datasets with and without
+them is refused, since the model would mask some samples and not others.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from megabeta.data.errors import DataError
-from megabeta.data.sample import MaskedSample, has_loss_mask
+from megabeta.data.sample import MaskedSample, has_documents, has_loss_mask
 
 
 class SampleDataset(Protocol):
@@ -77,6 +78,10 @@ class BlendedDataset:
                             "weight per dataset")
         self.datasets = list(datasets)
         self.has_loss_mask = any(has_loss_mask(d) for d in self.datasets)
+        self.has_documents = has_documents(self.datasets[0])
+        if any(has_documents(d) != self.has_documents for d in self.datasets):
+            raise DataError("a blend of datasets with and without document ids: build every "
+                            "part with the same data.document_mask")
         self.weights = _normalized(weights)
         if num_samples is None:
             num_samples = self._longest_without_repeats(sizes)

@@ -2,8 +2,9 @@
 
 ``build_train_val`` opens each prefix, checks that every dataset was made by the same tokenizer (the
 one the run names, when it names one), splits each into train/validation document ranges, cuts
-each range into ``seq_len + 1``-token samples (packed across documents, or aligned to document
-starts) and blends several datasets by weight.
+each range into ``seq_len + 1``-token samples (packed across documents, packed with each document
+at a multiple of the model's block size, or aligned to document starts), with each input's
+document id when asked, and blends several datasets by weight.
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ from megabeta.data.blend import BlendedDataset, SampleDataset
 from megabeta.data.errors import DataError
 from megabeta.data.format import file_sha256
 from megabeta.data.indexed import IndexedDataset
-from megabeta.data.packed import DocumentDataset, PackedDataset
+from megabeta.data.packed import BlockAlignedDataset, DocumentDataset, PackedDataset
 from megabeta.data.sampler import GlobalSampler
 from megabeta.data.split import split_documents
 
 if TYPE_CHECKING:
     from megabeta.config import DataConfig
 
-ALIGN_MODES = ("packed", "document")
-"""How samples are cut: across document boundaries (PackedDataset), or one per document start
+ALIGN_MODES = ("packed", "block", "document")
+"""How samples are cut: across document boundaries (PackedDataset), the same with every document
+starting at a multiple of the block size (BlockAlignedDataset), or one per document start
 (DocumentDataset)."""
 
 
@@ -87,7 +89,8 @@ class TrainValData:
 def build_train_val(prefixes: Sequence[str | os.PathLike], weights: Sequence[float] | None = None,
                     seq_len: int = 2048, val_fraction: float = 0.0,
                     expected_tokenizer_hash: str | None = None,
-                    verify_token_ids: bool = False, align: str = "packed") -> TrainValData:
+                    verify_token_ids: bool = False, align: str = "packed",
+                    document_mask: bool = False, block_size: int = 0) -> TrainValData:
     """Train and validation datasets of ``seq_len + 1``-token samples.
 
     ``weights`` (one per prefix, default: proportional to size) blend several datasets;
@@ -95,11 +98,18 @@ def build_train_val(prefixes: Sequence[str | os.PathLike], weights: Sequence[flo
     ``expected_tokenizer_hash`` (``megabeta.data.file_sha256`` of the run's tokenizer model) makes
     a dataset made by another tokenizer an error; ``verify_token_ids`` scans every token against
     the vocabulary size, and every loss mask against its sidecar (O(tokens), off by default);
-    ``align`` is ``"packed"`` (samples cut across documents) or ``"document"`` (each sample
-    starts at a document, padded and masked past its end: :class:`DocumentDataset`).
+    ``align`` is ``"packed"`` (samples cut across documents), ``"block"`` (the same, each document
+    starting at a multiple of ``block_size``, padded: :class:`BlockAlignedDataset`) or
+    ``"document"`` (each sample starts at a document, padded and masked past its end:
+    :class:`DocumentDataset`); ``document_mask`` adds each input's document id to the samples
+    (``"block"`` needs it: the alignment only makes documents independent under the mask).
     """
     if align not in ALIGN_MODES:
         raise DataError(f"align {align!r}: must be one of {', '.join(ALIGN_MODES)}")
+    if align == "block" and not document_mask:
+        raise DataError("align 'block' without document_mask: block alignment only makes a "
+                        "document's logits those of the document alone under the document "
+                        "mask (spec §7); set data.document_mask = true, or use align 'packed'")
     if not prefixes:
         raise DataError("no dataset prefixes given; pass at least one PREFIX (of PREFIX.bin/.idx)")
     if weights is not None and len(weights) != len(prefixes):
@@ -117,12 +127,17 @@ def build_train_val(prefixes: Sequence[str | os.PathLike], weights: Sequence[flo
                 source.check_loss_mask()
     special = (sources[0].sidecar or {}).get("tokenizer", {})
 
+    pad_id = max(special.get("pad_id", 0), 0)
+
     def samples(source: IndexedDataset, documents: range, name: str) -> SampleDataset:
         if align == "document":
-            return DocumentDataset(source, seq_len, documents, name=name,
-                                   pad_id=max(special.get("pad_id", 0), 0))
+            return DocumentDataset(source, seq_len, documents, name=name, pad_id=pad_id,
+                                   document_ids=document_mask)
+        if align == "block":
+            return BlockAlignedDataset(source, seq_len, block_size, documents, name=name,
+                                       pad_id=pad_id)
         return PackedDataset(source, seq_len, source.document_token_range(
-            documents.start, documents.stop), name=name)
+            documents.start, documents.stop), name=name, document_ids=document_mask)
 
     train_parts, val_parts = [], []
     for source in sources:
@@ -143,15 +158,18 @@ def build_train_val(prefixes: Sequence[str | os.PathLike], weights: Sequence[flo
     )
 
 
-def build_run_data(settings: DataConfig, tokenizer: str | os.PathLike = "") -> TrainValData:
+def build_run_data(settings: DataConfig, *, block_size: int,
+                   tokenizer: str | os.PathLike = "") -> TrainValData:
     """The data of a run's [data] settings, exactly as the trainer builds it: `megabeta-data
     inspect --run` rebuilds a run's samples through this too, so it shows what the run read.
+    ``block_size``: the model's (``data.align = "block"`` aligns documents to it).
     ``tokenizer`` (default: ``settings.tokenizer``) must be the one the datasets were made with."""
     tokenizer = tokenizer or settings.tokenizer
     return build_train_val(settings.path, settings.weights or None, seq_len=settings.seq_len,
                            val_fraction=settings.val_fraction,
                            expected_tokenizer_hash=file_sha256(tokenizer) if tokenizer else None,
-                           verify_token_ids=settings.verify_token_ids, align=settings.align)
+                           verify_token_ids=settings.verify_token_ids, align=settings.align,
+                           document_mask=settings.document_mask, block_size=block_size)
 
 
 def _combine(parts: list[SampleDataset], weights: Sequence[float] | None) -> SampleDataset:

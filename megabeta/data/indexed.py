@@ -215,6 +215,15 @@ class IndexedDataset:
         return self._sequence_token_offset(int(self.document_indices[first])), \
             self._sequence_token_offset(int(self.document_indices[stop]))
 
+    @cached_property
+    def document_starts(self) -> np.ndarray:
+        """int64 ``[num_documents + 1]``: the token offset in ``.tokens`` where each document
+        starts, then ``num_tokens`` (so ``np.diff`` gives the documents' lengths). From the
+        index alone: a document's first sequence's pointer."""
+        sequence_starts = np.append(self.sequence_pointers // self.header.dtype.itemsize,
+                                    self.num_tokens).astype(np.int64)
+        return sequence_starts[self.document_indices]
+
     def _sequence_token_offset(self, sequence: int) -> int:
         if sequence == len(self):
             return self.num_tokens

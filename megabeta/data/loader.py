@@ -5,8 +5,9 @@ asked) and advances the sampler's global position when it hands a batch to the c
 worker prefetches it, so a checkpoint taken after step ``k`` records exactly the samples of steps
 ``0 … k``. A batch is an int64 tensor ``[B, seq_len + 1]``: inputs ``[:, :-1]``, targets
 ``[:, 1:]``; for a dataset with loss masks (``has_loss_mask``) it is a :class:`MaskedBatch` of
-inputs and targets, the unscored targets ``IGNORE_INDEX``. :func:`split_batch` and
-:func:`count_scored` read either kind.
+inputs and targets, the unscored targets ``IGNORE_INDEX``, and, for a dataset with document ids
+(``has_documents``), the int32 ids ``[B, seq_len]`` of the inputs' documents (spec §7).
+:func:`split_batch`, :func:`batch_documents` and :func:`count_scored` read either kind.
 
 Workers: a sample is a slice of the page cache plus one int64 conversion, so the main process
 loads hundreds of millions of tokens per second on the development CPU, and worker processes only
@@ -38,10 +39,13 @@ class MaskedBatch(NamedTuple):
     """int64 [B, seq_len]"""
     targets: torch.Tensor
     """int64 [B, seq_len]; IGNORE_INDEX where the mask is 0"""
+    documents: torch.Tensor | None = None
+    """int32 [B, seq_len]: each input's document id, non-decreasing along a row, unique within
+    a row only (:attr:`MaskedSample.documents`); None without data.document_mask"""
 
     def to(self, device: torch.device, non_blocking: bool = False) -> MaskedBatch:
-        return MaskedBatch(self.inputs.to(device, non_blocking=non_blocking),
-                           self.targets.to(device, non_blocking=non_blocking))
+        return MaskedBatch(*(None if t is None else t.to(device, non_blocking=non_blocking)
+                             for t in self))
 
 
 Batch = torch.Tensor | MaskedBatch
@@ -50,13 +54,17 @@ Batch = torch.Tensor | MaskedBatch
 
 def collate_tokens(samples: Sequence[np.ndarray] | Sequence[MaskedSample]) -> Batch:
     """Stack equal-length int64 samples into one ``[B, L]`` tensor with a single copy; masked
-    samples into inputs and targets, the targets of mask 0 set to ``IGNORE_INDEX``."""
+    samples into inputs and targets, the targets of mask 0 set to ``IGNORE_INDEX``, and their
+    document ids when they carry them."""
     if not isinstance(samples[0], MaskedSample):
         return torch.from_numpy(np.stack(samples))
     tokens = np.stack([s.tokens for s in samples])
     scored = np.stack([s.mask[1:] for s in samples]) != 0
+    documents = None
+    if samples[0].documents is not None:
+        documents = torch.from_numpy(np.stack([s.documents for s in samples]))
     return MaskedBatch(torch.from_numpy(tokens[:, :-1].copy()),
-                       torch.from_numpy(np.where(scored, tokens[:, 1:], IGNORE_INDEX)))
+                       torch.from_numpy(np.where(scored, tokens[:, 1:], IGNORE_INDEX)), documents)
 
 
 def split_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,6 +72,11 @@ def split_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(batch, MaskedBatch):
         return batch.inputs, batch.targets
     return batch[:, :-1], batch[:, 1:]
+
+
+def batch_documents(batch: Batch) -> torch.Tensor | None:
+    """The document ids ``[B, seq_len]`` of a batch, None when its data emits none."""
+    return batch.documents if isinstance(batch, MaskedBatch) else None
 
 
 def count_scored(batch: Batch) -> int:

@@ -11,6 +11,16 @@ dataset has a loss mask, as :class:`MaskedSample` with the matching slice of the
 for tasks whose documents are short, every sample is one document from its first token, padded
 past its end, the padded targets masked (Megatron's ``eod_mask_loss`` carried to its end: nothing
 after a document is scored, and no document sees another).
+
+:class:`BlockAlignedDataset` (``data.align = "block"``) packs documents so that each starts at a
+multiple of the model's block size ``c`` (spec §7: then, under the document mask, each document's
+logits equal those of the document run alone). The gap after a document is padding: its
+positions are masked from the loss (as targets, and as the inputs that predict the next
+document's first token) and form a document of their own. A document longer than the room left
+in a sample goes on at position 0 of the next, as packed ones do.
+
+With ``document_ids`` (``data.document_mask``) every dataset adds the document id of each input
+position to its samples (:attr:`MaskedSample.documents`).
 """
 
 from __future__ import annotations
@@ -21,14 +31,16 @@ import numpy as np
 
 from megabeta.data.errors import DataError
 from megabeta.data.indexed import IndexedDataset
-from megabeta.data.sample import MaskedSample
+from megabeta.data.sample import DOCUMENT_ID_DTYPE, MaskedSample, segment_ids
 
 
 class PackedDataset:
-    """``len(self)`` samples of ``seq_len + 1`` tokens from ``source.tokens[start:end]``."""
+    """``len(self)`` samples of ``seq_len + 1`` tokens from ``source.tokens[start:end]``;
+    ``document_ids``: with the id of each input position's document, from the ``.idx``."""
 
     def __init__(self, source: IndexedDataset, seq_len: int,
-                 token_range: tuple[int, int] | None = None, name: str = "") -> None:
+                 token_range: tuple[int, int] | None = None, name: str = "",
+                 document_ids: bool = False) -> None:
         if seq_len < 1:
             raise DataError(f"seq_len {seq_len}: must be at least 1")
         start, end = (0, source.num_tokens) if token_range is None else token_range
@@ -45,7 +57,8 @@ class PackedDataset:
         self.seq_len = seq_len
         self.start, self.end = start, end
         self._length = (available - 1) // seq_len
-        self.has_loss_mask = source.has_loss_mask
+        self.has_documents = document_ids
+        self.has_loss_mask = source.has_loss_mask or document_ids
 
     def __len__(self) -> int:
         return self._length
@@ -54,17 +67,19 @@ class PackedDataset:
         if not 0 <= index < self._length:
             raise IndexError(f"sample {index} out of range for {self._length} samples")
         first = self.start + index * self.seq_len
-        tokens = self.source.tokens[first:first + self.seq_len + 1].astype(np.int64)
+        stop = first + self.seq_len + 1
+        tokens = self.source.tokens[first:stop].astype(np.int64)
         if not self.has_loss_mask:
             return tokens
-        mask = np.array(self.source.loss_masks[first:first + self.seq_len + 1])
-        return MaskedSample(tokens, mask)
+        mask = (np.ones(len(tokens), dtype=np.uint8) if self.source.loss_masks is None
+                else np.array(self.source.loss_masks[first:stop]))
+        documents = (segment_ids(self.source.document_starts, first, self.seq_len)
+                     if self.has_documents else None)
+        return MaskedSample(tokens, mask, documents)
 
     @property
     def fingerprint(self) -> str:
-        digest = hashlib.sha256(self.source.fingerprint.encode())
-        digest.update(f"packed:{self.start}:{self.end}:{self.seq_len}".encode())
-        return digest.hexdigest()
+        return _fingerprint(self.source, f"packed:{self.start}:{self.end}:{self.seq_len}")
 
 
 class DocumentDataset:
@@ -82,17 +97,12 @@ class DocumentDataset:
     has_loss_mask = True
 
     def __init__(self, source: IndexedDataset, seq_len: int, documents: range | None = None,
-                 name: str = "", pad_id: int = 0) -> None:
+                 name: str = "", pad_id: int = 0, document_ids: bool = False) -> None:
         if seq_len < 1:
             raise DataError(f"seq_len {seq_len}: must be at least 1")
-        documents = range(source.num_documents) if documents is None else documents
-        if not 0 <= documents.start <= documents.stop <= source.num_documents:
-            raise DataError(f"{source.paths.bin}: documents [{documents.start}, "
-                            f"{documents.stop}) outside the {source.num_documents} documents")
-        sequence_starts = np.append(source.sequence_pointers // source.dtype.itemsize,
-                                    source.num_tokens)
+        documents = _document_range(source, documents)
         # Token offsets of the documents' starts, and of the end of the last one.
-        starts = sequence_starts[source.document_indices[documents.start:documents.stop + 1]]
+        starts = source.document_starts[documents.start:documents.stop + 1]
         lengths = np.diff(starts)
         per_document = np.maximum(0, -(-(lengths - 1) // seq_len))
         total = int(per_document.sum())
@@ -107,11 +117,18 @@ class DocumentDataset:
         self.seq_len = seq_len
         self.pad_id = pad_id
         self.documents = documents
+        self.has_documents = document_ids
         self._starts = starts[owner] + within * seq_len
         self._ends = starts[owner + 1]
 
     def __len__(self) -> int:
         return len(self._starts)
+
+    @property
+    def padding_share(self) -> float:
+        """Share of the samples' input positions that are padding (their compute is wasted)."""
+        real = np.minimum(self._ends - self._starts, self.seq_len).sum()
+        return 1.0 - float(real) / (len(self._starts) * self.seq_len)
 
     def __getitem__(self, index: int) -> MaskedSample:
         if not 0 <= index < len(self._starts):
@@ -125,11 +142,106 @@ class DocumentDataset:
             mask[:stop - first] = self.source.loss_masks[first:stop]
         else:
             mask[:stop - first] = 1
-        return MaskedSample(tokens, mask)
+        ids = None
+        if self.has_documents:  # the document, then its padding as a document of its own
+            ids = (np.arange(self.seq_len) >= stop - first).astype(DOCUMENT_ID_DTYPE)
+        return MaskedSample(tokens, mask, ids)
 
     @property
     def fingerprint(self) -> str:
-        digest = hashlib.sha256(self.source.fingerprint.encode())
-        digest.update(f"document:{self.documents.start}:{self.documents.stop}:{self.seq_len}:"
-                      f"{self.pad_id}".encode())
-        return digest.hexdigest()
+        return _fingerprint(self.source, f"document:{self.documents.start}:"
+                            f"{self.documents.stop}:{self.seq_len}:{self.pad_id}")
+
+
+class BlockAlignedDataset:
+    """Samples of ``seq_len + 1`` tokens of the documents ``documents`` of ``source`` (default
+    all) laid out on a stream where each document starts at a multiple of ``block`` (spec §7),
+    the gaps filled with ``pad_id``; sample ``i`` is ``stream[i·seq_len : i·seq_len + seq_len
+    + 1]``, as in :class:`PackedDataset`. ``seq_len`` must be a multiple of ``block``, so a
+    multiple of ``block`` in the stream is one in every sample. Items are :class:`MaskedSample`
+    with document ids: each document, and each run of padding, has its own id.
+
+    A target is scored when it and the input predicting it are document tokens (and the source's
+    mask scores it): a pad is never a target, and neither is a document's first token when
+    padding precedes it (predicting it from padding would learn nothing). Where a document ends
+    on a block boundary the next one follows at once, and its first token is a target of the
+    previous document's EOS, as in packed samples."""
+
+    has_loss_mask = True
+    has_documents = True
+
+    def __init__(self, source: IndexedDataset, seq_len: int, block: int,
+                 documents: range | None = None, name: str = "", pad_id: int = 0) -> None:
+        if block < 1 or seq_len < 1 or seq_len % block:
+            raise DataError(f"seq_len {seq_len} and block size {block}: block-aligned samples "
+                            "need seq_len a positive multiple of the block size; change "
+                            "data.seq_len or model.block_size")
+        documents = _document_range(source, documents)
+        starts = source.document_starts[documents.start:documents.stop + 1]
+        lengths = np.diff(starts)
+        # Document d sits at stream offset offsets[d]: every document takes whole blocks.
+        offsets = np.concatenate(([0], np.cumsum(-(-lengths // block) * block)))
+        used = int(offsets[-2] + lengths[-1]) if len(lengths) else 0  # no padding after the last
+        if used < seq_len + 1:
+            part = f" ({name})" if name else ""
+            raise DataError(f"{source.paths.bin}{part}: {used} tokens once block-aligned, fewer "
+                            f"than one sample of seq_len + 1 = {seq_len + 1}; lower data.seq_len, "
+                            "add data, or change the split")
+        self.source = source
+        self.seq_len = seq_len
+        self.block = block
+        self.pad_id = pad_id
+        self.documents = documents
+        self._starts, self._lengths, self._offsets = starts[:-1], lengths, offsets[:-1]
+        pad_starts = (offsets[:-1] + lengths)[lengths % block != 0]
+        self._segment_starts = np.sort(np.concatenate((offsets[:-1], pad_starts)))
+        self._length = (used - 1) // seq_len
+
+    @property
+    def padding_share(self) -> float:
+        """Share of the samples' input positions that are padding (their compute is wasted)."""
+        inputs = self._length * self.seq_len
+        real = np.clip(inputs - self._offsets, 0, self._lengths).sum()
+        return 1.0 - float(real) / inputs
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> MaskedSample:
+        if not 0 <= index < self._length:
+            raise IndexError(f"sample {index} out of range for {self._length} samples")
+        first = index * self.seq_len
+        position = first + np.arange(self.seq_len + 1)
+        owner = np.searchsorted(self._offsets, position, side="right") - 1
+        within = position - self._offsets[owner]
+        real = within < self._lengths[owner]
+        source_at = self._starts[owner[real]] + within[real]
+        tokens = np.full(self.seq_len + 1, self.pad_id, dtype=np.int64)
+        tokens[real] = self.source.tokens[source_at]
+        scored = real.copy()
+        scored[1:] &= real[:-1]
+        if self.source.loss_masks is not None:
+            scored[real] &= self.source.loss_masks[source_at] != 0
+        return MaskedSample(tokens, scored.astype(np.uint8),
+                            segment_ids(self._segment_starts, first, self.seq_len))
+
+    @property
+    def fingerprint(self) -> str:
+        return _fingerprint(self.source, f"block:{self.documents.start}:{self.documents.stop}:"
+                            f"{self.seq_len}:{self.block}:{self.pad_id}")
+
+
+def _fingerprint(source: IndexedDataset, samples: str) -> str:
+    """What a resume compares: the source's fingerprint and how its samples are cut."""
+    digest = hashlib.sha256(source.fingerprint.encode())
+    digest.update(samples.encode())
+    return digest.hexdigest()
+
+
+def _document_range(source: IndexedDataset, documents: range | None) -> range:
+    """``documents`` (default: all of ``source``'s), checked to lie within the dataset."""
+    documents = range(source.num_documents) if documents is None else documents
+    if not 0 <= documents.start <= documents.stop <= source.num_documents:
+        raise DataError(f"{source.paths.bin}: documents [{documents.start}, "
+                        f"{documents.stop}) outside the {source.num_documents} documents")
+    return documents

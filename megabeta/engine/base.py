@@ -47,10 +47,11 @@ class Engine(Protocol):
     """The model as built (unwrapped): train/eval mode, parameters, the config."""
 
     def forward_backward(self, inputs: Tensor, targets: Tensor, *, last: bool,
-                         scale: float) -> Tensor:
+                         scale: float, documents: Tensor | None = None) -> Tensor:
         """Mean loss of one micro-batch over its scored targets (detached); its gradients,
         times `scale`, accumulated. `last`: the step's final micro-batch, whose backward
-        reduces (averages) gradients across ranks."""
+        reduces (averages) gradients across ranks. `documents`: the inputs' document ids
+        (data.document_mask), handed to the model as `documents=`; None: not passed at all."""
 
     def step(self, loss_finite: bool,
              accept: Callable[[float], bool] | None = None) -> StepResult:
@@ -62,8 +63,10 @@ class Engine(Protocol):
     def set_lr(self, lr: float) -> None:
         """Learning rate of the next update."""
 
-    def eval_loss(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        """Loss of a batch without gradients (the caller sets eval mode)."""
+    def eval_loss(self, inputs: Tensor, targets: Tensor,
+                  documents: Tensor | None = None) -> Tensor:
+        """Loss of a batch without gradients (the caller sets eval mode); `documents` as in
+        `forward_backward`."""
 
     def save(self, path: Path, *, async_save: bool = False) -> Future | None:
         """Write model and optimizer shards into directory `path` (collective); a future when
@@ -71,3 +74,9 @@ class Engine(Protocol):
 
     def load(self, path: Path) -> None:
         """Read what `save` wrote (collective), resharding where the format allows."""
+
+
+def document_kwargs(documents: Tensor | None) -> dict[str, Tensor]:
+    """The model call's `documents=` argument, or nothing: a model without document masking
+    (see megabeta.train.documents) is called exactly as before."""
+    return {} if documents is None else {"documents": documents}

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from megabeta.storage.durable import fsync_path
 from megabeta.config import TrainConfig
-from megabeta.engine.base import StepResult
+from megabeta.engine.base import StepResult, document_kwargs
 from megabeta.engine.optim import build_optimizer, param_groups, set_lr
 from megabeta.extras import require
 
@@ -150,8 +150,8 @@ class DeepSpeedEngine:
             model=self.model, optimizer=optimizer, model_parameters=groups, config=ds_config)
 
     def forward_backward(self, inputs: Tensor, targets: Tensor, *, last: bool,
-                         scale: float) -> Tensor:
-        loss = self.engine(inputs, targets)
+                         scale: float, documents: Tensor | None = None) -> Tensor:
+        loss = self.engine(inputs, targets, **document_kwargs(documents))
         # `scale` replaces DeepSpeed's own 1/accumulation (it is 1/A when the micro-batches are
         # equally full, scored-target weighted otherwise: engine/base.py).
         self.engine.backward(loss * scale, scale_wrt_gas=False)
@@ -160,8 +160,9 @@ class DeepSpeedEngine:
         return loss.detach().float()
 
     @torch.no_grad()
-    def eval_loss(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        return self.engine(inputs, targets).detach().float()
+    def eval_loss(self, inputs: Tensor, targets: Tensor,
+                  documents: Tensor | None = None) -> Tensor:
+        return self.engine(inputs, targets, **document_kwargs(documents)).detach().float()
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)

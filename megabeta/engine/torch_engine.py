@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from megabeta.storage.safe_load import dcp_reader
 from megabeta.config import TrainConfig
-from megabeta.engine.base import StepResult
+from megabeta.engine.base import StepResult, document_kwargs
 from megabeta.engine.optim import build_optimizer, set_lr
 from megabeta.parallel.wrap import apply_compile, apply_ddp, apply_fsdp
 
@@ -59,17 +59,18 @@ class TorchEngine:
         return contextlib.nullcontext()
 
     def forward_backward(self, inputs: Tensor, targets: Tensor, *, last: bool,
-                         scale: float) -> Tensor:
+                         scale: float, documents: Tensor | None = None) -> Tensor:
         with self._sync(last):
             with self._autocast():
-                loss = self.module(inputs, targets)
+                loss = self.module(inputs, targets, **document_kwargs(documents))
             (loss * scale).backward()
         return loss.detach()
 
     @torch.no_grad()
-    def eval_loss(self, inputs: Tensor, targets: Tensor) -> Tensor:
+    def eval_loss(self, inputs: Tensor, targets: Tensor,
+                  documents: Tensor | None = None) -> Tensor:
         with self._autocast():
-            return self.module(inputs, targets).detach()
+            return self.module(inputs, targets, **document_kwargs(documents)).detach()
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)

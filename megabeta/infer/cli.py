@@ -21,7 +21,9 @@ from megabeta.checkpoint import CheckpointError
 from megabeta.checkpoint.export import ModelSource, load_model, read_source
 from megabeta.data import DataError, GlobalSampler, build_train_val, file_sha256
 from megabeta.infer.evaluate import evaluate
-from megabeta.infer.generate import generate
+from megabeta.infer.generate import cut_at_token, generate, stop_at_token
+from megabeta.model import ConfigError
+from megabeta.train.documents import require_document_mask_support
 
 FALLBACK_VAL_FRACTION = 0.01
 """`eval --val-fraction` when the checkpoint records no run config."""
@@ -205,13 +207,19 @@ def eval_main(argv: list[str] | None = None) -> int:
         _, tokenizer_sha = resolve_tokenizer(source, args.tokenizer, args.force_tokenizer,
                                              need_file=False)
         paths, seq_len, val_fraction = _eval_settings(args, source)
-        # Samples as the run cut them: packed, or document-aligned and masked past the end.
+        # Samples as the run cut them (packed, block-aligned, or document-aligned and masked past
+        # the end), with the document ids its model was trained to mask by.
+        document_mask = bool(source.data.get("document_mask", False))
         data = build_train_val(paths, None, seq_len=seq_len, val_fraction=val_fraction,
-                               align=source.data.get("align", "packed"))
+                               align=source.data.get("align", "packed"),
+                               document_mask=document_mask,
+                               block_size=source.model_config.block_size)
         _check_data_tokenizer(data, tokenizer_sha, source, args.force_tokenizer)
         model = load_model(args.checkpoint, device=device)
+        if document_mask:
+            require_document_mask_support(model)
         result = _evaluate_data(model, data, args.batch_size, args.batches, device)
-    except (CheckpointError, DataError, UsageError) as err:
+    except (CheckpointError, ConfigError, DataError, UsageError) as err:
         return _fail(str(err))
     print(f"loss {result['loss']:.4f} | ppl {result['ppl']:.2f} | {result['samples']} samples")
     return 0
@@ -359,6 +367,11 @@ def generate_main(argv: list[str] | None = None) -> int:
                         "probability reaches p, in (0, 1] (default: no limit)")
     parser.add_argument("--seed", type=int, default=0,
                         help="random seed; the same seed gives the same text (default: 0)")
+    parser.add_argument("--stop-at-eod", action=argparse.BooleanOptionalAction, default=True,
+                        help="stop at the end-of-document token (the tokenizer's EOS, which the "
+                        "data tools append to every document) and print the text before it; "
+                        "without it a model trained on packed documents runs on into another "
+                        "document (default: on)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 0:
         parser.error(f"argument --max-new-tokens: {args.max_new_tokens}, must be >= 0")
@@ -380,9 +393,14 @@ def generate_main(argv: list[str] | None = None) -> int:
         check_vocabulary(tokenizer, tokenizer_path, model)
     except (CheckpointError, DataError, UsageError) as err:
         return _fail(str(err))
+    eod = tokenizer.eos_id if args.stop_at_eod and tokenizer.eos_id >= 0 else None
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    print(args.prompt + tokenizer.decode(out[prompt.numel():].tolist()))
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                   stop=None if eod is None else stop_at_token(eod))
+    new = out[prompt.numel():]
+    if eod is not None:
+        new = cut_at_token(new, eod)
+    print(args.prompt + tokenizer.decode(new.tolist()))
     return 0
 
 

@@ -75,3 +75,16 @@ def generate(model: "DecoderLM", prompt: Tensor, max_new_tokens: int, temperatur
     finally:
         model.train(was_training)
     return torch.cat(out, dim=1)
+
+
+def stop_at_token(token_id: int) -> Callable[[Tensor], bool]:
+    """A `stop` for :func:`generate`: True once every row has produced `token_id` (the
+    end-of-document token: a model trained on packed documents goes on with an unrelated
+    document after it)."""
+    return lambda new: bool((new == token_id).any(dim=1).all())
+
+
+def cut_at_token(new: Tensor, token_id: int) -> Tensor:
+    """The new tokens `[n]` of one row up to, not including, the first `token_id`."""
+    hits = (new == token_id).nonzero()
+    return new if hits.numel() == 0 else new[:int(hits[0])]

@@ -34,17 +34,20 @@ from megabeta.config import TrainConfig, config_to_dict, save_config
 from megabeta.data import (
     MaskedBatch,
     StatefulLoader,
+    batch_documents,
     build_run_data,
     count_scored,
     split_batch,
 )
 from megabeta.data.loader import Batch
 from megabeta.engine import Engine, build_engine
+from megabeta.engine.base import document_kwargs
 from megabeta.infer.evaluate import evaluate
 from megabeta.model import ConfigError, ModelConfig, build_model, count_parameters
 from megabeta.model.flops import training_flops
 from megabeta.parallel.env import choose_device, init_distributed, setup_logging
 from megabeta.train.diagnostics import Diagnostics
+from megabeta.train.documents import require_document_mask_support
 from megabeta.train.downstream import build_downstream
 from megabeta.train.metrics import MetricsLogger, device_peak_flops, memory_gib
 from megabeta.train.schedule import horizon_change_warning, lr_at, schedule_horizon
@@ -97,9 +100,11 @@ def accumulate_step(engine: Engine, micro_batches: list[Batch], device: torch.de
     total = max(total, 1)
     summed = []
     for index, (batch, count) in enumerate(zip(micro_batches, counts)):
-        inputs, targets = split_batch(batch.to(device, non_blocking=True))
+        batch = batch.to(device, non_blocking=True)
+        inputs, targets = split_batch(batch)
         loss = engine.forward_backward(inputs, targets, last=index == len(micro_batches) - 1,
-                                       scale=count * world_size / total)
+                                       scale=count * world_size / total,
+                                       **document_kwargs(batch_documents(batch)))
         summed.append(loss.double() * count)
     return float(_all_reduce_sum(torch.stack(summed).sum())) / total
 
@@ -133,6 +138,8 @@ class Trainer:
         # Same seed on every rank: identical initial weights. The engine moves the model to the
         # device, where its attention backend is chosen (DecoderLM._select_kernels).
         model = build_model(config.model, config.execution)
+        if config.data.document_mask:
+            require_document_mask_support(model)
         self.engine = build_engine(
             model, config, self.device, grad_accumulation=self.grad_accumulation,
             resharding=resume is not None and resume[1].world_size != self.env.world_size)
@@ -171,7 +178,7 @@ class Trainer:
             raise ConfigError(f"data.tokenizer = {config.data.tokenizer!r}: no such file; pass the "
                               "tokenizer (.model or tokenizer.json) the dataset was tokenized "
                               "with, or leave it empty")
-        self.data = build_run_data(config.data)
+        self.data = build_run_data(config.data, block_size=config.model.block_size)
         vocab = self.data.vocab_size
         if config.model.vocab_size == -1:
             vocab = self.data.require_vocab_size("model.vocab_size = -1")

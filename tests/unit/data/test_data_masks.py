@@ -334,7 +334,7 @@ def test_document_aligned_samples_start_at_documents_and_mask_past_the_end(corpu
     length = len(IndexedDataset(root / "c")[0])
     assert sample.mask.tolist() == [1] * min(length, seq + 1) + [0] * max(0, seq + 1 - length)
     assert plain.fingerprint != build_train_val([root / "c"], seq_len=seq).train.fingerprint
-    with pytest.raises(DataError, match="align 'lines': must be one of packed, document"):
+    with pytest.raises(DataError, match="align 'lines': must be one of packed, block, document"):
         build_train_val([root / "c"], seq_len=seq, align="lines")
 
 
