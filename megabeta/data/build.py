@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from megabeta.data.blend import BlendedDataset, SampleDataset
 from megabeta.data.errors import DataError
@@ -22,9 +22,6 @@ from megabeta.data.indexed import IndexedDataset
 from megabeta.data.packed import BlockAlignedDataset, DocumentDataset, PackedDataset
 from megabeta.data.sampler import GlobalSampler
 from megabeta.data.split import split_documents
-
-if TYPE_CHECKING:
-    from megabeta.config import DataConfig
 
 ALIGN_MODES = ("packed", "block", "document")
 """How samples are cut: across document boundaries (PackedDataset), the same with every document
@@ -158,7 +155,21 @@ def build_train_val(prefixes: Sequence[str | os.PathLike], weights: Sequence[flo
     )
 
 
-def build_run_data(settings: DataConfig, *, block_size: int,
+class DataSettings(Protocol):
+    """What `build_run_data` reads of a run's [data] section (megabeta.config.DataConfig; named
+    here by shape: the data package does not import the run config)."""
+
+    path: list[str]
+    weights: list[float]
+    seq_len: int
+    val_fraction: float
+    tokenizer: str
+    verify_token_ids: bool
+    align: str
+    document_mask: bool
+
+
+def build_run_data(settings: DataSettings, *, block_size: int,
                    tokenizer: str | os.PathLike = "") -> TrainValData:
     """The data of a run's [data] settings, exactly as the trainer builds it: `megabeta-data
     inspect --run` rebuilds a run's samples through this too, so it shows what the run read.

@@ -78,5 +78,5 @@ class Engine(Protocol):
 
 def document_kwargs(documents: Tensor | None) -> dict[str, Tensor]:
     """The model call's `documents=` argument, or nothing: a model without document masking
-    (see megabeta.train.documents) is called exactly as before."""
+    (see megabeta.model.documents) is called exactly as before."""
     return {} if documents is None else {"documents": documents}

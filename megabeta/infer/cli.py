@@ -23,7 +23,7 @@ from megabeta.data import DataError, GlobalSampler, build_train_val, file_sha256
 from megabeta.infer.evaluate import evaluate
 from megabeta.infer.generate import cut_at_token, generate, stop_at_token
 from megabeta.model import ConfigError
-from megabeta.train.documents import require_document_mask_support
+from megabeta.model.documents import require_document_mask_support
 
 FALLBACK_VAL_FRACTION = 0.01
 """`eval --val-fraction` when the checkpoint records no run config."""

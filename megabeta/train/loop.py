@@ -47,7 +47,7 @@ from megabeta.model import ConfigError, ModelConfig, build_model, count_paramete
 from megabeta.model.flops import training_flops
 from megabeta.parallel.env import choose_device, init_distributed, setup_logging
 from megabeta.train.diagnostics import Diagnostics
-from megabeta.train.documents import require_document_mask_support
+from megabeta.model.documents import require_document_mask_support
 from megabeta.train.downstream import build_downstream
 from megabeta.train.metrics import MetricsLogger, device_peak_flops, memory_gib
 from megabeta.train.schedule import horizon_change_warning, lr_at, schedule_horizon

@@ -14,7 +14,7 @@ import inspect
 
 from torch import nn
 
-from megabeta.model import ConfigError
+from megabeta.model.config import ConfigError
 
 
 def takes_documents(model: nn.Module) -> bool:

@@ -1,4 +1,4 @@
-"""The data.document_mask hook (megabeta/train/documents.py): a run whose model cannot take
+"""The data.document_mask hook (megabeta/model/documents.py): a run whose model cannot take
 `documents=` is refused at start-up; a model that can gets each batch's ids, in training and in
 evaluation, and a batch without ids calls the model exactly as before."""
 
@@ -16,7 +16,7 @@ from megabeta.config import load_config
 from megabeta.data import GlobalSampler, MaskedBatch, build_train_val
 from megabeta.infer.evaluate import evaluate
 from megabeta.model import ConfigError, ExecutionConfig, build_model
-from megabeta.train.documents import require_document_mask_support, takes_documents
+from megabeta.model.documents import require_document_mask_support, takes_documents
 from megabeta.train import loop
 from megabeta.train.loop import Trainer, accumulate_step
 from support.model_helpers import tiny_config
