@@ -16,6 +16,10 @@ State-dict contract (torchtitan style, Linear weights ``[out, in]``, no Linear b
 ``reference_logits``. Keys not used by the selected ``cfg`` (for example torchtitan's
 ``freqs_cis`` buffer, or beta_1.2 extras when ``arch == "standard"``) are ignored on purpose, so
 one state dict can be evaluated under both architectures (spec §4.1).
+
+Documents (spec §7): with ``documents`` (an id per token, non-decreasing along each sequence) a
+query's key list keeps only the keys of tokens with the query's own id, in every row of the
+table; nothing else changes.
 """
 
 from __future__ import annotations
@@ -270,8 +274,10 @@ def _score_bias(entry: _KeyEntry, layer: _Layer, head: int) -> float:
 class _Sequence:
     """Runs one sequence token by token, storing every h_j^(l) and construction KV."""
 
-    def __init__(self, shape: _Shape, layers: list[_Layer], embedding: torch.Tensor) -> None:
+    def __init__(self, shape: _Shape, layers: list[_Layer], embedding: torch.Tensor,
+                 documents: list[int] | None = None) -> None:
         self.shape = shape
+        self.documents = documents  # D(j) per token (spec §7); None: one document
         self.layers = layers
         self.embedding = embedding
         self.outputs: list[list[torch.Tensor]] = []          # outputs[j][l] = h_j^(l)
@@ -296,6 +302,9 @@ class _Sequence:
             entries = _beta12_key_entries(s, i, layer.index)
         else:
             entries = _standard_key_entries(i, layer.index)
+        if self.documents is not None:
+            # §7: every group restricted to the query's own document (the self slot always is).
+            entries = [e for e in entries if self.documents[e.token] == self.documents[i]]
         q = layer.query(x, i)
         kvs = [self._kv_of(e) for e in entries]
         group = s.num_heads // s.num_kv_heads
@@ -325,8 +334,11 @@ class _Sequence:
         return x
 
 
-def reference_logits(state: dict[str, torch.Tensor], cfg: object, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits [B, T, V] of the beta_1.2 (or standard) model, computed naively from spec §1-§3.
+def reference_logits(state: dict[str, torch.Tensor], cfg: object, tokens: torch.Tensor,
+                     documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [B, T, V] of the beta_1.2 (or standard) model, computed naively from spec §1-§3,
+    and §7 when ``documents`` (integer [B, T], non-decreasing along T) gives each token's
+    document id.
 
     state: torchtitan-style state dict (tok_embeddings.weight, output.weight unless tie_embedding,
     norm.weight, layers.{l}.*). cfg: any object with the hyper-parameter attributes listed in
@@ -337,6 +349,14 @@ def reference_logits(state: dict[str, torch.Tensor], cfg: object, tokens: torch.
         raise ValueError(f"reference_beta12: tokens must be an integer tensor [B, T], got {tokens.dtype} {list(tokens.shape)}")
     if tokens.numel() and (tokens.min() < 0 or tokens.max() >= shape.vocab_size):
         raise ValueError(f"reference_beta12: token ids must lie in [0, cfg.vocab_size={shape.vocab_size})")
+    if documents is not None:
+        if documents.shape != tokens.shape or documents.dtype.is_floating_point:
+            raise ValueError(f"reference_beta12: documents must be an integer tensor shaped like "
+                             f"tokens {list(tokens.shape)}, got {documents.dtype} "
+                             f"{list(documents.shape)}")
+        if documents.shape[1] > 1 and bool((documents[:, 1:] < documents[:, :-1]).any()):
+            raise ValueError("reference_beta12: documents must be non-decreasing along T "
+                             "(documents are contiguous, spec §7)")
     weights = _Weights(state)
     V, d = shape.vocab_size, shape.d_model
     embedding = weights.get("tok_embeddings.weight", (V, d))
@@ -348,7 +368,8 @@ def reference_logits(state: dict[str, torch.Tensor], cfg: object, tokens: torch.
     logits = torch.empty(B, T, V, dtype=embedding.dtype, device=embedding.device)
     with torch.no_grad():
         for b in range(B):
-            sequence = _Sequence(shape, layers, embedding)
+            ids = None if documents is None else [int(t) for t in documents[b]]
+            sequence = _Sequence(shape, layers, embedding, ids)
             for i in range(T):
                 top = sequence.append_token(int(tokens[b, i]))
                 # §1: logits = LMHead(RMSNorm_final(h^(L-1)))

@@ -276,3 +276,80 @@ def test_hand_computed_single_layer_per_token_blocks() -> None:
         finished.append((rot(w["attention.wk.weight"] @ hn + w["attention.e_k"], i), w["attention.wv.weight"] @ hn + w["attention.e_v"]))
         expected.append(norm(h, state["norm.weight"]) @ emb.T)
     torch.testing.assert_close(reference_logits(state, cfg, tokens)[0], torch.stack(expected), rtol=0, atol=ATOL)
+
+
+# ---- documents in one packed sample (spec §7) -----------------------------------------------
+
+def _packed(lengths: list[int], seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens `[1, Σ lengths]` and their document ids (0, 1, … per document)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 13, (1, sum(lengths)), generator=g)
+    ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])[None]
+    return tokens, ids
+
+
+def test_one_document_is_the_unmasked_model() -> None:
+    cfg = make_cfg()
+    state = make_state(cfg)
+    tokens, _ = _packed([T])
+    same = torch.full_like(tokens, 7)
+    assert torch.equal(reference_logits(state, cfg, tokens, same),
+                       reference_logits(state, cfg, tokens))
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(deep_token_window=2, depth_window=2),
+                                       dict(arch="standard")], ids=["beta12", "window", "standard"])
+def test_block_aligned_documents_equal_each_document_alone(overrides: dict) -> None:
+    """§7: documents starting at multiples of c (here 3) give each document the logits it has
+    alone from position 0 (RoPE is relative: equal up to rounding)."""
+    cfg = make_cfg(**overrides)
+    state = make_state(cfg)
+    lengths = [6, 1, 2, 4]  # the 1-token and 2-token documents are padded to a block below
+    padded = [6, 3, 3, 4]
+    tokens, _ = _packed(padded)
+    # The padding after a document carries an id of its own (spec §7).
+    ids = torch.tensor([[2 * d + (j >= n) for d, (n, r) in enumerate(zip(lengths, padded))
+                         for j in range(r)]])
+    got = reference_logits(state, cfg, tokens, ids)
+    start = 0
+    for length, room in zip(lengths, padded):
+        alone = reference_logits(state, cfg, tokens[:, start:start + length])
+        torch.testing.assert_close(got[:, start:start + length], alone, rtol=0, atol=ATOL)
+        start += room
+
+
+def test_unaligned_documents_differ_from_alone_but_the_standard_arm_does_not() -> None:
+    """A document starting inside a block shares that block with the previous one's tail: its
+    block partition is not its own, so (beta12) its logits differ from alone; the standard arm
+    has no blocks, and the mask alone makes packed equal to alone."""
+    lengths = [4, 5]
+    tokens, ids = _packed(lengths)
+    for arch, differs in (("beta12", True), ("standard", False)):
+        cfg = make_cfg(arch=arch)
+        state = make_state(cfg)
+        got = reference_logits(state, cfg, tokens, ids)[:, 4:]
+        alone = reference_logits(state, cfg, tokens[:, 4:])
+        assert not torch.allclose(got, alone, rtol=0, atol=1e-6) if differs else \
+            torch.allclose(got, alone, rtol=0, atol=ATOL)
+
+
+def test_a_masked_token_reads_nothing_of_the_documents_before_it() -> None:
+    """Changing an earlier document's tokens leaves a later document's logits unchanged
+    (unaligned too: the restriction holds in every group)."""
+    cfg = make_cfg(deep_token_window=2)
+    state = make_state(cfg)
+    tokens, ids = _packed([5, 5])
+    other = tokens.clone()
+    other[:, :5] = (other[:, :5] + 1) % 13
+    a, b = (reference_logits(state, cfg, t, ids) for t in (tokens, other))
+    assert torch.equal(a[:, 5:], b[:, 5:]) and not torch.equal(a[:, :5], b[:, :5])
+
+
+def test_malformed_documents_are_refused() -> None:
+    cfg = make_cfg()
+    state = make_state(cfg)
+    tokens, ids = _packed([5, 5])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        reference_logits(state, cfg, tokens, ids.flip(1))
+    with pytest.raises(ValueError, match="shaped like tokens"):
+        reference_logits(state, cfg, tokens, ids[:, :-1])
