@@ -43,7 +43,7 @@ from megabeta.model.wavefront import run_wavefront
 
 
 class PassWeights:
-    """The fused weights of one pass (layers.Projection, layers.SharedWeight), per layer l:
+    """The fused weights of one pass (layers.Projection, layers.StackedWeight), per layer l:
 
     - `input(l, finished=True)`: one matmul of layer l's normalized input for layer l-1's
       finished K/V and layer l's queries and construction K/V (5 projections, 2 norm weights
@@ -58,7 +58,7 @@ class PassWeights:
                  traced: bool = False, ends_only: bool = False) -> None:
         c, kernels = model.config, model.elementwise_kernels
         # Read by a compiled block step (`traced`): gradients by plain autograd, none of the
-        # Python-side sums (SharedWeight, BiasRows) that a graph cannot hold.
+        # Python-side sums (StackedWeight, BiasRows) that a graph cannot hold.
         project = functools.partial(Projection, head_dim=c.head_dim, kernels=kernels,
                                     accumulate=not traced)
         # `ends_only` (the wavefront): layer 0's input, `last_finished` and the biases; the

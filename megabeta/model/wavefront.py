@@ -18,8 +18,9 @@ layer's cell ends with `last_finished`.
 Batching. A wave's cells hold different layers' weights. Each kind of weight is stacked once
 per pass in reverse layer order (`WaveWeights`): a wave's cells, blocks ascending and layers
 descending by p, read one strided view of each stack, and each projection of the wave is one
-batched matmul (`wave_linear`, which adds the stacks' gradients in place, as
-layers.SharedWeight does, instead of a zero-filled stack gradient per wave). Norms, SwiGLU and
+batched matmul (`layers.stacked_linear`, which adds the stacks' gradients in place instead of
+a zero-filled stack gradient per wave; a layer's own weight in the block schedule is a stack of
+one, the same type). Norms, SwiGLU and
 the residual adds run once on the stacked cells, the split into heads and RoPE once on the
 cells' tokens laid end to end. The wave's attention is one `attend_wave` call of the model's
 backend on the cells' stacked queries and construction K/V `[n, B, H, c, d_h]`, each cell
@@ -45,10 +46,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from megabeta.model.history import BufferedHistory, PieceHistory
-from megabeta.model.layers import HandOut, Projection, autocast_dtype, fused_input_rows
+from megabeta.model.layers import Projection, StackedWeight, fused_input_rows, stacked_linear
 
 if TYPE_CHECKING:  # only for annotations: beta12 imports this module
     from megabeta.model.beta12 import Beta12Transformer, PassWeights
@@ -113,91 +113,6 @@ class Wave:
         return slice(self.top - 1 - below[0], self.top - below[-1], self.period)
 
 
-class StackedWeight:
-    """Same-shaped weights of every layer, stacked `[L', …]` once per pass (reverse layer
-    order); `wave_linear` multiplies by a strided view of the stack and adds that view's
-    gradient into `grad`, handed to autograd once, when every wave's backward is done
-    (layers.HandOut)."""
-
-    def __init__(self, weights: list[Tensor]) -> None:
-        self.weight = torch.stack(weights)
-        self.grad: Tensor | None = None
-        self._ones: dict[int, Tensor] = {}
-        self.accumulates = self.weight.requires_grad and torch.is_grad_enabled()
-        self.tensor = HandOut.apply(self.weight, self) if self.accumulates else self.weight
-
-    def add_rows(self, sel: slice, rows: Tensor) -> None:
-        """Add `rows [n, M, out]`, summed over M, to the gradient of the (bias) layers `sel`:
-        one batched product with ones, added in place."""
-        grad = self.zero_grad_buffer()[sel]
-        if grad.dtype != rows.dtype:
-            grad.add_(rows.sum(1))
-            return
-        ones = self._ones.get(rows.shape[1])
-        if ones is None:
-            ones = self._ones[rows.shape[1]] = rows.new_ones(1, 1, rows.shape[1])
-        grad.unsqueeze(1).baddbmm_(ones.expand(rows.shape[0], -1, -1), rows)
-
-    def collected(self) -> Tensor | None:
-        total, self.grad, self._ones = self.grad, None, {}
-        return total
-
-    def zero_grad_buffer(self) -> Tensor:
-        """`grad`, zero-filled on first use."""
-        if self.grad is None:
-            self.grad = torch.zeros_like(self.weight)
-        return self.grad
-
-
-def wave_linear(x: Tensor, weight: StackedWeight, sel: slice,
-                bias: StackedWeight | None = None) -> Tensor:
-    """`x [n, M, in]` times the transposed weights of the layers `sel` of `weight` (n of
-    them), plus their biases: `[n, M, out]`, one batched matmul."""
-    if weight.accumulates and (bias is None or bias.accumulates) and torch.is_grad_enabled():
-        return _WaveLinear.apply(x, weight.tensor, None if bias is None else bias.tensor, sel,
-                                 weight, bias)
-    w = weight.tensor[sel].transpose(1, 2)
-    if bias is None:
-        return torch.bmm(x, w)
-    return torch.baddbmm(bias.tensor[sel].unsqueeze(1), x, w)
-
-
-class _WaveLinear(torch.autograd.Function):
-    """`wave_linear` whose weight and bias gradients are added into their stacks' `grad`.
-    Under autocast it computes in the autocast dtype (as F.linear would), the stacks' gradients
-    staying in theirs."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, stack: Tensor, bias: Tensor | None, sel: slice,
-                weight: StackedWeight, shared_bias: StackedWeight | None) -> Tensor:
-        w = stack[sel]
-        cast = autocast_dtype(x.device)
-        if cast is not None:
-            x, w = x.to(cast), w.to(cast)
-        ctx.sel, ctx.weight, ctx.bias = sel, weight, shared_bias
-        ctx.save_for_backward(x, w)
-        if bias is None:
-            return torch.bmm(x, w.transpose(1, 2))
-        b = bias[sel].unsqueeze(1)
-        return torch.baddbmm(b if cast is None else b.to(cast), x, w.transpose(1, 2))
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None, None, None, None]:
-        x, w = ctx.saved_tensors
-        weight, sel = ctx.weight, ctx.sel
-        dy = dy.to(x.dtype)
-        grad = weight.zero_grad_buffer()[sel]
-        if grad.dtype == x.dtype:
-            grad.baddbmm_(dy.transpose(1, 2), x)
-        else:
-            grad.add_(torch.bmm(dy.transpose(1, 2), x))
-        if ctx.bias is not None:
-            ctx.bias.add_rows(sel, dy)
-        dx = torch.bmm(dy, w) if ctx.needs_input_grad[0] else None
-        return dx, None, None, None, None, None
-
-
 class WaveWeights:
     """One pass's weights for the wavefront: `cell`, the per-layer fused weights of the
     entering and leaving cells and the attention biases (`PassWeights(ends_only=True)`), and
@@ -207,10 +122,10 @@ class WaveWeights:
     def __init__(self, model: "Beta12Transformer", cell: "PassWeights") -> None:
         self.cell = cell
         layers = list(model.layers)[::-1]
-        self.out = StackedWeight([layer.attention.wo.weight for layer in layers])
-        self.gate_up = StackedWeight([layer.feed_forward.fused_weight(layer.ffn_norm)
+        self.out = StackedWeight.of([layer.attention.wo.weight for layer in layers])
+        self.gate_up = StackedWeight.of([layer.feed_forward.fused_weight(layer.ffn_norm)
                                       for layer in layers])
-        self.down = StackedWeight([layer.feed_forward.w2.weight for layer in layers])
+        self.down = StackedWeight.of([layer.feed_forward.w2.weight for layer in layers])
         # Layer l+1's input projection with layer l's finished K/V, l+1 = L-1 … 1; one
         # projection is kept to split the stacked ones' outputs into heads alike.
         self.next_template: Projection | None = None
@@ -219,9 +134,9 @@ class WaveWeights:
         if len(layers) > 1:
             nexts = [_next_projection(model, l) for l in range(len(layers) - 1, 0, -1)]
             self.next_template = nexts[0]
-            self.next_input = StackedWeight([p.weight.weight for p in nexts])
+            self.next_input = StackedWeight.of([p.weight.weight.squeeze(0) for p in nexts])
             if nexts[0].bias is not None:
-                self.next_bias = StackedWeight([p.bias.weight for p in nexts])
+                self.next_bias = StackedWeight.of([p.bias.weight.squeeze(0) for p in nexts])
             if nexts[0].head_norm is not None:
                 self.next_head_norm = torch.stack([p.head_norm for p in nexts])
 
@@ -282,9 +197,9 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
         delta = delta.view(n, batch, c, d)
         return F.dropout(delta, residual_dropout) if residual_dropout else delta
 
-    x, normalized = kernels.add_rms_normalize(x, branch(wave_linear(o, weights.out, sel)), eps)
-    gate_up = wave_linear(normalized.flatten(1, 2), weights.gate_up, sel)
-    mlp = branch(wave_linear(kernels.swiglu(gate_up), weights.down, sel))
+    x, normalized = kernels.add_rms_normalize(x, branch(stacked_linear(o, weights.out, sel)), eps)
+    gate_up = stacked_linear(normalized.flatten(1, 2), weights.gate_up, sel)
+    mlp = branch(stacked_linear(kernels.swiglu(gate_up), weights.down, sel))
     x, normalized = kernels.add_rms_normalize(x, mlp, eps)
     finished: list[tuple[Tensor, Tensor]] = []
     hidden = None
@@ -348,7 +263,7 @@ def _next_inputs(normalized: Tensor, weights: WaveWeights, sel: slice, cos: Tens
     next queries and construction K/V (`[B, heads, n·c, d_h]`, the cells' tokens end to end),
     and per cell its own finished K/V."""
     n, batch, c, d = normalized.shape
-    y = wave_linear(normalized.flatten(1, 2), weights.next_input, sel, weights.next_bias)
+    y = stacked_linear(normalized.flatten(1, 2), weights.next_input, sel, weights.next_bias)
     # The cells' tokens end to end, `[B, n·c, W]`: one split into heads and RoPE for all.
     y = y.view(n, batch, c, -1).transpose(0, 1).flatten(1, 2)
     head_norm = None
