@@ -224,9 +224,9 @@ class StackedWeight:
         return cls(weight.unsqueeze(0), accumulate=accumulate)
 
     @classmethod
-    def of(cls, weights: list[Tensor]) -> "StackedWeight":
+    def of(cls, weights: list[Tensor], *, accumulate: bool = True) -> "StackedWeight":
         """`weights` stacked (one copy per pass)."""
-        return cls(torch.stack(weights))
+        return cls(torch.stack(weights), accumulate=accumulate)
 
     def add_rows(self, sel: slice, rows: Tensor) -> None:
         """Add `rows [n, M, out]`, summed over M, to the gradient of the (bias) layers `sel`:
@@ -266,10 +266,6 @@ class StackedWeight:
         return self.grad
 
 
-ONE = slice(0, 1)
-"""The whole of a stack of one."""
-
-
 def _whole(sel: slice, n: int) -> bool:
     return sel.indices(n) == (0, n, 1)
 
@@ -287,18 +283,11 @@ def stacked_linear(x: Tensor, weight: StackedWeight, sel: slice,
     return torch.baddbmm(bias.tensor[sel].unsqueeze(1), x, w)
 
 
-def linear(x: Tensor, weight: StackedWeight, bias: StackedWeight | None = None) -> Tensor:
-    """`F.linear(x, weight, bias)` for `x [..., in]` and a stack of one (`StackedWeight.one`)."""
-    w = weight.tensor[0]
-    # Under autocast only where it casts nothing (bf16 parameters, as FSDP2 with
-    # fsdp_param_dtype = bf16 gathers them): elsewhere autograd sums the cast copies' gradients.
-    cast = autocast_dtype(x.device)
-    if (weight.accumulates and (bias is None or bias.accumulates) and torch.is_grad_enabled()
-            and x.dtype == w.dtype and cast in (None, w.dtype)):
-        y = _StackedLinear.apply(x.reshape(1, -1, x.shape[-1]), weight.tensor,
-                                 None if bias is None else bias.tensor, ONE, weight, bias)
-        return y.view(*x.shape[:-1], y.shape[-1])
-    return F.linear(x, w, None if bias is None else bias.tensor[0])
+def linear(x: Tensor, weight: StackedWeight, bias: StackedWeight | None = None, *,
+           index: int = 0) -> Tensor:
+    """`F.linear(x, w, b)` for `x [..., in]` and the stacks' layer `index` (w, b)."""
+    y = stacked_linear(x.reshape(1, -1, x.shape[-1]), weight, slice(index, index + 1), bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class _StackedLinear(torch.autograd.Function):
@@ -354,32 +343,44 @@ class Projection:
     parameters, so autograd takes the weights' gradients through it.
     """
 
-    def __init__(self, parts: list[Rows], head_dim: int,
+    def __init__(self, parts: list[Rows] | list[list[Rows]], head_dim: int,
                  kernels: ElementwiseKernels = TORCH_KERNELS, *, accumulate: bool = True) -> None:
+        """`parts`: one layer's rows, or several layers' rows of the same layout (a stack, in
+        the order given: `index` in a call picks one, a wave reads a view of `weight`)."""
         self.kernels = kernels
-        rotary = [p for p in parts if p.rotary]
-        plain = [p for p in parts if not p.rotary]
-        order = rotary + plain
-        self.weight = StackedWeight.one(torch.cat([p.weight for p in order]),
-                                        accumulate=accumulate)
+        layers: list[list[Rows]] = parts if isinstance(parts[0], list) else [parts]
+        first = layers[0]
+        rotary = [p for p in first if p.rotary]
+        plain = [p for p in first if not p.rotary]
+        rank = [first.index(p) for p in rotary + plain]
+        ordered = [[layer[i] for i in rank] for layer in layers]
+        self.weight = StackedWeight(self._stacked([torch.cat([p.weight for p in order])
+                                                   for order in ordered]),
+                                    accumulate=accumulate)
         self.bias = None
-        if any(p.bias is not None for p in order):
-            self.bias = StackedWeight.one(torch.cat([p.weight.new_zeros(len(p.weight))
-                                                     if p.bias is None else p.bias
-                                                     for p in order]),
-                                          accumulate=accumulate)
+        if any(p.bias is not None for p in first):
+            self.bias = StackedWeight(self._stacked([torch.cat([
+                p.weight.new_zeros(len(p.weight)) if p.bias is None else p.bias for p in order])
+                for order in ordered]), accumulate=accumulate)
         self.head_dim = head_dim
         self.rotary_heads = sum(p.heads for p in rotary)
         self.head_norm = None
+        """Per-head RMSNorm weights of the rotary heads, `[layers, heads, d_h]` (qk_norm is
+        all-or-none)."""
         if any(p.head_norm is not None for p in rotary):
-            # Per-head RMSNorm weights of the rotary heads, `[heads, d_h]` (qk_norm is all-or-none).
-            self.head_norm = torch.cat([p.head_norm.weight.expand(p.heads, head_dim)
-                                        for p in rotary])
+            self.head_norm = self._stacked([torch.cat([p.head_norm.weight.expand(p.heads, head_dim)
+                                                       for p in order[:len(rotary)]])
+                                            for order in ordered])
             self.head_norm_eps = next(p.head_norm.eps for p in rotary if p.head_norm is not None)
         self._plain_heads = [p.heads for p in plain]
         self._rotary_heads = [p.heads for p in rotary]
-        self._order = [order.index(p) for p in parts]
+        self._order = [(rotary + plain).index(p) for p in first]
         """Where each part (in the order given) sits among the rotary-first heads."""
+
+    @staticmethod
+    def _stacked(tensors: list[Tensor]) -> Tensor:
+        # One layer's as a view (no copy), several stacked once per pass.
+        return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
     def tensors(self) -> list[Tensor]:
         """What a call reads: the weight, the bias and the per-head norm (those it has)."""
@@ -397,23 +398,26 @@ class Projection:
             other.head_norm = next(tensors)
         return other
 
-    def __call__(self, normalized: Tensor, cos: Tensor, sin: Tensor) -> list[Tensor]:
+    def __call__(self, normalized: Tensor, cos: Tensor, sin: Tensor, *,
+                 index: int = 0) -> list[Tensor]:
         """The parts of `normalized [B, n, d]` (already `rms_normalize`d), with RoPE at the
-        positions of `cos/sin`."""
-        return self.split(linear(normalized, self.weight, self.bias), cos, sin)
+        positions of `cos/sin`, by the stack's layer `index`."""
+        head_norm = None if self.head_norm is None else self.head_norm[index][:, None]
+        return self.split(linear(normalized, self.weight, self.bias, index=index), cos, sin,
+                          head_norm)
 
     def split(self, y: Tensor, cos: Tensor, sin: Tensor,
               head_norm: Tensor | None = None) -> list[Tensor]:
         """The parts of this projection's output `y [B, n, W]`, with RoPE at the positions of
         `cos/sin`; `head_norm`: the per-head norm weights broadcast to the rotary heads
-        `[heads, n, d_h]` (default: this projection's own, the same for every token)."""
+        `[heads, n, d_h]` (default: the first layer's, the same for every token)."""
         d = self.head_dim
         if self.head_norm is None:
             rot, plain = self.kernels.split_heads_rope(y, cos, sin,
                                                        rotary_heads=self.rotary_heads, head_dim=d)
         else:
             # qk_norm: the per-head norm sits between the split and RoPE (torch only).
-            head_norm = self.head_norm[:, None] if head_norm is None else head_norm
+            head_norm = self.head_norm[0][:, None] if head_norm is None else head_norm
             width = self.rotary_heads * d
             rot, plain = y.split([width, y.shape[-1] - width], dim=-1)
             rot = rot.unflatten(-1, (self.rotary_heads, d)).transpose(1, 2)
@@ -494,7 +498,9 @@ class Attention(nn.Module):
 
 @dataclass(frozen=True)
 class BranchWeights:
-    """A layer's residual-branch weights for one pass (`TransformerLayer.pass_weights`)."""
+    """A layer's residual-branch weights for one pass: its views (`index`) of the pass's
+    stacks (`TransformerLayer.pass_weights` for one layer; beta12's PassWeights stacks every
+    layer's)."""
 
     out: StackedWeight
     """W_O."""
@@ -502,14 +508,8 @@ class BranchWeights:
     """`feed_forward.fused_weight(ffn_norm)`: gate and up with the norm's weight folded in."""
     down: StackedWeight
     """w2."""
-
-    def tensors(self) -> list[Tensor]:
-        return [self.out.tensor, self.gate_up.tensor, self.down.tensor]
-
-    def with_tensors(self, tensors: Iterator[Tensor]) -> "BranchWeights":
-        """These weights read from the next three of `tensors`, by plain autograd."""
-        return BranchWeights(*(StackedWeight(next(tensors), accumulate=False)
-                               for _ in range(3)))
+    index: int = 0
+    """The layer's entry in the stacks."""
 
 
 def fused_input_rows(below: "TransformerLayer", above: "TransformerLayer") -> list[Rows]:
@@ -540,13 +540,14 @@ class TransformerLayer(nn.Module):
     def attention_delta(self, o: Tensor, weights: "BranchWeights") -> Tensor:
         """The attention branch `W_O·o` (dropout applied) for per-head output `o [B, H, n, d_h]`
         (the heads concatenated): what the residual stream adds."""
-        return self._dropped(linear(o.transpose(1, 2).flatten(2), weights.out))
+        return self._dropped(linear(o.transpose(1, 2).flatten(2), weights.out,
+                                    index=weights.index))
 
     def mlp_delta(self, normalized: Tensor, weights: "BranchWeights",
                   kernels: ElementwiseKernels = TORCH_KERNELS) -> Tensor:
         """The SwiGLU branch `w2(silu(w1 x) * w3 x)` of `normalized = rms_normalize(a)`."""
-        gate_up = linear(normalized, weights.gate_up)
-        return self._dropped(linear(kernels.swiglu(gate_up), weights.down))
+        gate_up = linear(normalized, weights.gate_up, index=weights.index)
+        return self._dropped(linear(kernels.swiglu(gate_up), weights.down, index=weights.index))
 
     def _dropped(self, x: Tensor) -> Tensor:
         # No dropout call at p = 0: in training it would still launch a kernel per branch.

@@ -16,11 +16,10 @@ queries and construction K/V become the next wave's stacked inputs in one copy; 
 layer's cell ends with `last_finished`.
 
 Batching. A wave's cells hold different layers' weights. Each kind of weight is stacked once
-per pass in reverse layer order (`WaveWeights`): a wave's cells, blocks ascending and layers
-descending by p, read one strided view of each stack, and each projection of the wave is one
-batched matmul (`layers.stacked_linear`, which adds the stacks' gradients in place instead of
-a zero-filled stack gradient per wave; a layer's own weight in the block schedule is a stack of
-one, the same type). Norms, SwiGLU and
+per pass in reverse layer order (`beta12.PassWeights`, the block schedule's too): a wave's
+cells, blocks ascending and layers descending by p, read one strided view of each stack, and
+each projection of the wave is one batched matmul (`layers.stacked_linear`, which adds the
+stacks' gradients in place instead of a zero-filled stack gradient per wave). Norms, SwiGLU and
 the residual adds run once on the stacked cells, the split into heads and RoPE once on the
 cells' tokens laid end to end. The wave's attention is one `attend_wave` call of the model's
 backend on the cells' stacked queries and construction K/V `[n, B, H, c, d_h]`, each cell
@@ -48,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megabeta.model.history import BufferedHistory, PieceHistory
-from megabeta.model.layers import Projection, StackedWeight, fused_input_rows, stacked_linear
+from megabeta.model.layers import stacked_linear
 
 if TYPE_CHECKING:  # only for annotations: beta12 imports this module
     from megabeta.model.beta12 import Beta12Transformer, PassWeights
@@ -113,41 +112,6 @@ class Wave:
         return slice(self.top - 1 - below[0], self.top - below[-1], self.period)
 
 
-class WaveWeights:
-    """One pass's weights for the wavefront: `cell`, the per-layer fused weights of the
-    entering and leaving cells and the attention biases (`PassWeights(ends_only=True)`), and
-    for the batched matmuls each kind of weight stacked in reverse layer order, built from the
-    parameters (the per-layer fused copies are not kept next to the stacks)."""
-
-    def __init__(self, model: "Beta12Transformer", cell: "PassWeights") -> None:
-        self.cell = cell
-        layers = list(model.layers)[::-1]
-        self.out = StackedWeight.of([layer.attention.wo.weight for layer in layers])
-        self.gate_up = StackedWeight.of([layer.feed_forward.fused_weight(layer.ffn_norm)
-                                      for layer in layers])
-        self.down = StackedWeight.of([layer.feed_forward.w2.weight for layer in layers])
-        # Layer l+1's input projection with layer l's finished K/V, l+1 = L-1 … 1; one
-        # projection is kept to split the stacked ones' outputs into heads alike.
-        self.next_template: Projection | None = None
-        self.next_input = self.next_bias = None
-        self.next_head_norm: Tensor | None = None
-        if len(layers) > 1:
-            nexts = [_next_projection(model, l) for l in range(len(layers) - 1, 0, -1)]
-            self.next_template = nexts[0]
-            self.next_input = StackedWeight.of([p.weight.weight.squeeze(0) for p in nexts])
-            if nexts[0].bias is not None:
-                self.next_bias = StackedWeight.of([p.bias.weight.squeeze(0) for p in nexts])
-            if nexts[0].head_norm is not None:
-                self.next_head_norm = torch.stack([p.head_norm for p in nexts])
-
-
-def _next_projection(model: "Beta12Transformer", layer: int) -> Projection:
-    """Layer `layer`'s input projection fused with layer `layer - 1`'s finished K/V
-    (`PassWeights.input(layer, True)`)."""
-    rows = fused_input_rows(model.layers[layer - 1], model.layers[layer])
-    return Projection(rows, model.config.head_dim, model.elementwise_kernels)
-
-
 @dataclass
 class WaveOutput:
     """What one wave hands on (`run_wave`): the next wave's inputs, the finished K/V to
@@ -176,7 +140,7 @@ class Entering:
 
 
 def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], wave: Wave,
-             weights: WaveWeights, cos: Tensor, sin: Tensor, entering: Entering | None, *,
+             weights: "PassWeights", cos: Tensor, sin: Tensor, entering: Entering | None, *,
              dropout: float) -> WaveOutput:
     """One wave's cells (module doc). `x`, `qkv`: the cells' residual streams and queries and
     construction KVs (stacked, oldest cell first); `views`: each cell's history view;
@@ -184,12 +148,11 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
     next wave, whose layer-0 projection is laid next to the continuing cells' here."""
     kernels, eps = model.elementwise_kernels, model.config.norm_eps
     attention = model.attention_backend
-    cell = weights.cell
     n, batch, c, d = x.shape
     q, k, v = qkv
     keys = [view.key_set(l, k[i], v[i]) for i, (view, l) in enumerate(zip(views, wave.layers))]
     sel = wave.stack()
-    o = attention.attend_wave(q, k, v, keys, cell.pass_biases.wave(sel), layers=wave.layers,
+    o = attention.attend_wave(q, k, v, keys, weights.pass_biases.wave(sel), layers=wave.layers,
                               dropout_p=dropout).reshape(n, batch * c, -1)
     residual_dropout = model.config.dropout if model.training else 0.0
 
@@ -208,7 +171,7 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
         # per part and their sum.
         (hidden, x), (leaving, normalized) = (t.split([1, n - 1]) for t in (x, normalized))
         hidden = hidden.squeeze(0)
-        fk, fv = cell.last_finished(leaving.squeeze(0), cos[wave.first], sin[wave.first])
+        fk, fv = weights.last_finished(leaving.squeeze(0), cos[wave.first], sin[wave.first])
         finished.append((fk, fv))
     continuing = None
     if len(x):
@@ -226,10 +189,10 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
                       hidden)
 
 
-def _enter(model: "Beta12Transformer", weights: WaveWeights, block: Entering) -> QKV:
+def _enter(model: "Beta12Transformer", weights: "PassWeights", block: Entering) -> QKV:
     """A block's layer-0 queries and construction K/V `[B, heads, c, d_h]` each."""
     normalized = model.elementwise_kernels.rms_normalize(block.x, model.config.norm_eps)
-    return tuple(weights.cell.input(0, False)(normalized, block.cos, block.sin))
+    return tuple(weights.input(0, False)(normalized, block.cos, block.sin))
 
 
 def _stack_cells(continuing: QKV | None, entering: QKV | None, block_size: int) -> QKV | None:
@@ -257,27 +220,27 @@ def _cells(t: Tensor, block_size: int) -> Tensor:
     return t.unflatten(2, (-1, block_size)).movedim(2, 0)
 
 
-def _next_inputs(normalized: Tensor, weights: WaveWeights, sel: slice, cos: Tensor,
+def _next_inputs(normalized: Tensor, weights: "PassWeights", sel: slice, cos: Tensor,
                  sin: Tensor) -> tuple[QKV, list[tuple[Tensor, Tensor]]]:
     """The next layer's fused input projection of the cells `normalized [n, B, c, d]`: their
     next queries and construction K/V (`[B, heads, n·c, d_h]`, the cells' tokens end to end),
     and per cell its own finished K/V."""
     n, batch, c, d = normalized.shape
-    y = stacked_linear(normalized.flatten(1, 2), weights.next_input, sel, weights.next_bias)
+    project = weights.next
+    y = stacked_linear(normalized.flatten(1, 2), project.weight, sel, project.bias)
     # The cells' tokens end to end, `[B, n·c, W]`: one split into heads and RoPE for all.
     y = y.view(n, batch, c, -1).transpose(0, 1).flatten(1, 2)
     head_norm = None
-    if weights.next_head_norm is not None:
-        norms = weights.next_head_norm[sel]  # [n, heads, d_h]
+    if project.head_norm is not None:
+        norms = project.head_norm[sel]  # [n, heads, d_h]
         head_norm = norms.transpose(0, 1)[:, :, None].expand(-1, -1, c, -1).flatten(1, 2)
-    fk, q, k, v, fv = weights.next_template.split(y, cos.flatten(0, 1), sin.flatten(0, 1),
-                                                  head_norm)
+    fk, q, k, v, fv = project.split(y, cos.flatten(0, 1), sin.flatten(0, 1), head_norm)
     fk, fv = (p.unflatten(2, (n, c)).unbind(2) for p in (fk, fv))
     return (q, k, v), list(zip(fk, fv))
 
 
 def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tensor,
-                  cell: "PassWeights", history: BufferedHistory | PieceHistory, *,
+                  weights: "PassWeights", history: BufferedHistory | PieceHistory, *,
                   dropout: float) -> Tensor:
     """The final hidden states `[B, T, d]` of the embeddings `x [B, T, d]` (T > c), wave by
     wave; `cos/sin [T', d_h]` cover the padded length T' = ⌈T/c⌉·c."""
@@ -288,7 +251,6 @@ def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tenso
     cos, sin = cos.unflatten(0, (blocks, c)), sin.unflatten(0, (blocks, c))
     layers = len(model.layers)
     plan = WavePlan(blocks, layers, min(model.config.depth_window, layers - 1) + 1)
-    weights = WaveWeights(model, cell)
     embeddings = x.split(c, dim=1)
 
     def entering(t: int) -> Entering | None:
