@@ -37,68 +37,97 @@ from megabeta.model.history import (
     StepView,
     block_cells,
 )
-from megabeta.model.layers import Projection, autocast_dtype, fused_input_rows
+from megabeta.model.layers import (
+    BranchWeights,
+    Projection,
+    StackedWeight,
+    autocast_dtype,
+    fused_input_rows,
+)
 from megabeta.model.transformer import DecoderLM, ParallelPlan
 from megabeta.model.wavefront import run_wavefront
 
 
 class PassWeights:
-    """The fused weights of one pass (layers.Projection, layers.SharedWeight), per layer l:
+    """The weights of one pass, built once from the parameters (layers.Projection,
+    layers.StackedWeight), each kind stacked over the layers in REVERSE order: a wave's cells
+    (layers stepping down by the period, wavefront.py) read one strided view of a stack, layer
+    l of a block of the block schedule the view of one (`index(l)`).
 
-    - `input(l, finished=True)`: one matmul of layer l's normalized input for layer l-1's
-      finished K/V and layer l's queries and construction K/V (5 projections, 2 norm weights
-      folded in); `finished=False` (a block whose finished KVs nobody reads) drops the first.
-    - `last_finished`: the last layer's finished K/V from the block's final hidden states.
-    - `branches[l]`: W_O, SwiGLU's gate and up projections with ffn_norm folded in, and w2.
+    - `plain[l]`: layer l's input projection (queries, construction K/V; norm weight folded
+      in), for a block whose finished KVs nobody reads (the last in training) and for layer 0
+      (a block entering; the wavefront builds only that one);
+    - `next`: layers L-1 … 1's input projections, each fused with the layer below's finished
+      K/V (5 projections, 2 norm weights folded in: one matmul, `input(l, finished=True)`);
+    - `last_finished`: the last layer's finished K/V from the block's final hidden states;
+    - `out`, `gate_up`, `down`: W_O, SwiGLU's gate and up (ffn_norm folded in), w2;
     - `biases[l]`: the layer's score biases (`PassBiases.layer`), and on the wavefront
-      (`ends_only`) `pass_biases`, every layer's stacked for the waves (`PassBiases.wave`).
+      `pass_biases`, every layer's stacked for the waves (`PassBiases.wave`).
     """
 
     def __init__(self, model: "Beta12Transformer", finished: bool, length: int, *,
-                 traced: bool = False, ends_only: bool = False) -> None:
+                 traced: bool = False, wavefront: bool = False) -> None:
         c, kernels = model.config, model.elementwise_kernels
         # Read by a compiled block step (`traced`): gradients by plain autograd, none of the
-        # Python-side sums (SharedWeight, BiasRows) that a graph cannot hold.
+        # Python-side sums (StackedWeight, BiasRows) that a graph cannot hold.
         project = functools.partial(Projection, head_dim=c.head_dim, kernels=kernels,
                                     accumulate=not traced)
-        # `ends_only` (the wavefront): layer 0's input, `last_finished` and the biases; the
-        # other layers' weights come stacked (wavefront.WaveWeights), not also one by one.
-        layers = model.layers[:1] if ends_only else model.layers
-        inputs = [layer.attention.input_rows(layer.attention_norm) for layer in layers]
-        self._plain = [project(rows) for rows in inputs]
-        self._finished: list[Projection | None] = []
+        stack = functools.partial(StackedWeight.of, accumulate=not traced)
+        layers = list(model.layers)
+        self.layers = len(layers)
+        self.plain = [project(layer.attention.input_rows(layer.attention_norm))
+                      for layer in (layers[:1] if wavefront else layers)]
+        self.next: Projection | None = None
         self.last_finished: Projection | None = None
         if finished:
-            self._finished = [None] + [project(fused_input_rows(below, above))
-                                       for below, above in zip(layers, layers[1:])]
-            top = model.layers[-1]
+            if len(layers) > 1:
+                self.next = project([fused_input_rows(layers[l - 1], layers[l])
+                                     for l in range(len(layers) - 1, 0, -1)])
+            top = layers[-1]
             self.last_finished = project(top.attention.finished_rows(top.attention_norm))
-        self.branches = [layer.pass_weights(accumulate=not traced) for layer in layers]
-        self.pass_biases = PassBiases(model, length, collect_rows=not traced, stacks=ends_only)
-        self.biases = ([] if ends_only else
-                       [self.pass_biases.layer(l) for l in range(len(model.layers))])
+        reverse = layers[::-1]
+        self.out = stack([layer.attention.wo.weight for layer in reverse])
+        self.gate_up = stack([layer.feed_forward.fused_weight(layer.ffn_norm)
+                              for layer in reverse])
+        self.down = stack([layer.feed_forward.w2.weight for layer in reverse])
+        self.pass_biases = PassBiases(model, length, collect_rows=not traced, stacks=wavefront)
+        self.biases = ([] if wavefront else
+                       [self.pass_biases.layer(l) for l in range(len(layers))])
 
-    def input(self, layer: int, finished: bool) -> Projection:
-        return self._finished[layer] if finished and layer > 0 else self._plain[layer]
+    def index(self, layer: int) -> int:
+        """Layer `layer`'s entry in the stacks of every layer (reverse order)."""
+        return self.layers - 1 - layer
+
+    def input(self, layer: int, finished: bool) -> Callable[[Tensor, Tensor, Tensor],
+                                                             list[Tensor]]:
+        """Layer `layer`'s input projection: (normalized, cos, sin) -> its parts."""
+        if finished and layer > 0:
+            # `next` stacks layers L-1 … 1: layer l is entry L-1-l, as in the other stacks.
+            return functools.partial(self.next, index=self.index(layer))
+        return self.plain[layer]
+
+    def branches(self, layer: int) -> BranchWeights:
+        """Layer `layer`'s residual-branch weights: its views of the stacks."""
+        return BranchWeights(self.out, self.gate_up, self.down, self.index(layer))
 
     def tensors(self) -> list[Tensor]:
         """Every tensor the block step reads of these weights, in a fixed order."""
-        projections = [*self._plain, *self._finished[1:], *filter(None, [self.last_finished])]
+        projections = [*self.plain, *filter(None, [self.next, self.last_finished])]
         biases = [t for b in self.biases for t in (b.slope, b.self_bias, b.group_shift)
                   if t is not None]
         return [t for p in projections for t in p.tensors()] + [
-            t for b in self.branches for t in b.tensors()] + biases
+            w.tensor for w in (self.out, self.gate_up, self.down)] + biases
 
     def with_tensors(self, tensors: list[Tensor]) -> "PassWeights":
         """These weights reading `tensors` (in `tensors()`'s order) instead, by plain autograd:
         what a captured block step reads from fixed addresses (model/block_graphs.py)."""
         it = iter(tensors)
         other = copy.copy(self)
-        other._plain = [p.with_tensors(it) for p in self._plain]
-        other._finished = [None if p is None else p.with_tensors(it) for p in self._finished]
-        other.last_finished = (None if self.last_finished is None
-                               else self.last_finished.with_tensors(it))
-        other.branches = [b.with_tensors(it) for b in self.branches]
+        other.plain = [p.with_tensors(it) for p in self.plain]
+        other.next, other.last_finished = (None if p is None else p.with_tensors(it)
+                                           for p in (self.next, self.last_finished))
+        other.out, other.gate_up, other.down = (StackedWeight(next(it), accumulate=False)
+                                                for _ in range(3))
         other.biases = [AttentionBias(*(None if t is None else next(it)
                                         for t in (b.slope, b.self_bias, b.group_shift)))
                         for b in self.biases]
@@ -226,7 +255,7 @@ class Beta12Transformer(DecoderLM):
                 q, k, v = parts
             o = attention.attend(q, history.key_set(l, k, v), weights.biases[l], layer=l,
                                  dropout_p=dropout)
-            branches = weights.branches[l]
+            branches = weights.branches(l)
             x, normalized = kernels.add_rms_normalize(x, layer.attention_delta(o, branches), eps)
             mlp = layer.mlp_delta(normalized, branches, kernels)
             if construction:
@@ -255,7 +284,7 @@ class Beta12Transformer(DecoderLM):
         if self.execution.schedule == "wavefront" and length > c:
             # Padded to whole blocks (wavefront.py); the tables of the whole padded sequence.
             padded = -(-length // c) * c
-            weights = PassWeights(self, finished=True, length=padded, ends_only=True)
+            weights = PassWeights(self, finished=True, length=padded, wavefront=True)
             cos, sin = self.rope(0, padded, x)
             history = self._history(x, static=False)
             try:

@@ -154,44 +154,6 @@ TORCH_KERNELS = ElementwiseKernels("torch", rms_normalize, add_rms_normalize, sp
                                    swiglu)
 
 
-class SharedWeight:
-    """A weight that many calls of one pass multiply by (every block, or every loop): built
-    once per pass from the parameters (`weight`, `[out, in]`).
-
-    Under autograd each call's weight gradient would be one matmul plus one sum into the
-    others (twice the launches a cell needs). `linear` instead accumulates it in place, one
-    `addmm` per call, and the pass hands the sum to autograd once, when every call's backward
-    is done (`HandOut`, which all of them take as input). Only where the inputs have the
-    weight's dtype and autocast casts nothing (off, or bf16 parameters under bf16 autocast):
-    where each call sees a cast copy, autograd sums as before.
-    """
-
-    def __init__(self, weight: Tensor, *, accumulate: bool = True) -> None:
-        self.weight = weight
-        self.grad: Tensor | None = None
-        self._ones: dict[int, Tensor] = {}
-        # `accumulate=False`: plain autograd, for calls traced by torch.compile (whose graphs
-        # cannot hold the Python-side sum).
-        self.accumulates = accumulate and weight.requires_grad and torch.is_grad_enabled()
-        self.tensor = HandOut.apply(weight, self) if self.accumulates else weight
-        """What the calls read: `weight`, through the node that hands the gradient out."""
-
-    def add_row_sum(self, rows: Tensor) -> None:
-        """Add `rows [m, out]` summed over m to the gradient of a bias `[out]`: one
-        matrix-vector product, with a vector of ones kept per m for the pass."""
-        ones = self._ones.get(rows.shape[0])
-        if ones is None:
-            ones = self._ones[rows.shape[0]] = rows.new_ones(rows.shape[0])
-        if self.grad is None:
-            self.grad = rows.t() @ ones
-        else:
-            self.grad.addmv_(rows.t(), ones)
-
-    def collected(self) -> Tensor | None:
-        total, self.grad, self._ones = self.grad, None, {}
-        return total
-
-
 class Collector(Protocol):
     """Where the readers of one pass leave a tensor's gradient by hand (a shared weight's sum, a
     bias's rows), for `HandOut` to give autograd once."""
@@ -203,8 +165,8 @@ class Collector(Protocol):
 class HandOut(torch.autograd.Function):
     """Forward: a tensor as is (a view). Backward, after every reader's: what its `Collector`
     gathered, plus what readers returned through autograd. The one hand-out of by-hand
-    gradients: shared and stacked weights (here, model/wavefront.py) and the attention biases'
-    rows (attention/backend.py)."""
+    gradients: the pass's weights (`StackedWeight`), the attention biases' rows and the
+    history readers' notification (attention/backend.py)."""
 
     @staticmethod
     def forward(ctx: Any, t: Tensor, collector: Collector) -> Tensor:
@@ -219,18 +181,6 @@ class HandOut(torch.autograd.Function):
         if grad is not None:  # a reader that is not by hand (e.g. under autocast)
             total = grad if total is None else total + grad
         return total, None
-
-
-def linear(x: Tensor, weight: SharedWeight, bias: SharedWeight | None = None) -> Tensor:
-    """`F.linear(x, weight, bias)` for a weight (and bias) shared across a pass."""
-    w, b = weight.tensor, None if bias is None else bias.tensor
-    # Under autocast only where it casts nothing (bf16 parameters, as FSDP2 with
-    # fsdp_param_dtype = bf16 gathers them): backward must see the dtypes forward computed in.
-    cast = autocast_dtype(x.device)
-    if (weight.accumulates and (bias is None or bias.accumulates) and torch.is_grad_enabled()
-            and x.dtype == w.dtype and cast in (None, w.dtype)):
-        return _AccumulatingLinear.apply(x, w, b, weight, bias)
-    return F.linear(x, w, b)
 
 
 AUTOCAST_DEVICE_TYPES = frozenset(
@@ -248,31 +198,127 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return None
 
 
-class _AccumulatingLinear(torch.autograd.Function):
-    """`F.linear` whose weight and bias gradients are added into their `SharedWeight.grad` (none
-    returned for them: `HandOut` returns the sums)."""
+class StackedWeight:
+    """The weight type of a pass: same-shaped weights, `[n, …]`, built once per pass from the
+    parameters and multiplied by many calls (every block, wave or loop). A layer's own weight
+    is a stack of one (`one`); the wavefront stacks every layer's in reverse layer order (`of`)
+    and each wave multiplies by a strided view of the stack.
+
+    Under autograd each call's weight gradient would be one matmul plus one sum into the
+    others (twice the launches a cell needs). `stacked_linear` instead adds it in place, one
+    batched product per call, into `grad`, handed to autograd once, when every call's backward
+    is done (`HandOut`, which all of them take as input). `accumulate=False`: plain autograd,
+    for calls traced by torch.compile (whose graphs cannot hold the Python-side sum)."""
+
+    def __init__(self, stack: Tensor, *, accumulate: bool = True) -> None:
+        self.weight = stack
+        self.grad: Tensor | None = None
+        self._ones: dict[int, Tensor] = {}
+        self.accumulates = accumulate and stack.requires_grad and torch.is_grad_enabled()
+        self.tensor = HandOut.apply(stack, self) if self.accumulates else stack
+        """What the calls read: `weight`, through the node that hands the gradient out."""
+
+    @classmethod
+    def one(cls, weight: Tensor, *, accumulate: bool = True) -> "StackedWeight":
+        """A single weight (`[out, in]`, or a bias `[out]`) as a stack of one (a view)."""
+        return cls(weight.unsqueeze(0), accumulate=accumulate)
+
+    @classmethod
+    def of(cls, weights: list[Tensor], *, accumulate: bool = True) -> "StackedWeight":
+        """`weights` stacked (one copy per pass)."""
+        return cls(torch.stack(weights), accumulate=accumulate)
+
+    def add_rows(self, sel: slice, rows: Tensor) -> None:
+        """Add `rows [n, M, out]`, summed over M, to the gradient of the (bias) layers `sel`:
+        one batched product with ones, added in place."""
+        ones = self._ones.get(rows.shape[1])
+        if ones is None:
+            ones = self._ones[rows.shape[1]] = rows.new_ones(1, 1, rows.shape[1])
+        ones = ones.expand(rows.shape[0], -1, -1)
+        if self.grad is None and _whole(sel, len(self.weight)) and rows.dtype == self.weight.dtype:
+            self.grad = torch.bmm(ones, rows).squeeze(1)
+            return
+        grad = self.zero_grad_buffer()[sel]
+        if grad.dtype != rows.dtype:
+            grad.add_(rows.sum(1))
+            return
+        grad.unsqueeze(1).baddbmm_(ones, rows)
+
+    def add_product(self, sel: slice, dy: Tensor, x: Tensor) -> None:
+        """Add `dyᵀ·x` (`[n, M, out]`, `[n, M, in]`) to the gradient of the layers `sel`."""
+        if self.grad is None and _whole(sel, len(self.weight)) and x.dtype == self.weight.dtype:
+            self.grad = torch.bmm(dy.transpose(1, 2), x)
+            return
+        grad = self.zero_grad_buffer()[sel]
+        if grad.dtype == x.dtype:
+            grad.baddbmm_(dy.transpose(1, 2), x)
+        else:
+            grad.add_(torch.bmm(dy.transpose(1, 2), x))
+
+    def collected(self) -> Tensor | None:
+        total, self.grad, self._ones = self.grad, None, {}
+        return total
+
+    def zero_grad_buffer(self) -> Tensor:
+        """`grad`, zero-filled on first use."""
+        if self.grad is None:
+            self.grad = torch.zeros_like(self.weight)
+        return self.grad
+
+
+def _whole(sel: slice, n: int) -> bool:
+    return sel.indices(n) == (0, n, 1)
+
+
+def stacked_linear(x: Tensor, weight: StackedWeight, sel: slice,
+                   bias: StackedWeight | None = None) -> Tensor:
+    """`x [n, M, in]` times the transposed weights `sel` of the stack `weight` (n of them),
+    plus their biases: `[n, M, out]`, one batched matmul."""
+    if weight.accumulates and (bias is None or bias.accumulates) and torch.is_grad_enabled():
+        return _StackedLinear.apply(x, weight.tensor, None if bias is None else bias.tensor, sel,
+                                    weight, bias)
+    w = weight.tensor[sel].transpose(1, 2)
+    if bias is None:
+        return torch.bmm(x, w)
+    return torch.baddbmm(bias.tensor[sel].unsqueeze(1), x, w)
+
+
+def linear(x: Tensor, weight: StackedWeight, bias: StackedWeight | None = None, *,
+           index: int = 0) -> Tensor:
+    """`F.linear(x, w, b)` for `x [..., in]` and the stacks' layer `index` (w, b)."""
+    y = stacked_linear(x.reshape(1, -1, x.shape[-1]), weight, slice(index, index + 1), bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class _StackedLinear(torch.autograd.Function):
+    """`stacked_linear` whose weight and bias gradients are added into their stacks' `grad`
+    (none returned for them: `HandOut` returns the sums). Under autocast it computes in the
+    autocast dtype (as F.linear would), the stacks' gradients staying in theirs."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None,
-                shared: SharedWeight, shared_bias: SharedWeight | None) -> Tensor:
-        ctx.shared, ctx.shared_bias = shared, shared_bias
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight, bias)
+    def forward(ctx: Any, x: Tensor, stack: Tensor, bias: Tensor | None, sel: slice,
+                weight: StackedWeight, stacked_bias: StackedWeight | None) -> Tensor:
+        w = stack[sel]
+        cast = autocast_dtype(x.device)
+        if cast is not None:
+            x, w = x.to(cast), w.to(cast)
+        ctx.sel, ctx.weight, ctx.bias = sel, weight, stacked_bias
+        ctx.save_for_backward(x, w)
+        if bias is None:
+            return torch.bmm(x, w.transpose(1, 2))
+        b = bias[sel].unsqueeze(1)
+        return torch.baddbmm(b if cast is None else b.to(cast), x, w.transpose(1, 2))
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None, None, None]:
-        x, weight = ctx.saved_tensors
-        shared = ctx.shared
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        if shared.grad is None:
-            shared.grad = dy2.t() @ x2
-        else:
-            shared.grad.addmm_(dy2.t(), x2)
-        if ctx.shared_bias is not None:
-            ctx.shared_bias.add_row_sum(dy2)
-        dx = dy @ weight if ctx.needs_input_grad[0] else None
-        return dx, None, None, None, None
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None, None, None, None]:
+        x, w = ctx.saved_tensors
+        dy = dy.to(x.dtype)
+        ctx.weight.add_product(ctx.sel, dy, x)
+        if ctx.bias is not None:
+            ctx.bias.add_rows(ctx.sel, dy)
+        dx = torch.bmm(dy, w) if ctx.needs_input_grad[0] else None
+        return dx, None, None, None, None, None
 
 
 @dataclass(eq=False)
@@ -297,30 +343,44 @@ class Projection:
     parameters, so autograd takes the weights' gradients through it.
     """
 
-    def __init__(self, parts: list[Rows], head_dim: int,
+    def __init__(self, parts: list[Rows] | list[list[Rows]], head_dim: int,
                  kernels: ElementwiseKernels = TORCH_KERNELS, *, accumulate: bool = True) -> None:
+        """`parts`: one layer's rows, or several layers' rows of the same layout (a stack, in
+        the order given: `index` in a call picks one, a wave reads a view of `weight`)."""
         self.kernels = kernels
-        rotary = [p for p in parts if p.rotary]
-        plain = [p for p in parts if not p.rotary]
-        order = rotary + plain
-        self.weight = SharedWeight(torch.cat([p.weight for p in order]), accumulate=accumulate)
+        layers: list[list[Rows]] = parts if isinstance(parts[0], list) else [parts]
+        first = layers[0]
+        rotary = [p for p in first if p.rotary]
+        plain = [p for p in first if not p.rotary]
+        rank = [first.index(p) for p in rotary + plain]
+        ordered = [[layer[i] for i in rank] for layer in layers]
+        self.weight = StackedWeight(self._stacked([torch.cat([p.weight for p in order])
+                                                   for order in ordered]),
+                                    accumulate=accumulate)
         self.bias = None
-        if any(p.bias is not None for p in order):
-            self.bias = SharedWeight(torch.cat([p.weight.new_zeros(len(p.weight))
-                                                if p.bias is None else p.bias for p in order]),
-                                     accumulate=accumulate)
+        if any(p.bias is not None for p in first):
+            self.bias = StackedWeight(self._stacked([torch.cat([
+                p.weight.new_zeros(len(p.weight)) if p.bias is None else p.bias for p in order])
+                for order in ordered]), accumulate=accumulate)
         self.head_dim = head_dim
         self.rotary_heads = sum(p.heads for p in rotary)
         self.head_norm = None
+        """Per-head RMSNorm weights of the rotary heads, `[layers, heads, d_h]` (qk_norm is
+        all-or-none)."""
         if any(p.head_norm is not None for p in rotary):
-            # Per-head RMSNorm weights of the rotary heads, `[heads, d_h]` (qk_norm is all-or-none).
-            self.head_norm = torch.cat([p.head_norm.weight.expand(p.heads, head_dim)
-                                        for p in rotary])
+            self.head_norm = self._stacked([torch.cat([p.head_norm.weight.expand(p.heads, head_dim)
+                                                       for p in order[:len(rotary)]])
+                                            for order in ordered])
             self.head_norm_eps = next(p.head_norm.eps for p in rotary if p.head_norm is not None)
         self._plain_heads = [p.heads for p in plain]
         self._rotary_heads = [p.heads for p in rotary]
-        self._order = [order.index(p) for p in parts]
+        self._order = [(rotary + plain).index(p) for p in first]
         """Where each part (in the order given) sits among the rotary-first heads."""
+
+    @staticmethod
+    def _stacked(tensors: list[Tensor]) -> Tensor:
+        # One layer's as a view (no copy), several stacked once per pass.
+        return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
     def tensors(self) -> list[Tensor]:
         """What a call reads: the weight, the bias and the per-head norm (those it has)."""
@@ -331,30 +391,33 @@ class Projection:
         """This projection reading the next of `tensors` (in `tensors()`'s order) instead, by
         plain autograd."""
         other = copy.copy(self)
-        other.weight = SharedWeight(next(tensors), accumulate=False)
+        other.weight = StackedWeight(next(tensors), accumulate=False)
         if self.bias is not None:
-            other.bias = SharedWeight(next(tensors), accumulate=False)
+            other.bias = StackedWeight(next(tensors), accumulate=False)
         if self.head_norm is not None:
             other.head_norm = next(tensors)
         return other
 
-    def __call__(self, normalized: Tensor, cos: Tensor, sin: Tensor) -> list[Tensor]:
+    def __call__(self, normalized: Tensor, cos: Tensor, sin: Tensor, *,
+                 index: int = 0) -> list[Tensor]:
         """The parts of `normalized [B, n, d]` (already `rms_normalize`d), with RoPE at the
-        positions of `cos/sin`."""
-        return self.split(linear(normalized, self.weight, self.bias), cos, sin)
+        positions of `cos/sin`, by the stack's layer `index`."""
+        head_norm = None if self.head_norm is None else self.head_norm[index][:, None]
+        return self.split(linear(normalized, self.weight, self.bias, index=index), cos, sin,
+                          head_norm)
 
     def split(self, y: Tensor, cos: Tensor, sin: Tensor,
               head_norm: Tensor | None = None) -> list[Tensor]:
         """The parts of this projection's output `y [B, n, W]`, with RoPE at the positions of
         `cos/sin`; `head_norm`: the per-head norm weights broadcast to the rotary heads
-        `[heads, n, d_h]` (default: this projection's own, the same for every token)."""
+        `[heads, n, d_h]` (default: the first layer's, the same for every token)."""
         d = self.head_dim
         if self.head_norm is None:
             rot, plain = self.kernels.split_heads_rope(y, cos, sin,
                                                        rotary_heads=self.rotary_heads, head_dim=d)
         else:
             # qk_norm: the per-head norm sits between the split and RoPE (torch only).
-            head_norm = self.head_norm[:, None] if head_norm is None else head_norm
+            head_norm = self.head_norm[0][:, None] if head_norm is None else head_norm
             width = self.rotary_heads * d
             rot, plain = y.split([width, y.shape[-1] - width], dim=-1)
             rot = rot.unflatten(-1, (self.rotary_heads, d)).transpose(1, 2)
@@ -435,21 +498,18 @@ class Attention(nn.Module):
 
 @dataclass(frozen=True)
 class BranchWeights:
-    """A layer's residual-branch weights for one pass (`TransformerLayer.pass_weights`)."""
+    """A layer's residual-branch weights for one pass: its views (`index`) of the pass's
+    stacks (`TransformerLayer.pass_weights` for one layer; beta12's PassWeights stacks every
+    layer's)."""
 
-    out: SharedWeight
+    out: StackedWeight
     """W_O."""
-    gate_up: SharedWeight
+    gate_up: StackedWeight
     """`feed_forward.fused_weight(ffn_norm)`: gate and up with the norm's weight folded in."""
-    down: SharedWeight
+    down: StackedWeight
     """w2."""
-
-    def tensors(self) -> list[Tensor]:
-        return [self.out.tensor, self.gate_up.tensor, self.down.tensor]
-
-    def with_tensors(self, tensors: Iterator[Tensor]) -> "BranchWeights":
-        """These weights read from the next three of `tensors`, by plain autograd."""
-        return BranchWeights(*(SharedWeight(next(tensors), accumulate=False) for _ in range(3)))
+    index: int = 0
+    """The layer's entry in the stacks."""
 
 
 def fused_input_rows(below: "TransformerLayer", above: "TransformerLayer") -> list[Rows]:
@@ -472,21 +532,22 @@ class TransformerLayer(nn.Module):
 
     def pass_weights(self, *, accumulate: bool = True) -> "BranchWeights":
         """This layer's branch weights for one pass (fused, shared by the pass's calls;
-        `accumulate` as in `SharedWeight`)."""
-        return BranchWeights(*(SharedWeight(w, accumulate=accumulate) for w in (
+        `accumulate` as in `StackedWeight`)."""
+        return BranchWeights(*(StackedWeight.one(w, accumulate=accumulate) for w in (
             self.attention.wo.weight, self.feed_forward.fused_weight(self.ffn_norm),
             self.feed_forward.w2.weight)))
 
     def attention_delta(self, o: Tensor, weights: "BranchWeights") -> Tensor:
         """The attention branch `W_O·o` (dropout applied) for per-head output `o [B, H, n, d_h]`
         (the heads concatenated): what the residual stream adds."""
-        return self._dropped(linear(o.transpose(1, 2).flatten(2), weights.out))
+        return self._dropped(linear(o.transpose(1, 2).flatten(2), weights.out,
+                                    index=weights.index))
 
     def mlp_delta(self, normalized: Tensor, weights: "BranchWeights",
                   kernels: ElementwiseKernels = TORCH_KERNELS) -> Tensor:
         """The SwiGLU branch `w2(silu(w1 x) * w3 x)` of `normalized = rms_normalize(a)`."""
-        gate_up = linear(normalized, weights.gate_up)
-        return self._dropped(linear(kernels.swiglu(gate_up), weights.down))
+        gate_up = linear(normalized, weights.gate_up, index=weights.index)
+        return self._dropped(linear(kernels.swiglu(gate_up), weights.down, index=weights.index))
 
     def _dropped(self, x: Tensor) -> Tensor:
         # No dropout call at p = 0: in training it would still launch a kernel per branch.

@@ -16,10 +16,10 @@ queries and construction K/V become the next wave's stacked inputs in one copy; 
 layer's cell ends with `last_finished`.
 
 Batching. A wave's cells hold different layers' weights. Each kind of weight is stacked once
-per pass in reverse layer order (`WaveWeights`): a wave's cells, blocks ascending and layers
-descending by p, read one strided view of each stack, and each projection of the wave is one
-batched matmul (`wave_linear`, which adds the stacks' gradients in place, as
-layers.SharedWeight does, instead of a zero-filled stack gradient per wave). Norms, SwiGLU and
+per pass in reverse layer order (`beta12.PassWeights`, the block schedule's too): a wave's
+cells, blocks ascending and layers descending by p, read one strided view of each stack, and
+each projection of the wave is one batched matmul (`layers.stacked_linear`, which adds the
+stacks' gradients in place instead of a zero-filled stack gradient per wave). Norms, SwiGLU and
 the residual adds run once on the stacked cells, the split into heads and RoPE once on the
 cells' tokens laid end to end. The wave's attention is one `attend_wave` call of the model's
 backend on the cells' stacked queries and construction K/V `[n, B, H, c, d_h]`, each cell
@@ -45,10 +45,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from megabeta.model.history import BufferedHistory, PieceHistory
-from megabeta.model.layers import HandOut, Projection, autocast_dtype, fused_input_rows
+from megabeta.model.layers import stacked_linear
 
 if TYPE_CHECKING:  # only for annotations: beta12 imports this module
     from megabeta.model.beta12 import Beta12Transformer, PassWeights
@@ -113,126 +112,6 @@ class Wave:
         return slice(self.top - 1 - below[0], self.top - below[-1], self.period)
 
 
-class StackedWeight:
-    """Same-shaped weights of every layer, stacked `[L', …]` once per pass (reverse layer
-    order); `wave_linear` multiplies by a strided view of the stack and adds that view's
-    gradient into `grad`, handed to autograd once, when every wave's backward is done
-    (layers.HandOut)."""
-
-    def __init__(self, weights: list[Tensor]) -> None:
-        self.weight = torch.stack(weights)
-        self.grad: Tensor | None = None
-        self._ones: dict[int, Tensor] = {}
-        self.accumulates = self.weight.requires_grad and torch.is_grad_enabled()
-        self.tensor = HandOut.apply(self.weight, self) if self.accumulates else self.weight
-
-    def add_rows(self, sel: slice, rows: Tensor) -> None:
-        """Add `rows [n, M, out]`, summed over M, to the gradient of the (bias) layers `sel`:
-        one batched product with ones, added in place."""
-        grad = self.zero_grad_buffer()[sel]
-        if grad.dtype != rows.dtype:
-            grad.add_(rows.sum(1))
-            return
-        ones = self._ones.get(rows.shape[1])
-        if ones is None:
-            ones = self._ones[rows.shape[1]] = rows.new_ones(1, 1, rows.shape[1])
-        grad.unsqueeze(1).baddbmm_(ones.expand(rows.shape[0], -1, -1), rows)
-
-    def collected(self) -> Tensor | None:
-        total, self.grad, self._ones = self.grad, None, {}
-        return total
-
-    def zero_grad_buffer(self) -> Tensor:
-        """`grad`, zero-filled on first use."""
-        if self.grad is None:
-            self.grad = torch.zeros_like(self.weight)
-        return self.grad
-
-
-def wave_linear(x: Tensor, weight: StackedWeight, sel: slice,
-                bias: StackedWeight | None = None) -> Tensor:
-    """`x [n, M, in]` times the transposed weights of the layers `sel` of `weight` (n of
-    them), plus their biases: `[n, M, out]`, one batched matmul."""
-    if weight.accumulates and (bias is None or bias.accumulates) and torch.is_grad_enabled():
-        return _WaveLinear.apply(x, weight.tensor, None if bias is None else bias.tensor, sel,
-                                 weight, bias)
-    w = weight.tensor[sel].transpose(1, 2)
-    if bias is None:
-        return torch.bmm(x, w)
-    return torch.baddbmm(bias.tensor[sel].unsqueeze(1), x, w)
-
-
-class _WaveLinear(torch.autograd.Function):
-    """`wave_linear` whose weight and bias gradients are added into their stacks' `grad`.
-    Under autocast it computes in the autocast dtype (as F.linear would), the stacks' gradients
-    staying in theirs."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, stack: Tensor, bias: Tensor | None, sel: slice,
-                weight: StackedWeight, shared_bias: StackedWeight | None) -> Tensor:
-        w = stack[sel]
-        cast = autocast_dtype(x.device)
-        if cast is not None:
-            x, w = x.to(cast), w.to(cast)
-        ctx.sel, ctx.weight, ctx.bias = sel, weight, shared_bias
-        ctx.save_for_backward(x, w)
-        if bias is None:
-            return torch.bmm(x, w.transpose(1, 2))
-        b = bias[sel].unsqueeze(1)
-        return torch.baddbmm(b if cast is None else b.to(cast), x, w.transpose(1, 2))
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None, None, None, None]:
-        x, w = ctx.saved_tensors
-        weight, sel = ctx.weight, ctx.sel
-        dy = dy.to(x.dtype)
-        grad = weight.zero_grad_buffer()[sel]
-        if grad.dtype == x.dtype:
-            grad.baddbmm_(dy.transpose(1, 2), x)
-        else:
-            grad.add_(torch.bmm(dy.transpose(1, 2), x))
-        if ctx.bias is not None:
-            ctx.bias.add_rows(sel, dy)
-        dx = torch.bmm(dy, w) if ctx.needs_input_grad[0] else None
-        return dx, None, None, None, None, None
-
-
-class WaveWeights:
-    """One pass's weights for the wavefront: `cell`, the per-layer fused weights of the
-    entering and leaving cells and the attention biases (`PassWeights(ends_only=True)`), and
-    for the batched matmuls each kind of weight stacked in reverse layer order, built from the
-    parameters (the per-layer fused copies are not kept next to the stacks)."""
-
-    def __init__(self, model: "Beta12Transformer", cell: "PassWeights") -> None:
-        self.cell = cell
-        layers = list(model.layers)[::-1]
-        self.out = StackedWeight([layer.attention.wo.weight for layer in layers])
-        self.gate_up = StackedWeight([layer.feed_forward.fused_weight(layer.ffn_norm)
-                                      for layer in layers])
-        self.down = StackedWeight([layer.feed_forward.w2.weight for layer in layers])
-        # Layer l+1's input projection with layer l's finished K/V, l+1 = L-1 … 1; one
-        # projection is kept to split the stacked ones' outputs into heads alike.
-        self.next_template: Projection | None = None
-        self.next_input = self.next_bias = None
-        self.next_head_norm: Tensor | None = None
-        if len(layers) > 1:
-            nexts = [_next_projection(model, l) for l in range(len(layers) - 1, 0, -1)]
-            self.next_template = nexts[0]
-            self.next_input = StackedWeight([p.weight.weight for p in nexts])
-            if nexts[0].bias is not None:
-                self.next_bias = StackedWeight([p.bias.weight for p in nexts])
-            if nexts[0].head_norm is not None:
-                self.next_head_norm = torch.stack([p.head_norm for p in nexts])
-
-
-def _next_projection(model: "Beta12Transformer", layer: int) -> Projection:
-    """Layer `layer`'s input projection fused with layer `layer - 1`'s finished K/V
-    (`PassWeights.input(layer, True)`)."""
-    rows = fused_input_rows(model.layers[layer - 1], model.layers[layer])
-    return Projection(rows, model.config.head_dim, model.elementwise_kernels)
-
-
 @dataclass
 class WaveOutput:
     """What one wave hands on (`run_wave`): the next wave's inputs, the finished K/V to
@@ -261,7 +140,7 @@ class Entering:
 
 
 def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], wave: Wave,
-             weights: WaveWeights, cos: Tensor, sin: Tensor, entering: Entering | None, *,
+             weights: "PassWeights", cos: Tensor, sin: Tensor, entering: Entering | None, *,
              dropout: float) -> WaveOutput:
     """One wave's cells (module doc). `x`, `qkv`: the cells' residual streams and queries and
     construction KVs (stacked, oldest cell first); `views`: each cell's history view;
@@ -269,12 +148,11 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
     next wave, whose layer-0 projection is laid next to the continuing cells' here."""
     kernels, eps = model.elementwise_kernels, model.config.norm_eps
     attention = model.attention_backend
-    cell = weights.cell
     n, batch, c, d = x.shape
     q, k, v = qkv
     keys = [view.key_set(l, k[i], v[i]) for i, (view, l) in enumerate(zip(views, wave.layers))]
     sel = wave.stack()
-    o = attention.attend_wave(q, k, v, keys, cell.pass_biases.wave(sel), layers=wave.layers,
+    o = attention.attend_wave(q, k, v, keys, weights.pass_biases.wave(sel), layers=wave.layers,
                               dropout_p=dropout).reshape(n, batch * c, -1)
     residual_dropout = model.config.dropout if model.training else 0.0
 
@@ -282,9 +160,9 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
         delta = delta.view(n, batch, c, d)
         return F.dropout(delta, residual_dropout) if residual_dropout else delta
 
-    x, normalized = kernels.add_rms_normalize(x, branch(wave_linear(o, weights.out, sel)), eps)
-    gate_up = wave_linear(normalized.flatten(1, 2), weights.gate_up, sel)
-    mlp = branch(wave_linear(kernels.swiglu(gate_up), weights.down, sel))
+    x, normalized = kernels.add_rms_normalize(x, branch(stacked_linear(o, weights.out, sel)), eps)
+    gate_up = stacked_linear(normalized.flatten(1, 2), weights.gate_up, sel)
+    mlp = branch(stacked_linear(kernels.swiglu(gate_up), weights.down, sel))
     x, normalized = kernels.add_rms_normalize(x, mlp, eps)
     finished: list[tuple[Tensor, Tensor]] = []
     hidden = None
@@ -293,7 +171,7 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
         # per part and their sum.
         (hidden, x), (leaving, normalized) = (t.split([1, n - 1]) for t in (x, normalized))
         hidden = hidden.squeeze(0)
-        fk, fv = cell.last_finished(leaving.squeeze(0), cos[wave.first], sin[wave.first])
+        fk, fv = weights.last_finished(leaving.squeeze(0), cos[wave.first], sin[wave.first])
         finished.append((fk, fv))
     continuing = None
     if len(x):
@@ -311,10 +189,10 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
                       hidden)
 
 
-def _enter(model: "Beta12Transformer", weights: WaveWeights, block: Entering) -> QKV:
+def _enter(model: "Beta12Transformer", weights: "PassWeights", block: Entering) -> QKV:
     """A block's layer-0 queries and construction K/V `[B, heads, c, d_h]` each."""
     normalized = model.elementwise_kernels.rms_normalize(block.x, model.config.norm_eps)
-    return tuple(weights.cell.input(0, False)(normalized, block.cos, block.sin))
+    return tuple(weights.input(0, False)(normalized, block.cos, block.sin))
 
 
 def _stack_cells(continuing: QKV | None, entering: QKV | None, block_size: int) -> QKV | None:
@@ -342,27 +220,27 @@ def _cells(t: Tensor, block_size: int) -> Tensor:
     return t.unflatten(2, (-1, block_size)).movedim(2, 0)
 
 
-def _next_inputs(normalized: Tensor, weights: WaveWeights, sel: slice, cos: Tensor,
+def _next_inputs(normalized: Tensor, weights: "PassWeights", sel: slice, cos: Tensor,
                  sin: Tensor) -> tuple[QKV, list[tuple[Tensor, Tensor]]]:
     """The next layer's fused input projection of the cells `normalized [n, B, c, d]`: their
     next queries and construction K/V (`[B, heads, n·c, d_h]`, the cells' tokens end to end),
     and per cell its own finished K/V."""
     n, batch, c, d = normalized.shape
-    y = wave_linear(normalized.flatten(1, 2), weights.next_input, sel, weights.next_bias)
+    project = weights.next
+    y = stacked_linear(normalized.flatten(1, 2), project.weight, sel, project.bias)
     # The cells' tokens end to end, `[B, n·c, W]`: one split into heads and RoPE for all.
     y = y.view(n, batch, c, -1).transpose(0, 1).flatten(1, 2)
     head_norm = None
-    if weights.next_head_norm is not None:
-        norms = weights.next_head_norm[sel]  # [n, heads, d_h]
+    if project.head_norm is not None:
+        norms = project.head_norm[sel]  # [n, heads, d_h]
         head_norm = norms.transpose(0, 1)[:, :, None].expand(-1, -1, c, -1).flatten(1, 2)
-    fk, q, k, v, fv = weights.next_template.split(y, cos.flatten(0, 1), sin.flatten(0, 1),
-                                                  head_norm)
+    fk, q, k, v, fv = project.split(y, cos.flatten(0, 1), sin.flatten(0, 1), head_norm)
     fk, fv = (p.unflatten(2, (n, c)).unbind(2) for p in (fk, fv))
     return (q, k, v), list(zip(fk, fv))
 
 
 def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tensor,
-                  cell: "PassWeights", history: BufferedHistory | PieceHistory, *,
+                  weights: "PassWeights", history: BufferedHistory | PieceHistory, *,
                   dropout: float) -> Tensor:
     """The final hidden states `[B, T, d]` of the embeddings `x [B, T, d]` (T > c), wave by
     wave; `cos/sin [T', d_h]` cover the padded length T' = ⌈T/c⌉·c."""
@@ -373,7 +251,6 @@ def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tenso
     cos, sin = cos.unflatten(0, (blocks, c)), sin.unflatten(0, (blocks, c))
     layers = len(model.layers)
     plan = WavePlan(blocks, layers, min(model.config.depth_window, layers - 1) + 1)
-    weights = WaveWeights(model, cell)
     embeddings = x.split(c, dim=1)
 
     def entering(t: int) -> Entering | None:

@@ -117,19 +117,20 @@ def test_wavefront_check_compares_with_the_block_schedule(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The wavefront check passes on cpu_flash (GQA with a deep-token window), and fails when
     the wavefront's attention loses the self bias (the block schedule's does not)."""
-    from megabeta.model import wavefront
+    from megabeta.model.beta12 import PassWeights
 
     fields, length, _ = checks.model_shape("small", "gqa+window")
     assert within(checks.wavefront_errors("cpu_flash", FP32, CPU, fields, length),
                   GRAD_TOL["fp32"])
-    cell_weights = wavefront.WaveWeights.__init__
+    build = PassWeights.__init__
 
-    def zero_self_bias(self, model, cell):
-        cell_weights(self, model, cell)
-        biases = cell.pass_biases
-        biases.self_bias = torch.zeros_like(biases.self_bias)
+    def zero_self_bias(self, model, *args, wavefront=False, **kwargs):
+        build(self, model, *args, wavefront=wavefront, **kwargs)
+        if wavefront:
+            biases = self.pass_biases
+            biases.self_bias = torch.zeros_like(biases.self_bias)
 
-    monkeypatch.setattr(wavefront.WaveWeights, "__init__", zero_self_bias)
+    monkeypatch.setattr(PassWeights, "__init__", zero_self_bias)
     assert not within(checks.wavefront_errors("cpu_flash", FP32, CPU, fields, length),
                       GRAD_TOL["fp32"])
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megabeta.model.layers import SharedWeight, apply_rope, linear, rms_normalize, rope_tables
+from megabeta.model.layers import (StackedWeight, apply_rope, linear, rms_normalize, rope_tables,
+                                   stacked_linear)
 
 
 def _heads(*shape: int) -> torch.Tensor:
@@ -64,7 +65,8 @@ def test_rope_computes_in_the_tables_precision_and_keeps_the_input_dtype() -> No
 @pytest.mark.parametrize("dtype,autocast", [(torch.float64, False), (torch.bfloat16, True),
                                             (torch.float32, True)])
 def test_shared_weight_gradients_sum_over_its_calls(dtype: torch.dtype, autocast: bool) -> None:
-    """`linear` with a SharedWeight: the weight's and bias's gradients over three calls equal
+    """`linear` with a weight of one layer (`StackedWeight.one`): the weight's and bias's
+    gradients over three calls equal
     autograd's through F.linear (accumulated in place where the dtypes allow, under bf16
     autocast with fp32 weights by autograd), and reach the parameters once."""
     gen = torch.Generator().manual_seed(0)
@@ -72,7 +74,7 @@ def test_shared_weight_gradients_sum_over_its_calls(dtype: torch.dtype, autocast
     b = torch.randn(5, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
     xs = [torch.randn(2, 3, 4, generator=gen, dtype=torch.float64).to(dtype) for _ in range(3)]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        shared_w, shared_b = SharedWeight(w * 2), SharedWeight(b * 3)
+        shared_w, shared_b = StackedWeight.one(w * 2), StackedWeight.one(b * 3)
         loss = sum((linear(x, shared_w, shared_b) * (i + 1)).sum() for i, x in enumerate(xs))
         want = sum((F.linear(x, w * 2, b * 3) * (i + 1)).sum() for i, x in enumerate(xs))
     want_w, want_b = torch.autograd.grad(want, (w, b))
@@ -81,3 +83,29 @@ def test_shared_weight_gradients_sum_over_its_calls(dtype: torch.dtype, autocast
     torch.testing.assert_close(w.grad, want_w, **tol)
     torch.testing.assert_close(b.grad, want_b, **tol)
     assert shared_w.grad is None and shared_b.grad is None  # handed out, not kept
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float64, False), (torch.float32, True)])
+def test_stacked_weight_gradients_add_through_strided_views(dtype: torch.dtype,
+                                                            autocast: bool) -> None:
+    """`stacked_linear` on views of one stack (the wavefront's waves; the whole stack first, so
+    that the gradient starts from that product, then strided and single layers): weight and
+    bias gradients equal autograd's through plain batched matmuls."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(4, 5, 3, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    b = torch.randn(4, 5, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    sels = [slice(0, 4), slice(0, 4, 2), slice(1, 4, 2), slice(2, 3)]
+    xs = [torch.randn(len(range(4)[sel]), 6, 3, generator=gen, dtype=torch.float64).to(dtype)
+          for sel in sels]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        stack, bias = StackedWeight(w * 2), StackedWeight(b * 3)
+        loss = sum((stacked_linear(x, stack, sel, bias) * (i + 1)).sum()
+                   for i, (x, sel) in enumerate(zip(xs, sels)))
+        want = sum((torch.baddbmm((b * 3)[sel].unsqueeze(1), x, (w * 2)[sel].transpose(1, 2))
+                    * (i + 1)).sum() for i, (x, sel) in enumerate(zip(xs, sels)))
+    want_w, want_b = torch.autograd.grad(want, (w, b))
+    loss.backward()
+    tol = dict(atol=0, rtol=1e-12) if dtype == torch.float64 else dict(atol=0.1, rtol=0.02)
+    torch.testing.assert_close(w.grad, want_w, **tol)
+    torch.testing.assert_close(b.grad, want_b, **tol)
+    assert stack.grad is None and bias.grad is None
