@@ -28,6 +28,7 @@ from megabeta.model.attention import AttentionBias, BiasRows, WaveBias
 from megabeta.model.block_graphs import BlockGraphs, CudaCapture
 from megabeta.model.cache import DecodeCache
 from megabeta.model.config import ConfigError
+from megabeta.model.documents import padded_starts
 from megabeta.model.history import (
     BufferPool,
     BufferedHistory,
@@ -271,10 +272,13 @@ class Beta12Transformer(DecoderLM):
         out.hidden = x
         return out
 
-    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
-        """Logits `[B, T, V]`, or the mean next-token loss when `targets [B, T]` is given."""
+    def forward(self, tokens: Tensor, targets: Tensor | None = None,
+                documents: Tensor | None = None) -> Tensor:
+        """Logits `[B, T, V]`, or the mean next-token loss when `targets [B, T]` is given;
+        `documents [B, T]`: the tokens' document ids (spec §7), None: one document."""
         length = tokens.shape[1]
         self._check_length(length)
+        starts = self._document_starts(documents, tokens)
         c = self.config.block_size
         x = self.tok_embeddings(tokens)
         if self.execution.cuda_graphs and self.block_graphs is None:
@@ -286,7 +290,7 @@ class Beta12Transformer(DecoderLM):
             padded = -(-length // c) * c
             weights = PassWeights(self, finished=True, length=padded, wavefront=True)
             cos, sin = self.rope(0, padded, x)
-            history = self._history(x, static=False)
+            history = self._history(x, static=False, documents=padded_starts(starts, padded))
             try:
                 hidden = run_wavefront(self, x, cos, sin, weights, history, dropout=dropout)
             finally:
@@ -297,7 +301,7 @@ class Beta12Transformer(DecoderLM):
         weights = PassWeights(self, finished=length > c, length=length, traced=static)
         # The tables of the whole sequence, once per pass; each block reads a slice (no copy).
         cos, sin = self.rope(0, length, x)
-        history = self._history(x, static=static)
+        history = self._history(x, static=static, documents=starts)
         if static:
             self._prepare_static(history, weights, x)
         hidden = []
@@ -308,7 +312,7 @@ class Beta12Transformer(DecoderLM):
                 e = min(s + c, length)
                 rope = (cos[s:e], sin[s:e])
                 if static:
-                    out = self._static_block(block, rope, history.step_view(s), weights,
+                    out = self._static_block(block, rope, history.step_view(s, e - s), weights,
                                              dropout=dropout)
                 else:
                     out = self._run(self._block, block, rope, history.view(s), weights,
@@ -346,15 +350,18 @@ class Beta12Transformer(DecoderLM):
         with _saved_unchecked():
             return self._run(step, x, rope, view, weights, **kwargs)
 
-    def _history(self, x: Tensor, *, static: bool) -> BufferedHistory | PieceHistory:
+    def _history(self, x: Tensor, *, static: bool,
+                 documents: Tensor | None) -> BufferedHistory | PieceHistory:
         """Zero-copy buffers for the backends that read them; per-block pieces for the others
-        (and for a single block, which reads no history)."""
+        (and for a single block, which reads no history). `documents`: the pass's document
+        starts (None: no mask), which every view hands its block's readers."""
         c, backend, length = self.config, self.attention_backend, x.shape[1]
         if backend.reads_buffers and length > c.block_size:
             return BufferedHistory(self._sources(), c.deep_token_window, length,
                                    dtype=backend.layout.stored_dtype(self._finished_dtype(x)),
-                                   check_order=not static, pool=self.history_pool)
-        return PieceHistory(self._sources(), c.deep_token_window)
+                                   check_order=not static, pool=self.history_pool,
+                                   documents=documents)
+        return PieceHistory(self._sources(), c.deep_token_window, documents)
 
     def _finished_dtype(self, x: Tensor) -> torch.dtype:
         """The finished keys' dtype: the projections' (under autocast its dtype; RoPE keeps it,

@@ -90,6 +90,8 @@ class _Shape:
     autocast: tuple[str, bool, torch.dtype]
     """The forward's autocast state (device type, on, dtype): both graphs run under it, also
     the backward's recompute, which autograd calls outside the forward's context."""
+    documents: Tensor | None = None
+    """The block's document bounds `[B, c]` (spec §7), when the captured graphs read them."""
     weights: list[Tensor] = field(default_factory=list)
     """The pass's weights, leaves that ask for gradients (the backward graph's inputs)."""
     weight_grads: list[Tensor] = field(default_factory=list)
@@ -168,22 +170,30 @@ class BlockGraphs:
         return outs[0], list(outs[1:1 + layers]), list(outs[1 + layers:])
 
     # ---- the two graphs -------------------------------------------------------------------------
-    def _copy_in(self, x: Tensor, cos: Tensor, sin: Tensor, start: Tensor) -> _Shape:
+    def _copy_in(self, x: Tensor, cos: Tensor, sin: Tensor, view: StepView) -> _Shape:
         current = self._current
         if current.x.shape != x.shape:
             current.x, current.cos, current.sin = (torch.empty_like(t) for t in (x, cos, sin))
+        documents = view.documents
+        if (documents is None) != (current.documents is None):
+            # Graphs captured with a document mask read other tensors than those without.
+            current.documents = None if documents is None else torch.empty_like(documents)
+            current.forward = current.backward = None
         current.x.copy_(x)
         current.cos.copy_(cos)
         current.sin.copy_(sin)
-        current.start.copy_(start)
+        current.start.copy_(view.start)
+        if documents is not None:
+            current.documents.copy_(documents)
         return current
 
     def _view(self, current: _Shape, like: StepView) -> StepView:
-        return StepView(*current.history, current.start, None, like.layer_sources, like.window)
+        return StepView(*current.history, current.start, None, like.layer_sources, like.window,
+                        current.documents)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, view: StepView,
                 kwargs: dict) -> list[Tensor]:
-        current = self._copy_in(x, cos, sin, view.start)
+        current = self._copy_in(x, cos, sin, view)
         if current.forward is None:
             fixed_view = self._view(current, view)
 
@@ -206,7 +216,7 @@ class BlockGraphs:
     def backward(self, x: Tensor, cos: Tensor, sin: Tensor, view: StepView, kwargs: dict,
                  grads: list[Tensor | None]) -> tuple[Tensor, list[Tensor] | None]:
         """The input's gradient, and, at the last block of the pass, the weights'."""
-        current = self._copy_in(x, cos, sin, view.start)
+        current = self._copy_in(x, cos, sin, view)
         if not current.output_grads:
             current.output_grads = [torch.zeros_like(t) for t in current.outputs]
         for fixed, grad in zip(current.output_grads, grads):

@@ -51,7 +51,13 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from megabeta.model.attention.backend import GroupBatch, KeySet, group_rows, group_runs
+from megabeta.model.attention.backend import (
+    DocumentBounds,
+    GroupBatch,
+    KeySet,
+    group_rows,
+    group_runs,
+)
 
 History = list[tuple[Tensor, ...]]
 """Per source layer m, the finished K (or V) pieces covering tokens 0 … start(block)-1, in order."""
@@ -90,33 +96,47 @@ class PieceView:
     keys: History
     values: History
     prefix: list[tuple[Tensor, Tensor]] | None = None
+    documents: Tensor | None = None
+    """The pass's document starts `[B, T]` (spec §7, `model.documents`); None: no mask."""
 
     def key_set(self, layer: int, k: Tensor, v: Tensor) -> KeySet:
         """Keys for the queries of `layer` whose own construction KVs are `k, v`."""
-        finished = []
+        finished, first = [], []
         for m in self.sources[layer] if self.block_start > 0 else ():
             rows = group_rows(self.window, layer, m, self.block_start)
             keep = rows.stop - rows.start
-            finished += [(m - layer, pk, pv) for pk, pv in
-                         zip(_tail(self.keys[m], keep), _tail(self.values[m], keep))]
-        keys = KeySet(k=k, v=v, finished=finished)
+            for pk, pv in zip(_tail(self.keys[m], keep), _tail(self.values[m], keep)):
+                finished.append((m - layer, pk, pv))
+                first.append(rows.start)
+                rows = slice(rows.start + pk.shape[2], rows.stop)
+        keys = KeySet(k=k, v=v, finished=finished, finished_first=first,
+                      documents=block_bounds(self.documents, self.block_start, k.shape[2]))
         if self.prefix is not None:
             keys.prefix_k, keys.prefix_v = self.prefix[layer]
         return keys
 
 
-class PieceHistory:
-    """The growing history of one forward as per-block pieces per source layer."""
+def block_bounds(documents: Tensor | None, start: int, n: int) -> DocumentBounds | None:
+    """The document bounds of the `n` queries from `start` on, from the pass's document starts
+    `[B, T]` (a view: no kernel per block)."""
+    return None if documents is None else DocumentBounds(documents[:, start:start + n], start)
 
-    def __init__(self, sources: list[list[int]], window: int) -> None:
-        self.sources, self.window = sources, window
+
+class PieceHistory:
+    """The growing history of one forward as per-block pieces per source layer; `documents`:
+    the pass's document starts `[B, T]` (None: no document mask)."""
+
+    def __init__(self, sources: list[list[int]], window: int,
+                 documents: Tensor | None = None) -> None:
+        self.sources, self.window, self.documents = sources, window, documents
         self.keys: list[list[Tensor]] = [[] for _ in sources]
         self.values: list[list[Tensor]] = [[] for _ in sources]
 
     def view(self, block_start: int) -> PieceView:
         # Snapshots (tuples): a recomputed block must see exactly the pieces its forward saw.
         return PieceView(self.sources, self.window, block_start,
-                         [tuple(p) for p in self.keys], [tuple(p) for p in self.values])
+                         [tuple(p) for p in self.keys], [tuple(p) for p in self.values],
+                         documents=self.documents)
 
     def publish(self, cells: list[Cell], fin_k: list[Tensor], fin_v: list[Tensor]) -> None:
         """Add the finished KVs of `cells` (each layer's blocks in order) to the history."""
@@ -173,8 +193,10 @@ class BufferedHistory:
 
     def __init__(self, sources: list[list[int]], window: int, length: int, *,
                  dtype: torch.dtype, check_order: bool = True,
-                 pool: BufferPool | None = None) -> None:
+                 pool: BufferPool | None = None, documents: Tensor | None = None) -> None:
         self.sources, self.window, self.length = sources, window, length
+        self.documents = documents
+        """The pass's document starts `[B, T]` (spec §7); None: no document mask."""
         self.dtype = dtype
         self._loan = None if pool is None else _Loan(pool)
         if self._loan is not None:
@@ -237,12 +259,16 @@ class BufferedHistory:
         self._anchor = torch.zeros((), dtype=dtype, device=device,
                                    requires_grad=torch.is_grad_enabled())
 
-    def step_view(self, block_start: int) -> "StepView":
-        """What the block at `block_start` reads, with its start as a tensor (`allocate` first)."""
+    def step_view(self, block_start: int, n: int) -> "StepView":
+        """What the block of `n` tokens at `block_start` reads, with its start as a tensor
+        (`allocate` first)."""
         grad_keys, grad_values = (self.gradient_buffers() if self.grad_keys is not None
                                   else (self.keys.new_empty(0), self.keys.new_empty(0)))
+        documents = (None if self.documents is None
+                     else self.documents[:, block_start:block_start + n])
         return StepView(self.keys, self.values, grad_keys, grad_values,
-                        self.positions[block_start], self._anchor, self.sources, self.window)
+                        self.positions[block_start], self._anchor, self.sources, self.window,
+                        documents)
 
     def publish(self, cells: list[Cell], fin_k: list[Tensor], fin_v: list[Tensor]) -> None:
         """Make the finished KVs of `cells` visible to every later reader (each layer's blocks
@@ -362,17 +388,19 @@ class BufferedView:
     reads: Reads
 
     def key_set(self, layer: int, k: Tensor, v: Tensor) -> KeySet:
+        documents = block_bounds(self.history.documents, self.block_start, k.shape[2])
         if self.block_start == 0:
-            return KeySet(k=k, v=v)
+            return KeySet(k=k, v=v, documents=documents)
         self.reads.layers.add(layer)
-        return KeySet(k=k, v=v, stored=self)
+        return KeySet(k=k, v=v, stored=self, documents=documents)
 
     def batches(self, layer: int) -> list[GroupBatch]:
         """The finished groups of `layer` as stacked batches: runs of adjacent
         source layers that read the same rows, each one view of the buffers."""
         history = self.history
         return [GroupBatch(history.keys[sources, :, :, rows], history.values[sources, :, :, rows],
-                           offsets, lambda sources=sources, rows=rows: history.grads(sources, rows))
+                           offsets, lambda sources=sources, rows=rows: history.grads(sources, rows),
+                           first=rows.start)
                 for sources, rows, offsets in group_runs(history.sources[layer], layer,
                                                          history.window, self.block_start)]
 
@@ -418,13 +446,16 @@ class StepView:
     anchor: Tensor | None
     layer_sources: list[list[int]]
     window: int
+    documents: Tensor | None = None
+    """The block's document bounds `[B, n]` (`DocumentBounds.lower`); None: no mask."""
     block_start = None
     """Not known to Python here (`StoredHistory.block_start`)."""
     done_reading = None
 
     def key_set(self, layer: int, k: Tensor, v: Tensor) -> KeySet:
         # The first block too: it reads no rows (start 0), through the same graph.
-        return KeySet(k=k, v=v, stored=self)
+        documents = None if self.documents is None else DocumentBounds(self.documents, None)
+        return KeySet(k=k, v=v, stored=self, documents=documents)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -18,9 +18,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from megabeta.model.attention import NO_BIAS, AttentionBackend, KeySet, select_attention
+from megabeta.model.attention import (
+    NO_BIAS,
+    AttentionBackend,
+    DocumentBounds,
+    KeySet,
+    select_attention,
+)
 from megabeta.model.cache import DecodeCache, KVBuffer
 from megabeta.model.config import ConfigError, ModelConfig
+from megabeta.model.documents import document_starts
 from megabeta.model.execution import ExecutionConfig
 from megabeta.model.elementwise import select_elementwise_kernels
 from megabeta.model.layers import (
@@ -129,6 +136,14 @@ class DecoderLM(nn.Module):
         return cos.to(like.device, like.dtype), sin.to(like.device, like.dtype)
 
     # ---- helpers for subclasses -----------------------------------------------------------------
+    def _document_starts(self, documents: Tensor | None, tokens: Tensor) -> Tensor | None:
+        """The pass's document starts (`documents.document_starts`), once the backend is known
+        to apply them."""
+        if documents is not None and not self.attention_backend.capabilities.documents:
+            raise ConfigError(f"execution.attention = {self.attention_backend.name!r} has no "
+                              "document mask (documents=, data.document_mask): use explicit")
+        return document_starts(documents, tokens)
+
     def _check_length(self, length: int) -> None:
         if length > self.config.max_seq_len:
             raise ValueError(f"sequence of {length} tokens exceeds model.max_seq_len = "
@@ -215,12 +230,15 @@ class StandardTransformer(DecoderLM):
                 for layer in self.layers]
 
     def _layer(self, layer: TransformerLayer, weights: tuple[Projection, BranchWeights], x: Tensor,
-               cos: Tensor, sin: Tensor, cache: KVBuffer | None) -> tuple[Tensor, Tensor, Tensor]:
-        """One layer on tokens with RoPE tables `cos/sin`; earlier tokens' KVs come from `cache`."""
+               cos: Tensor, sin: Tensor, cache: KVBuffer | None,
+               documents: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """One layer on tokens with RoPE tables `cos/sin`; earlier tokens' KVs come from `cache`;
+        `documents`: the tokens' document starts (spec §7: block-causal attention), or None."""
         projection, branches = weights
         kernels, eps = self.elementwise_kernels, self.config.norm_eps
         q, k, v = projection(kernels.rms_normalize(x, eps), cos, sin)
-        keys = KeySet(k=k, v=v)
+        keys = KeySet(k=k, v=v, documents=None if documents is None
+                      else DocumentBounds(documents, 0))
         if cache is not None:
             keys.prefix_k, keys.prefix_v = cache.view()
         dropout = self.config.dropout if self.training else 0.0
@@ -233,14 +251,17 @@ class StandardTransformer(DecoderLM):
         """(layer, its fused weights) in the order the layers are applied."""
         return list(zip(self.layers, self._weights())) * self._repeats()
 
-    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
-        """Logits `[B, T, V]`, or the mean next-token loss when `targets [B, T]` is given."""
+    def forward(self, tokens: Tensor, targets: Tensor | None = None,
+                documents: Tensor | None = None) -> Tensor:
+        """Logits `[B, T, V]`, or the mean next-token loss when `targets [B, T]` is given;
+        `documents [B, T]`: the tokens' document ids (spec §7), None: one document."""
         self._check_length(tokens.shape[1])
+        starts = self._document_starts(documents, tokens)
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope(0, tokens.shape[1], x)
         for layer, weights in self._applications():
             x = self._run(lambda h, layer=layer, weights=weights:
-                          self._layer(layer, weights, h, cos, sin, None)[0], x)
+                          self._layer(layer, weights, h, cos, sin, None, starts)[0], x)
         return self.head(x, targets)
 
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:

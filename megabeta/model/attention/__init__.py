@@ -6,6 +6,7 @@ from megabeta.model.attention.backend import (
     AttentionBackend,
     AttentionBias,
     BiasRows,
+    DocumentBounds,
     GroupBatch,
     KeyLayout,
     KeySet,
@@ -14,5 +15,5 @@ from megabeta.model.attention.backend import (
 )
 from megabeta.model.attention.select import select_attention
 
-__all__ = ["AttentionBackend", "AttentionBias", "BiasRows", "NO_BIAS", "GroupBatch", "KeyLayout",
+__all__ = ["AttentionBackend", "AttentionBias", "BiasRows", "DocumentBounds", "NO_BIAS", "GroupBatch", "KeyLayout",
            "KeySet", "StoredHistory", "WaveBias", "select_attention"]

@@ -216,6 +216,8 @@ class GroupBatch:
     v: Tensor
     offsets: list[int]
     grads: Callable[[], tuple[Tensor, Tensor]] | None = None
+    first: int = 0
+    """Position of the first row (what `DocumentBounds` compare rows with)."""
 
 
 class StoredHistory(Protocol):
@@ -259,6 +261,31 @@ class StoredHistory(Protocol):
     is told; a static block step cannot call back into Python)."""
 
 
+@dataclass(frozen=True)
+class DocumentBounds:
+    """Spec §7 for one block of queries: each query reads only keys of its own document, and
+    documents are contiguous, so that is one lower bound per query row. A key at position j
+    (the sample's, absolute) is read by query row r iff `j >= lower[:, r]`; the self slot
+    always is (j = i). Backends skip key tiles wholly below a tile's smallest bound."""
+
+    lower: Tensor
+    """`[B, n]` int64: the first position of each query's document."""
+    start: int | None
+    """Position of the block's first query (its own keys' first position); None inside a
+    static block step, whose readers take it from `StoredHistory.start_index()`."""
+
+    def allowed(self, positions: Tensor) -> Tensor:
+        """`[B, 1, n, len]` bool: which of the keys at `positions [len]` each query reads
+        (broadcasts over heads)."""
+        return (positions[None, None, None, :] >= self.lower[:, None, :, None])
+
+    def own_positions(self, n: int) -> Tensor:
+        """Positions of the queries' own keys (the block's tokens), on the bounds' device."""
+        if self.start is None:
+            raise RuntimeError("a static block step's bounds have no Python start")
+        return torch.arange(self.start, self.start + n, device=self.lower.device)
+
+
 @dataclass
 class KeySet:
     """The keys one block of queries reads, `[B, H_kv, len, …]`: the queries' own keys with
@@ -270,14 +297,20 @@ class KeySet:
     finished: list[tuple[int, Tensor, Tensor]] = field(default_factory=list)
     """(depth offset m - l, keys, values) per piece of a finished group (a group may come in
     several pieces, e.g. one per earlier block)."""
+    finished_first: list[int] = field(default_factory=list)
+    """Position of each `finished` piece's first key (read with `documents` only)."""
     prefix_k: Tensor | None = None
     """Construction keys of this block's earlier tokens that are not queries now (decoding)."""
     prefix_v: Tensor | None = None
     stored: StoredHistory | None = None
     """The history as buffers instead of `finished`/`prefix` pieces (training forward)."""
+    documents: DocumentBounds | None = None
+    """The queries' document bounds (spec §7); None: no document mask. Never with a decoding
+    `prefix` (a cache holds one document)."""
 
     def history_pieces(self) -> tuple[list[Tensor], list[Tensor], list[int]]:
-        """History pieces (finished groups, then prefix) with each piece's depth offset."""
+        """History pieces (finished groups, then prefix) with each piece's depth offset (their
+        positions: `finished_first`)."""
         ks = [k for _, k, _ in self.finished]
         vs = [v for _, _, v in self.finished]
         offsets = [d for d, _, _ in self.finished]
@@ -302,6 +335,8 @@ class Capabilities:
     block step serves every block (`execution.compile`, `execution.cuda_graphs`)."""
     batched_waves: bool
     """A wave's cells in one call (`attend_wave`), rather than cell by cell."""
+    documents: bool = False
+    """Document masks (spec §7, `KeySet.documents`) in every path it serves."""
 
 
 class AttentionBackend(Protocol):

@@ -26,7 +26,7 @@ class ExplicitAttention(CellByCell):
     name = "explicit"
     reads_buffers = False
     capabilities = Capabilities(devices=None, dropout=True, static_step=False,
-                                batched_waves=False)
+                                batched_waves=False, documents=True)
 
     def __init__(self, head_dim: int) -> None:
         self.layout = KeyLayout(head_dim)
@@ -54,5 +54,19 @@ class ExplicitAttention(CellByCell):
         columns.append(square.expand(heads, n, n))
 
         scores = q @ k.transpose(-1, -2) / math.sqrt(head_dim) + torch.cat(columns, dim=2)
+        if keys.documents is not None:
+            scores = scores.masked_fill(~keys.documents.allowed(_positions(keys, n)),
+                                        float("-inf"))
         probs = F.dropout(torch.softmax(scores, dim=-1), p=dropout_p)
         return probs @ v
+
+
+def _positions(keys: KeySet, n: int) -> Tensor:
+    """The position of every key in the order `attend` concatenates them (history pieces,
+    then the queries' own keys)."""
+    if keys.prefix_k is not None and keys.prefix_k.shape[2] > 0:
+        raise ValueError("a document mask with a decoding prefix: a cache holds one document")
+    device = keys.k.device
+    pieces = [torch.arange(first, first + k.shape[2], device=device)
+              for first, (_, k, _) in zip(keys.finished_first, keys.finished)]
+    return torch.cat([*pieces, keys.documents.own_positions(n)])
