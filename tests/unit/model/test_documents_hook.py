@@ -66,12 +66,10 @@ def test_a_model_without_documents_is_refused():
 
 
 @pytest.mark.parametrize("arch", ["beta12", "standard", "looped"])
-def test_the_arms_are_refused_until_they_take_documents(arch):
+def test_every_arm_takes_documents(arch):
     model = build_model(tiny_config(arch=arch), ExecutionConfig(attention="explicit"))
-    if takes_documents(model):
-        pytest.skip(f"the {arch} arm takes documents=")
-    with pytest.raises(ConfigError, match="documents="):
-        require_document_mask_support(model)
+    assert takes_documents(model)
+    require_document_mask_support(model)
 
 
 def test_training_hands_each_batch_its_ids_and_plain_batches_none():
@@ -129,7 +127,7 @@ def test_a_block_aligned_run_hands_ids_to_every_forward(tmp_path, monkeypatch, o
         def forward(tokens: Tensor, targets: Tensor | None = None,
                     documents: Tensor | None = None) -> Tensor:
             calls.append(documents)
-            return plain(tokens, targets)
+            return plain(tokens, targets, documents)
 
         model.forward = forward
         return model
