@@ -42,12 +42,14 @@ WORKER = REPO / "tests" / "support" / "masked_step_worker.py"
 def hand_loss_and_gradients() -> tuple[float, torch.Tensor, float]:
     """(global mean over the scored targets of the four samples, its gradients, the mean of
     the two 2-sample micro-batch means a per-micro-batch average would give), by a log-softmax
-    over the full float64 logits, the scored targets picked by hand from the masks."""
+    over the full float64 logits of each sample alone with its documents, the scored targets
+    picked by hand from the masks."""
     model = tiny_model(attention=ATTENTION)
     terms = []
     for sample in global_samples():
         tokens = torch.from_numpy(sample.tokens)
-        logp = torch.log_softmax(model(tokens[None, :-1])[0], dim=-1)
+        documents = torch.from_numpy(sample.documents)[None]
+        logp = torch.log_softmax(model(tokens[None, :-1], documents=documents)[0], dim=-1)
         terms.append([-logp[t - 1, int(tokens[t])] for t in range(1, len(tokens))
                       if sample.mask[t]])
     every = [term for sample_terms in terms for term in sample_terms]
@@ -211,5 +213,5 @@ def test_trainer_trains_on_masked_document_aligned_data(masked_prefix, tmp_path)
     for first, second in zip(seen[::2], seen[1::2]):
         total = first[0] + second[0]
         assert (first[2], second[2]) == (first[0] / total, second[0] / total)
-    with pytest.raises(ConfigError, match="data.align = 'lines': must be packed or document"):
+    with pytest.raises(ConfigError, match="data.align = 'lines': must be packed, block or document"):
         load_config(TINY_CONFIG, [*TINY_OVERRIDES, "--data.align=lines"]).validate()

@@ -18,14 +18,18 @@ which the loss does not care about)."""
 
 
 def global_samples() -> list[MaskedSample]:
-    """Four samples of SEQ + 1 tokens; sample k scores SCORED[k] targets at seeded positions."""
+    """Four samples of SEQ + 1 tokens; sample k scores SCORED[k] targets at seeded positions,
+    and its inputs hold documents starting at seeded positions (spec §7, data.document_mask),
+    so the engines' `documents=` is part of what the step computes."""
     rng = np.random.default_rng(7)
     samples = []
     for count in SCORED:
         tokens = rng.integers(0, VOCAB, SEQ + 1).astype(np.int64)
         mask = np.zeros(SEQ + 1, dtype=np.uint8)
         mask[1 + rng.choice(SEQ, size=count, replace=False)] = 1
-        samples.append(MaskedSample(tokens, mask))
+        starts = np.zeros(SEQ, dtype=np.int32)
+        starts[1 + rng.choice(SEQ - 1, size=2, replace=False)] = 1
+        samples.append(MaskedSample(tokens, mask, starts.cumsum(dtype=np.int32)))
     return samples
 
 
