@@ -71,6 +71,21 @@ def test_wavefront_trains_like_the_block_schedule(backend: str, single_run: Path
     assert_close_losses(single_run, tmp_path, 1e-4)
 
 
+DOCUMENTS = ["--data.align=block", "--data.document_mask=true"]
+
+
+def test_document_masked_training_on_deepspeed_matches_single_process(
+        single_run: Path, tiny_data, tmp_path: Path) -> None:
+    """data.document_mask with block-aligned packing (spec §7) through DeepSpeed ZeRO-1 on two
+    ranks: the ids reach the model (the losses are not the unmasked run's) and follow the
+    single process's."""
+    launch(args_for(tiny_data, tmp_path / "single", *DOCUMENTS))
+    launch(args_for(tiny_data, tmp_path / "ds", *DOCUMENTS, "--parallel.backend=deepspeed",
+                    "--parallel.zero_stage=1"), nproc=2)
+    assert_close_losses(tmp_path / "single", tmp_path / "ds", 1e-4)
+    assert losses(tmp_path / "single") != losses(single_run)
+
+
 @pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
 def test_resume_is_bitwise_exact_on_two_ranks(backend: str, tiny_data, tmp_path: Path) -> None:
     extra = [f"--parallel.backend={backend}", "--parallel.zero_stage=1"]
