@@ -22,6 +22,7 @@ kernels.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -55,7 +56,7 @@ def build() -> bool:
             # for at::parallel_for, which is inlined into the kernels.
             flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DCPU_CAPABILITY=AVX2",
                      "-DCPU_CAPABILITY_AVX2"]
-            load(name="megabeta_finished_groups", sources=[_SOURCE], extra_cflags=flags,
+            load(name=_build_name(flags), sources=[_SOURCE], extra_cflags=flags,
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             return True
         except Exception as error:  # noqa: BLE001 - any build failure means: use the fallback
@@ -63,6 +64,14 @@ def build() -> bool:
     log.warning("megabeta: fused CPU kernels for the finished groups unavailable, attention "
                 "takes the cpu_flash backend (ATen's kernels, slower at small blocks): %s", reason)
     return False
+
+
+def _build_name(flags: list[str]) -> str:
+    """The build's name, and so its folder in torch's extension cache: named by the source and
+    flags, so that two checkouts of another version on one machine (or a run while another
+    rebuilds) never load or overwrite each other's library."""
+    digest = hashlib.sha256(open(_SOURCE, "rb").read() + " ".join(flags).encode()).hexdigest()
+    return f"megabeta_finished_groups_{digest[:12]}"
 
 
 def _put_ninja_on_path() -> None:
