@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "accuracy per task (needs the tokenizer)")
     data.add_argument("--align", choices=("packed", "document"),
                       help="data.align (default: document for task data, else packed)")
+    data.add_argument("--document-mask", action="store_true",
+                      help="data.document_mask for every arm: each token attends only within "
+                      "its own document of a packed sample (spec §7), in training and in the "
+                      "test evaluation (default: off)")
     train = parser.add_argument_group("training (the same for every arm)")
     train.add_argument("--seq-len", type=int, help="tokens per sample (default: the scale's)")
     train.add_argument("--global-batch", type=int, help="sequences per step (default: 16)")
@@ -293,6 +297,7 @@ def plan(args: argparse.Namespace, say=print) -> tuple[Settings, list, str, dict
     settings = Settings(
         out=out, scale=scale, data=data, tokenizer=tokenizer, seq_len=seq_len,
         val_fraction=0.0 if test_data else args.val_fraction, align=align,
+        document_mask=args.document_mask,
         test_data=test_data, task_files=task_files, batches=batches, seeds=seeds,
         global_batch=global_batch, micro_batch=micro_batch,
         lr=args.lr if args.lr is not None else (None if base else scale.lr),

@@ -66,6 +66,8 @@ class Settings:
     val_fraction: float
     """data.val_fraction of the training runs (0 when the held-out set is --test-data)."""
     align: str
+    document_mask: bool
+    """data.document_mask of every arm (spec §7), also in the test evaluation."""
     test_data: list[str]
     """Held-out dataset prefixes; empty: the validation split of `data`."""
     task_files: list[str]
@@ -115,6 +117,7 @@ def trainer_args(settings: Settings, arm: Arm, seed: int, run_dir: Path) -> list
     args += [f"--run_dir={run_dir}", "--resume=auto",
              f"--data.path={','.join(s.data)}", f"--data.seq_len={s.seq_len}",
              f"--data.val_fraction={s.val_fraction}", f"--data.align={s.align}",
+             f"--data.document_mask={str(s.document_mask).lower()}",
              f"--train.steps={s.batches}", f"--train.seed={seed}",
              f"--train.global_batch={s.global_batch}", f"--train.micro_batch={s.micro_batch}",
              "--train.exit_after=0", "--schedule.total_steps=0",
@@ -302,7 +305,8 @@ class Evaluator:
         expected = file_sha256(s.tokenizer) if s.tokenizer else None
         if s.test_data:
             data = build_train_val(s.test_data, None, seq_len=s.seq_len, val_fraction=0.0,
-                                   expected_tokenizer_hash=expected, align=s.align)
+                                   expected_tokenizer_hash=expected, align=s.align,
+                                   document_mask=s.document_mask)
             self.dataset = data.train
             self.sampler: Callable[[], GlobalSampler] = lambda: GlobalSampler(
                 len(self.dataset), shuffle=False, num_epochs=1)
@@ -310,7 +314,8 @@ class Evaluator:
         else:
             data = build_train_val(s.data, None, seq_len=s.seq_len,
                                    val_fraction=s.val_fraction,
-                                   expected_tokenizer_hash=expected, align=s.align)
+                                   expected_tokenizer_hash=expected, align=s.align,
+                                   document_mask=s.document_mask)
             if data.val is None:
                 raise AblationError(f"--val-fraction {s.val_fraction}: leaves no validation "
                                     f"documents in --data {','.join(s.data)}; raise it or pass "

@@ -257,6 +257,17 @@ def test_plan_prints_the_arms_and_the_trainer_command(tmp_path: Path,
     assert not (tmp_path / "out").exists()
 
 
+def test_document_mask_reaches_every_arm_and_the_test_evaluation(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["--suite", "state", "--scale", "small", "--plan", "--document-mask", "--out",
+                 str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "--data.document_mask=true" in printed
+    assert main(["--suite", "state", "--scale", "small", "--plan", "--out",
+                 str(tmp_path / "out")]) == 0
+    assert "--data.document_mask=false" in capsys.readouterr().out
+
+
 # ---- summary.png (issue 32, item 4) --------------------------------------------------------------
 def _fake_run(out: Path, arm: str, seed: int, shift: float) -> None:
     """metrics.jsonl of a finished 4-step run: training losses and two validation evaluations."""
