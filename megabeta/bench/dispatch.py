@@ -75,15 +75,27 @@ class DispatchCount(ops.RunImplementations):
         return dict(self._launches.by_kernel)
 
 
-def count_step(model: torch.nn.Module, tokens: torch.Tensor, *,
-               run_kernels: bool = True) -> DispatchCount:
-    """The kernel launches of one training step (forward + backward) of `model` on `tokens`,
-    from no gradients (as after the optimizer's `zero_grad`; existing ones would add an
-    accumulation per parameter). `run_kernels=False`: Triton launches counted, not run."""
+def count_step(model: torch.nn.Module, tokens: torch.Tensor, *, run_kernels: bool = True,
+               documents: torch.Tensor | None = None) -> DispatchCount:
+    """The kernel launches of one training step (forward + backward) of `model` on `tokens`
+    (with document ids `documents`, spec §7, when given), from no gradients (as after the
+    optimizer's `zero_grad`; existing ones would add an accumulation per parameter).
+    `run_kernels=False`: Triton launches counted, not run."""
     model.zero_grad(set_to_none=True)
+    kwargs = {} if documents is None else {"documents": documents}
     with DispatchCount(run_kernels=run_kernels) as count:
-        model(tokens, tokens).backward()
+        model(tokens, tokens, **kwargs).backward()
     return count
+
+
+DOCUMENT_LENGTH = 20
+"""Tokens per document of the masked count (`per_cell(documents=True)`): boundaries inside
+blocks and across them."""
+
+
+def document_ids(length: int) -> torch.Tensor:
+    """`[1, length]` ids of documents of DOCUMENT_LENGTH tokens."""
+    return (torch.arange(length) // DOCUMENT_LENGTH)[None]
 
 
 def counting_config(block_size: int = 32, **overrides: Any) -> ModelConfig:
@@ -94,10 +106,11 @@ def counting_config(block_size: int = 32, **overrides: Any) -> ModelConfig:
 
 
 def per_cell(attention: str, *, elementwise_kernels: str = "torch",
-             blocks: tuple[int, int] = (3, 5),
-             activation_checkpoint: str = "block", **overrides: Any) -> dict[str, Any]:
+             blocks: tuple[int, int] = (3, 5), activation_checkpoint: str = "block",
+             documents: bool = False, **overrides: Any) -> dict[str, Any]:
     """Launches per (block, layer) cell of a training step: the difference between steps of
-    `blocks[1]` and `blocks[0]` blocks, per extra cell; plus the operators of the longer step."""
+    `blocks[1]` and `blocks[0]` blocks, per extra cell; plus the operators of the longer step.
+    `documents`: with a document mask (`document_ids`)."""
     config = counting_config(**overrides)
     execution = ExecutionConfig(attention=attention, elementwise_kernels=elementwise_kernels,
                                 activation_checkpoint=activation_checkpoint)
@@ -106,7 +119,8 @@ def per_cell(attention: str, *, elementwise_kernels: str = "torch",
     counts = []
     for n in blocks:
         tokens = torch.randint(0, config.vocab_size, (1, n * config.block_size))
-        counts.append(count_step(model, tokens))
+        ids = document_ids(tokens.shape[1]) if documents else None
+        counts.append(count_step(model, tokens, documents=ids))
     cells = (blocks[1] - blocks[0]) * config.num_layers
     return {"attention": attention, "elementwise_kernels": elementwise_kernels,
             "per_cell": (counts[1].total - counts[0].total) / cells,
@@ -129,15 +143,20 @@ def main(argv: list[str] | None = None) -> None:
                         default=["explicit", "cpu_flash", "cpu_fused", "triton"],
                         help="backends to count (execution.attention names)")
     parser.add_argument("--top", type=int, default=8, help="operators listed per backend")
+    parser.add_argument("--documents", action="store_true",
+                        help=f"also count the step with a document mask (spec §7; documents "
+                        f"of {DOCUMENT_LENGTH} tokens)")
     args = parser.parse_args(argv)
     print(f"standard arm: {standard_per_layer():.0f} launches per layer (whole sequence)")
     for attention in args.attention:
         kernels = "triton" if attention == "triton" else "torch"
-        result = per_cell(attention, elementwise_kernels=kernels)
-        top = ", ".join(f"{op} {n}" for op, n in list(result["ops"].items())[:args.top])
-        print(f"{attention:>10} (elementwise kernels {kernels}): "
-              f"{result['per_cell']:.1f} per cell; "
-              f"step {result['step']}; Triton launches {result['launches'] or 0}; top: {top}")
+        for documents in (False, True) if args.documents else (False,):
+            result = per_cell(attention, elementwise_kernels=kernels, documents=documents)
+            top = ", ".join(f"{op} {n}" for op, n in list(result["ops"].items())[:args.top])
+            masked = " masked" if documents else ""
+            print(f"{attention:>10}{masked} (elementwise kernels {kernels}): "
+                  f"{result['per_cell']:.1f} per cell; step {result['step']}; "
+                  f"Triton launches {result['launches'] or 0}; top: {top}")
 
 
 if __name__ == "__main__":
