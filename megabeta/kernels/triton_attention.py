@@ -411,16 +411,17 @@ if triton is not None:
         return p, p * (dp - delta[:, None])
 
     @triton.jit
-    def _reads_tile(doc_b, sdoc_n, m0, n, positions, HAS_DOCS: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
-        """For a key program: whether query tile m0 reads any key at `positions` under the
-        document bounds (spec §7), and which (row, key) pairs it may read; without them, a
-        constant True for both (no branch is compiled)."""
+    def _doc_pairs(doc_b, sdoc_n, m0, n, positions, HAS_DOCS: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+        """For a key program: which (query row of tile m0, key at `positions`) pairs the
+        document bounds let through (spec §7); without them a constant True. (No branch to
+        skip a query tile: one costs the bf16 backward at width 200 its last registers, and
+        spills; at c <= BLOCK_M a block is one query tile anyway.)"""
+        pairs = True
         if HAS_DOCS:
             offs_m = m0 + tl.arange(0, BLOCK_M)
-            lower, tile_lo = _row_bounds(doc_b, sdoc_n, offs_m, offs_m < n)
-            return tile_lo <= tl.max(positions, 0), positions[None, :] >= lower[:, None]
-        return True, True
+            pairs = positions[None, :] >= _row_bounds(doc_b, sdoc_n, offs_m, offs_m < n)[0][:, None]
+        return pairs
 
     @triton.jit
     def _key_program(task, bkv, q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr, lse_ptr,
@@ -436,8 +437,8 @@ if triton is not None:
                      DOT_PREC: tl.constexpr):
         """dK, dV of one key tile of one cell (pointers at the cell's): `task` < own tiles: the
         own keys' tile `task`; beyond: tile (task - own tiles) % T_TILES of group
-        (task - own tiles) // T_TILES, nothing past the cell's `groups`. With HAS_DOCS, query
-        tiles whose rows all have their bound above the key tile are skipped (spec §7)."""
+        (task - own tiles) // T_TILES, nothing past the cell's `groups`. With HAS_DOCS, a
+        history tile wholly below every query's bound is skipped (spec §7)."""
         b = (bkv // HKV).to(tl.int64)
         hkv = (bkv % HKV).to(tl.int64)
         per_kv = H // HKV
@@ -458,21 +459,20 @@ if triton is not None:
                 h = hkv * per_kv + hh
                 # Causal: only query tiles holding rows >= this tile's first key.
                 for m0 in range((task * BLOCK_N) // BLOCK_M * BLOCK_M, n, BLOCK_M):
-                    reads, doc_read = _reads_tile(doc_b, sdoc_n, m0, n, start + offs_n,
-                                                  HAS_DOCS, BLOCK_M)
-                    if reads:
-                        q, do, lse, delta, offs_m, m_mask = _query_tile(
-                            q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H, sq_b, sq_h, sq_n,
-                            sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, D, BLOCK_M, BLOCK_D)
-                        valid = (m_mask[:, None] & (offs_n < n)[None, :]
-                                 & (offs_n[None, :] <= offs_m[:, None]) & doc_read)
-                        bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                        if HAS_SELF:
-                            bias = tl.where(offs_m[:, None] == offs_n[None, :], self_bias, 0.0)
-                        p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale,
-                                            DOT_PREC)
-                        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
-                        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC)
+                    q, do, lse, delta, offs_m, m_mask = _query_tile(
+                        q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H, sq_b, sq_h, sq_n,
+                        sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, D, BLOCK_M, BLOCK_D)
+                    valid = (m_mask[:, None] & (offs_n < n)[None, :]
+                             & (offs_n[None, :] <= offs_m[:, None])
+                             & _doc_pairs(doc_b, sdoc_n, m0, n, start + offs_n, HAS_DOCS,
+                                          BLOCK_M))
+                    bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                    if HAS_SELF:
+                        bias = tl.where(offs_m[:, None] == offs_n[None, :], self_bias, 0.0)
+                    p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale,
+                                        DOT_PREC)
+                    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
+                    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC)
             tl.store(dk_ptr + b * sdk_b + hkv * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :],
                      (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
             tl.store(dv_ptr + b * sdv_b + hkv * sdv_h + offs_n[:, None] * sdv_n + offs_d[None, :],
@@ -502,17 +502,15 @@ if triton is not None:
                 h = hkv * per_kv + hh
                 bias = -tl.load(shift_ptr + g * H + h) * _LOG2E
                 for m0 in range(0, m_end, BLOCK_M):
-                    reads, doc_read = _reads_tile(doc_b, sdoc_n, m0, n, offs_n, HAS_DOCS,
-                                                  BLOCK_M)
-                    if reads:
-                        q, do, lse, delta, offs_m, m_mask = _query_tile(
-                            q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H, sq_b, sq_h, sq_n,
-                            sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, D, BLOCK_M, BLOCK_D)
-                        valid = m_mask[:, None] & (offs_n < start)[None, :] & doc_read
-                        p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale,
-                                            DOT_PREC)
-                        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
-                        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC)
+                    q, do, lse, delta, offs_m, m_mask = _query_tile(
+                        q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H, sq_b, sq_h, sq_n,
+                        sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, D, BLOCK_M, BLOCK_D)
+                    valid = (m_mask[:, None] & (offs_n < start)[None, :]
+                             & _doc_pairs(doc_b, sdoc_n, m0, n, offs_n, HAS_DOCS, BLOCK_M))
+                    p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale,
+                                        DOT_PREC)
+                    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
+                    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC)
             # This program is the only writer of these rows: a plain read-add-write.
             gk = (ghk_ptr + source.to(tl.int64) * sgk_l + b * sgk_b + hkv * sgk_h
                   + offs_n[:, None] * sgk_t + offs_d[None, :])
