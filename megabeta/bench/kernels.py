@@ -15,7 +15,10 @@ Variants: every beta_1.2 preset's shapes (head widths 64 and 200) and the standa
 block and the wavefront schedule; float32, bfloat16 and float16 (autocast over float32
 parameters, as the trainer runs them, and bfloat16 parameters, as FSDP's param_dtype runs them);
 and, at bfloat16, without the self slot, with grouped-query attention and with a deep-token
-window. One row per distinct compiled kernel and target: registers, spill stores / loads (bytes
+window; and each of those again with a document mask (spec §7: the attention kernels' masked
+variants, HAS_DOCS=True), all of them or, with `--masked subset`, a representative few (both
+head widths, float32 and bfloat16, both schedules, the standard arm). One row per distinct
+compiled kernel and target: registers, spill stores / loads (bytes
 per thread), stack, shared memory, warps, stages, the MMA instructions in the PTX, and how many
 variants reached it. The command exits with status 1 on a compile error or a resource beyond
 the target's limits (`compile_target.LIMITS`).
@@ -32,7 +35,7 @@ import json
 import multiprocessing
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator
 
 import torch
@@ -60,12 +63,14 @@ class Variant:
     blocks: int = 2
     """Sequence length in blocks: the second reads history, and its waves have several cells
     (all the kernels' geometry is runtime arguments: longer sequences compile nothing new)."""
+    documents: bool = False
+    """A document mask (spec §7): the step runs with `documents=` ids."""
 
     @property
     def label(self) -> str:
         extra = " ".join(f"{key}={value}" for key, value in self.overrides.items())
         return " ".join(filter(None, [self.preset, self.dtype, self.schedule, f"B={self.batch}",
-                                      extra]))
+                                      extra, "documents" if self.documents else ""]))
 
     def config(self) -> ModelConfig:
         """The preset with the overrides; a small vocabulary (the LM head is no Triton kernel)
@@ -77,8 +82,9 @@ class Variant:
         return get_preset(self.preset, vocab_size=256, num_layers=layers, **self.overrides)
 
 
-def variants() -> list[Variant]:
-    """The variants the presets and execution settings reach (module doc)."""
+def variants(masked: str = "all") -> list[Variant]:
+    """The variants the presets and execution settings reach (module doc), with the masked
+    twins of `masked` ("all", "subset" or "none") of them."""
     shapes = [("t19_flash", 1), ("beta_1.2_test", 2), ("beta_1.2_c256", 2),
               ("beta_1.2_stride2", 2), ("t16_std_tf_rope", 2)]
     out = [Variant(preset, dtype, schedule, batch=batch)
@@ -91,7 +97,12 @@ def variants() -> list[Variant]:
             out.append(Variant("t19_flash", "bfloat16", schedule, overrides))
     out.append(Variant("beta_1.2_test", "bfloat16", "block", {"num_kv_heads": 1}, batch=2))
     out.append(Variant("t19_flash", "float32", "block", {"num_kv_heads": 2}))
-    return out
+    twins = [replace(v, documents=True) for v in out]
+    if masked == "subset":
+        twins = [v for v in twins if not v.overrides and v.dtype in ("float32", "bfloat16")
+                 and v.preset in ("t19_flash", "beta_1.2_test", "t16_std_tf_rope")
+                 and (v.schedule == "block" or v.dtype == "bfloat16")]
+    return out + (twins if masked != "none" else [])
 
 
 def run_step(variant: Variant) -> None:
@@ -110,8 +121,10 @@ def run_step(variant: Variant) -> None:
         model = build_model(config, execution)
         tokens = torch.randint(0, config.vocab_size,
                                (variant.batch, variant.blocks * config.block_size))
+        # Document ids: their values do not matter here (fake tensors), only that there are.
+        documents = dict(documents=torch.zeros_like(tokens)) if variant.documents else {}
         with amp:
-            loss = model(tokens, tokens)
+            loss = model(tokens, tokens, **documents)
         loss.backward()
 
 
@@ -131,7 +144,7 @@ def compile_all(archs: list[int], labels: list[str]) -> list[Any]:
     `archs`."""
     from megabeta.kernels.compile_target import CompileForTarget
 
-    chosen = {v.label: v for v in variants()}
+    chosen = {v.label: v for v in variants("all")}
     builds = []
     for arch in archs:
         with CompileForTarget(arch) as target:
@@ -203,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default="", metavar="PATH",
                         help="also write every build (with the variants that reached it) as "
                              "JSON to PATH")
+    parser.add_argument("--masked", choices=("all", "subset", "none"), default="all",
+                        help="document-masked variants (spec §7) to compile: all, a "
+                             "representative subset, or none (default all)")
     parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 4),
                         help="compiling processes (default: the cores, at most 4)")
     parser.add_argument("--variants", action="store_true",
@@ -220,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [a for a in archs if a not in LIMITS]
     if unknown or not archs:
         parser.error(f"--arch {args.arch!r}: choose from {', '.join(map(str, LIMITS))}")
-    chosen = [v for v in variants() if args.only in v.label]
+    chosen = [v for v in variants(args.masked) if args.only in v.label]
     if not chosen:
         parser.error(f"--only {args.only!r} matches no variant")
     print(f"{len(chosen)} variants; triton {_triton_version()}, torch {torch.__version__}",

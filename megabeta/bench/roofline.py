@@ -4,6 +4,7 @@
     python -m megabeta.bench.roofline --config t19_flash --device h100 --batch 2
     python -m megabeta.bench.roofline --preset beta_1.2_test --seq-len 2048 --no-sweeps
     python -m megabeta.bench.roofline --model.block_size=256 --model.num_kv_heads=2
+    python -m megabeta.bench.roofline --doc-lengths 64-300      # what a document mask saves
 
 Nothing runs on a device: every figure is counted from the shapes. The step is one forward, one
 backward and the recomputation that `execution.activation_checkpoint` implies, at the
@@ -44,6 +45,10 @@ The parts and what they count:
   - "in-block": the own keys' share of both kernels (queries, outputs, lse, dQ included);
   - "finished fwd" / "finished bwd": the groups' share (GQA and the deep-token window enter
     through the rows; the gradient RMW at `--grad-dtype`).
+- document mask (`--doc-lengths`, spec §7): packed documents of the given lengths; the key
+  tiles of the finished groups that the masked kernels skip (wholly below a query tile's, or
+  for key programs the block's, smallest bound), and the bytes and FLOPs they would have
+  cost (`document_saving`).
 - recompute: block and wave checkpointing recompute every block's (wave's) forward once in
   backward: dense forward + both attention forwards again (not the head). None for `none`.
 
@@ -313,6 +318,115 @@ def _attention(tally: _Tally, config: ModelConfig, kernel: _Kernel, n: int, rows
               batch * (key_group_bytes + query_group_bytes))
 
 
+def skipped_tiles(lo: int, start: int, bound: int, tile: int) -> int:
+    """Key tiles of history rows [lo, start), cut from `lo` in tiles of `tile` rows, that lie
+    wholly below a document bound `bound`: what the masked kernels skip (spec §7)."""
+    if start <= lo:
+        return 0
+    return min(max(bound - lo, 0) // tile, _cdiv(start - lo, tile))
+
+
+@dataclass(frozen=True)
+class MaskSaving:
+    """The finished groups' attention of one step (forward, recomputed forward, backward) with
+    and without a document mask: history key tiles visited, and HBM bytes and FLOPs."""
+
+    tiles: int
+    tiles_skipped: int
+    bytes: float
+    bytes_saved: float
+    flops: float
+    flops_saved: float
+
+
+def document_saving(config: ModelConfig, kernel: _Kernel, starts: list[int], grad_bytes: int,
+                    recompute: bool) -> MaskSaving:
+    """What the document mask saves in one sample's finished-group attention, given each
+    position's document start `starts` (spec §7; its length is the sequence's). Per (block,
+    layer, group): the forward's and the backward query programs' query tiles skip the history
+    tiles below their smallest bound (the tile's first row's: starts are non-decreasing), the
+    backward key programs the tiles below the block's first row's bound: no K/V load, no
+    products, and for key programs no q/dO/O/lse re-reads and no gradient read-modify-write.
+    Counted as `_attention` counts them (no L2 reuse), in whole tiles."""
+    c, n = config.block_size, config.block_size
+    heads, kv, bd = config.num_heads, config.num_kv_heads, kernel.block_d
+    row = config.head_dim * ACT_BYTES
+    q_side = 3 * row + STAT_BYTES
+    passes = 2 if recompute else 1
+    # Per skipped tile: (bytes, FLOPs) of a forward query tile, a key program, a query program.
+    fwd = (passes * heads * kernel.fwd_n * 2 * row,
+           passes * heads * 4 * kernel.fwd_m * kernel.fwd_n * bd)
+    key = (kv * (kernel.bwd_n * (2 * row + 4 * config.head_dim * grad_bytes)
+                 + heads // kv * n * q_side),
+           heads * _cdiv(n, kernel.bwd_m) * 8 * kernel.bwd_m * kernel.bwd_n * bd)
+    query = (heads * kernel.bwd_n * 2 * row, heads * 6 * kernel.bwd_m * kernel.bwd_n * bd)
+    tiles = skipped = 0
+    total = [0.0, 0.0]
+    saved = [0.0, 0.0]
+    for start in range(c, len(starts), c):
+        block = starts[start:start + n]
+        for layer in range(config.num_layers):
+            for rows in _group_rows(config, layer, start):
+                lo = start - rows
+                kinds = [(fwd, kernel.fwd_n, block[::kernel.fwd_m]),
+                         (key, kernel.bwd_n, block[:1]),
+                         (query, kernel.bwd_n, block[::kernel.bwd_m])]
+                for cost, tile, bounds in kinds:
+                    for bound in bounds:
+                        all_tiles = _cdiv(rows, tile)
+                        cut = skipped_tiles(lo, start, bound, tile)
+                        tiles, skipped = tiles + all_tiles, skipped + cut
+                        for i in (0, 1):
+                            total[i] += all_tiles * cost[i]
+                            saved[i] += cut * cost[i]
+    return MaskSaving(tiles, skipped, total[0], saved[0], total[1], saved[1])
+
+
+def document_starts(lengths: list[int], seq_len: int) -> list[int]:
+    """Each position's document start when documents of `lengths` (cycled) fill `seq_len`
+    tokens (the last one cut)."""
+    starts: list[int] = []
+    i = 0
+    while len(starts) < seq_len:
+        first = len(starts)
+        starts += [first] * min(lengths[i % len(lengths)], seq_len - first)
+        i += 1
+    return starts
+
+
+def parse_doc_lengths(text: str, count: int, seed: int = 0) -> list[int]:
+    """`--doc-lengths`: "LO-HI" (uniform, `count` draws from a seeded generator) or a file of
+    lengths, one a line."""
+    import random
+
+    if "-" in text and all(part.isdigit() for part in text.split("-", 1)):
+        lo, hi = map(int, text.split("-", 1))
+        if not 1 <= lo <= hi:
+            raise ValueError(f"--doc-lengths {text!r}: need 1 <= LO <= HI")
+        rng = random.Random(seed)
+        return [rng.randint(lo, hi) for _ in range(count)]
+    try:
+        with open(text) as f:
+            lengths = [int(line) for line in f if line.strip()]
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--doc-lengths {text!r}: neither LO-HI nor a file of lengths, one "
+                         f"a line ({err})") from err
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--doc-lengths {text!r}: lengths must be positive integers")
+    return lengths
+
+
+def format_saving(saving: MaskSaving, lengths: list[int]) -> str:
+    """The document mask's lines of the report."""
+    mean = sum(lengths) / len(lengths)
+    return (f"document mask (spec §7; documents {min(lengths)}-{max(lengths)} tokens, mean "
+            f"{mean:.0f}): finished-group attention skips {saving.tiles_skipped} of "
+            f"{saving.tiles} key tiles ({saving.tiles_skipped / max(saving.tiles, 1):.1%}), "
+            f"saving {saving.bytes_saved / 1e9:.2f} of {saving.bytes / 1e9:.2f} GB and "
+            f"{saving.flops_saved / 1e12:.2f} of {saving.flops / 1e12:.2f} TFLOP per sequence "
+            f"per step")
+
+
 def _dense(tally: _Tally, shapes: Iterable[tuple[int, int]], rows: int, recompute: bool) -> None:
     """Bytes of one block's weight matmuls (FLOPs come from flops.py, whole-pass)."""
     e = ACT_BYTES
@@ -484,6 +598,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="count loads that programs running together share once (module "
                              "doc); sweeps show both")
     parser.add_argument("--no-sweeps", action="store_true", help="only the per-part table")
+    parser.add_argument("--doc-lengths", metavar="LO-HI|PATH",
+                        help="document lengths of packed samples (spec §7): LO-HI uniform, or "
+                             "a file of lengths one a line; prints what the mask saves")
     args, overrides = parser.parse_known_args(argv)
     for item in overrides:
         if not item.startswith(("--model.", "--execution.")):
@@ -527,6 +644,15 @@ def main(argv: list[str] | None = None) -> None:
           f"{kernel.fwd_n}, bwd {kernel.bwd_m}x{kernel.bwd_n}; L2 reuse "
           f"{'assumed' if args.l2_reuse else 'not assumed'}\n")
     print(format_bound(bound))
+    if args.doc_lengths:
+        try:
+            lengths = parse_doc_lengths(args.doc_lengths, seq_len)
+        except ValueError as err:
+            raise SystemExit(f"{PROG}: {err}") from err
+        saving = document_saving(config, kernel, document_starts(lengths, seq_len),
+                                 GRAD_DTYPES[args.grad_dtype],
+                                 args.execution.activation_checkpoint != "none")
+        print("\n" + format_saving(saving, lengths))
     if not args.no_sweeps:
         print("\n" + format_sweeps(base, device))
 

@@ -122,7 +122,7 @@ _RESOURCES = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
                         r"(\d+) bytes spill loads")
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _SHOWN = ("D", "BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_H", "BLOCK_HALF", "HAS_SELF",
-          "ROWS_AT_START", "ADD", "COMPUTE")
+          "ROWS_AT_START", "HAS_DOCS", "ADD", "COMPUTE")
 
 
 def stand_in(arg: Any) -> Any:

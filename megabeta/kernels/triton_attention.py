@@ -279,20 +279,37 @@ if triton is not None:
         """Where (source layer, batch, KV head) starts in a `[L, B, H_kv, T, d]` buffer."""
         return ptr + source.to(tl.int64) * s_l + b * s_b + hkv * s_h
 
+    @triton.jit
+    def _row_bounds(doc_ptr, sdoc_n, offs_m, m_mask):
+        """Spec §7: the first key position each query row of a tile may read (its document's
+        start; `doc_ptr` at the cell's and batch's `[n]` bounds), and the tile's smallest (rows
+        past n do not count)."""
+        lower = tl.load(doc_ptr + offs_m * sdoc_n, mask=m_mask, other=0).to(tl.int32)
+        return lower, tl.min(tl.where(m_mask, lower, 2147483647), 0)
+
+    @triton.jit
+    def _first_tile(lo, bound, BLOCK_N: tl.constexpr):
+        """Where a loop over key tiles from row `lo` (by BLOCK_N) starts when keys below
+        `bound` are masked: the tile holding `bound`. The tiles wholly below it are skipped
+        (spec §7: the mask saves their loads and products)."""
+        return lo + tl.maximum(bound - lo, 0) // BLOCK_N * BLOCK_N
+
     # Not specialised: the runtime geometry (one compiled kernel for every block and wave), and
     # the bias entries' strides and pointers (one scalar load each: alignment buys nothing).
+    # The document bounds (HAS_DOCS) likewise: a block's slice starts at any position.
     @triton.jit(do_not_specialize=["n", "CELLS", "G", "src0", "src_step", "src_top", "layer0",
-                                   "layer_step", "window", "ssh_c", "ssb_c"],
-                do_not_specialize_on_alignment=["shift_ptr", "sb_ptr"])
+                                   "layer_step", "window", "ssh_c", "ssb_c", "sdoc_c", "sdoc_b"],
+                do_not_specialize_on_alignment=["shift_ptr", "sb_ptr", "doc_ptr"])
     def _forward_kernel(q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, start_ptr, shift_ptr, sb_ptr,
-                        out_ptr, lse_ptr,
+                        doc_ptr, out_ptr, lse_ptr,
                         sq_c, sq_b, sq_h, sq_n, sk_c, sk_b, sk_h, sk_n, sv_c, sv_b, sv_h, sv_n,
                         shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
-                        so_c, so_b, so_h, so_n, ssh_c, ssb_c,
+                        so_c, so_b, so_h, so_n, ssh_c, ssb_c, sdoc_c, sdoc_b, sdoc_n,
                         B, H, HKV, n, CELLS, G, src0, src_step, src_top, layer0, layer_step,
                         window, qk_scale,
-                        HAS_SELF: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+                        HAS_SELF: tl.constexpr, HAS_DOCS: tl.constexpr, D: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                        DOT_PREC: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         cell = tl.program_id(2)
@@ -318,8 +335,13 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         if HAS_SELF:
             self_bias = tl.load(sb_ptr + c64 * ssb_c).to(tl.float32) * _LOG2E
+        own0 = 0
+        if HAS_DOCS:
+            lower, tile_lo = _row_bounds(doc_ptr + c64 * sdoc_c + b * sdoc_b, sdoc_n, offs_m,
+                                         m_mask)
+            own0 = _first_tile(0, tile_lo - start, BLOCK_N)
         # Own keys: j <= i, only tiles up to this query tile's last row.
-        for j0 in range(0, tl.minimum(n, (pid_m + 1) * BLOCK_M), BLOCK_N):
+        for j0 in range(own0, tl.minimum(n, (pid_m + 1) * BLOCK_M), BLOCK_N):
             offs_n = j0 + tl.arange(0, BLOCK_N)
             kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
             k = _tile(k_own, offs_n, sk_n, offs_d, kv_mask)
@@ -327,21 +349,30 @@ if triton is not None:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
             if HAS_SELF:
                 s += tl.where(offs_m[:, None] == offs_n[None, :], self_bias, 0.0)
-            s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+            read = offs_n[None, :] <= offs_m[:, None]
+            if HAS_DOCS:
+                read = read & (start + offs_n[None, :] >= lower[:, None])
+            s = tl.where(read, s, float("-inf"))
             acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v, DOT_PREC)
         for g in range(groups):
             source = first + g * src_step
             bias = tl.load(shift_ptr + c64 * ssh_c + g * H + h) * _LOG2E
             k_base = _layer_base(hk_ptr, source, shk_l, b, shk_b, hkv, shk_h)
             v_base = _layer_base(hv_ptr, source, shv_l, b, shv_b, hkv, shv_h)
-            for j0 in range(_group_lo(start, window, source, layer), start, BLOCK_N):
+            lo = _group_lo(start, window, source, layer)
+            if HAS_DOCS:
+                lo = _first_tile(lo, tile_lo, BLOCK_N)
+            for j0 in range(lo, start, BLOCK_N):
                 offs_n = j0 + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < start
                 kv_mask = n_mask[:, None] & d_mask[None, :]
                 k = _tile(k_base, offs_n, shk_t, offs_d, kv_mask)
                 v = _tile(v_base, offs_n, shv_t, offs_d, kv_mask)
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale - bias
-                s = tl.where(n_mask[None, :], s, float("-inf"))
+                read = n_mask[None, :]
+                if HAS_DOCS:
+                    read = read & (offs_n[None, :] >= lower[:, None])
+                s = tl.where(read, s, float("-inf"))
                 acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v, DOT_PREC)
         out = acc / l_i[:, None]
         tl.store(out_ptr + c64 * so_c + b * so_b + h * so_h + offs_m[:, None] * so_n
@@ -380,19 +411,34 @@ if triton is not None:
         return p, p * (dp - delta[:, None])
 
     @triton.jit
+    def _doc_pairs(doc_b, sdoc_n, m0, n, positions, HAS_DOCS: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+        """For a key program: which (query row of tile m0, key at `positions`) pairs the
+        document bounds let through (spec §7); without them a constant True. (No branch to
+        skip a query tile: one costs the bf16 backward at width 200 its last registers, and
+        spills; at c <= BLOCK_M a block is one query tile anyway.)"""
+        pairs = True
+        if HAS_DOCS:
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            pairs = positions[None, :] >= _row_bounds(doc_b, sdoc_n, offs_m, offs_m < n)[0][:, None]
+        return pairs
+
+    @triton.jit
     def _key_program(task, bkv, q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr, lse_ptr,
-                     start, shift_ptr, sb_ptr, dk_ptr, dv_ptr, ghk_ptr, ghv_ptr,
+                     start, shift_ptr, sb_ptr, doc_ptr, dk_ptr, dv_ptr, ghk_ptr, ghv_ptr,
                      sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                      shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                      sdo_b, sdo_h, sdo_n, so_b, so_h, so_n,
                      sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
-                     sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t,
+                     sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t, sdoc_b, sdoc_n,
                      H, HKV, n, T_TILES, groups, first, src_step, layer, window, scale, qk_scale,
-                     HAS_SELF: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+                     HAS_SELF: tl.constexpr, HAS_DOCS: tl.constexpr, D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     DOT_PREC: tl.constexpr):
         """dK, dV of one key tile of one cell (pointers at the cell's): `task` < own tiles: the
         own keys' tile `task`; beyond: tile (task - own tiles) % T_TILES of group
-        (task - own tiles) // T_TILES, nothing past the cell's `groups`."""
+        (task - own tiles) // T_TILES, nothing past the cell's `groups`. With HAS_DOCS, a
+        history tile wholly below every query's bound is skipped (spec §7)."""
         b = (bkv // HKV).to(tl.int64)
         hkv = (bkv % HKV).to(tl.int64)
         per_kv = H // HKV
@@ -401,6 +447,7 @@ if triton is not None:
         own_tiles = tl.cdiv(n, BLOCK_N)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        doc_b = doc_ptr + b * sdoc_b
         if task < own_tiles:
             offs_n = task * BLOCK_N + tl.arange(0, BLOCK_N)
             kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
@@ -416,7 +463,9 @@ if triton is not None:
                         q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H, sq_b, sq_h, sq_n,
                         sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, D, BLOCK_M, BLOCK_D)
                     valid = (m_mask[:, None] & (offs_n < n)[None, :]
-                             & (offs_n[None, :] <= offs_m[:, None]))
+                             & (offs_n[None, :] <= offs_m[:, None])
+                             & _doc_pairs(doc_b, sdoc_n, m0, n, start + offs_n, HAS_DOCS,
+                                          BLOCK_M))
                     bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                     if HAS_SELF:
                         bias = tl.where(offs_m[:, None] == offs_n[None, :], self_bias, 0.0)
@@ -436,6 +485,11 @@ if triton is not None:
             row0 = (_group_lo(start, window, source, layer)
                     + (task - own_tiles) % T_TILES * BLOCK_N)
             end = tl.where(live, start, 0)
+            if HAS_DOCS:
+                # A tile wholly below every query's bound is neither read nor written: its
+                # gradient rows get nothing (the block's smallest bound is its first row's:
+                # documents are contiguous, spec §7).
+                end = tl.where(row0 + BLOCK_N <= tl.load(doc_b), 0, end)
             offs_n = row0 + tl.arange(0, BLOCK_N)
             kv_mask = (offs_n < end)[:, None] & d_mask[None, :]
             k = _tile(_layer_base(hk_ptr, source, shk_l, b, shk_b, hkv, shk_h), offs_n, shk_t,
@@ -451,7 +505,8 @@ if triton is not None:
                     q, do, lse, delta, offs_m, m_mask = _query_tile(
                         q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H, sq_b, sq_h, sq_n,
                         sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, D, BLOCK_M, BLOCK_D)
-                    valid = m_mask[:, None] & (offs_n < start)[None, :]
+                    valid = (m_mask[:, None] & (offs_n < start)[None, :]
+                             & _doc_pairs(doc_b, sdoc_n, m0, n, offs_n, HAS_DOCS, BLOCK_M))
                     p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale,
                                         DOT_PREC)
                     dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
@@ -466,14 +521,15 @@ if triton is not None:
 
     @triton.jit
     def _query_program(m_tile, bh, q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr, lse_ptr,
-                       start, shift_ptr, sb_ptr, dq_ptr, rows_ptr, diag_ptr, rows_t,
+                       start, shift_ptr, sb_ptr, doc_ptr, dq_ptr, rows_ptr, diag_ptr, rows_t,
                        sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                        shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                        sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, sdq_b, sdq_h, sdq_n,
+                       sdoc_b, sdoc_n,
                        B, H, HKV, n, G, groups, first, src_step, layer, window, scale, qk_scale,
-                       HAS_SELF: tl.constexpr, ROWS_AT_START: tl.constexpr, D: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       DOT_PREC: tl.constexpr):
+                       HAS_SELF: tl.constexpr, ROWS_AT_START: tl.constexpr,
+                       HAS_DOCS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
         """dQ of one query tile of one cell (pointers at the cell's) over every key, and its
         rows' score-gradient sums: per group (`rows [G, B, H, rows_t]`; zeros past the cell's
         `groups`) and on the diagonal (`diag [B, H, rows_t]`), at the query's index, or with
@@ -492,12 +548,18 @@ if triton is not None:
         if HAS_SELF:
             self_bias = tl.load(sb_ptr).to(tl.float32) * _LOG2E
             diag = tl.zeros([BLOCK_M], tl.float32)
-        for j0 in range(0, tl.minimum(n, m0 + BLOCK_M), BLOCK_N):
+        own0 = 0
+        if HAS_DOCS:
+            lower, tile_lo = _row_bounds(doc_ptr + b * sdoc_b, sdoc_n, offs_m, m_mask)
+            own0 = _first_tile(0, tile_lo - start, BLOCK_N)
+        for j0 in range(own0, tl.minimum(n, m0 + BLOCK_M), BLOCK_N):
             offs_n = j0 + tl.arange(0, BLOCK_N)
             kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
             k = _tile(k_ptr + b * sk_b + hkv * sk_h, offs_n, sk_n, offs_d, kv_mask)
             v = _tile(v_ptr + b * sv_b + hkv * sv_h, offs_n, sv_n, offs_d, kv_mask)
             valid = m_mask[:, None] & (offs_n < n)[None, :] & (offs_n[None, :] <= offs_m[:, None])
+            if HAS_DOCS:
+                valid = valid & (start + offs_n[None, :] >= lower[:, None])
             on_diag = offs_m[:, None] == offs_n[None, :]
             bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             if HAS_SELF:
@@ -513,16 +575,20 @@ if triton is not None:
             k_base = _layer_base(hk_ptr, source, shk_l, b, shk_b, hkv, shk_h)
             v_base = _layer_base(hv_ptr, source, shv_l, b, shv_b, hkv, shv_h)
             row_sum = tl.zeros([BLOCK_M], tl.float32)
+            lo = _group_lo(start, window, source, layer)
+            if HAS_DOCS:
+                lo = _first_tile(lo, tile_lo, BLOCK_N)
             # Past the cell's groups: no rows, a zero sum.
-            for j0 in range(_group_lo(start, window, source, layer), tl.where(live, start, 0),
-                            BLOCK_N):
+            for j0 in range(lo, tl.where(live, start, 0), BLOCK_N):
                 offs_n = j0 + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < start
                 kv_mask = n_mask[:, None] & d_mask[None, :]
                 k = _tile(k_base, offs_n, shk_t, offs_d, kv_mask)
                 v = _tile(v_base, offs_n, shv_t, offs_d, kv_mask)
-                p, ds = _score_grad(q, k, v, do, lse, delta, bias,
-                                    m_mask[:, None] & n_mask[None, :], qk_scale, DOT_PREC)
+                valid = m_mask[:, None] & n_mask[None, :]
+                if HAS_DOCS:
+                    valid = valid & (offs_n[None, :] >= lower[:, None])
+                p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale, DOT_PREC)
                 dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
                 row_sum += tl.sum(ds, 1)
             tl.store(rows_ptr + ((g * B + b) * H + h) * rows_t + row0 + offs_m, row_sum,
@@ -534,23 +600,23 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n", "CELLS", "G", "T_TILES", "src0", "src_step", "src_top",
                                    "layer0", "layer_step", "window", "ssh_c", "ssb_c", "srows_c",
-                                   "sdiag_c"],
-                do_not_specialize_on_alignment=["shift_ptr", "sb_ptr"])
+                                   "sdiag_c", "sdoc_c", "sdoc_b"],
+                do_not_specialize_on_alignment=["shift_ptr", "sb_ptr", "doc_ptr"])
     def _backward_kernel(q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr, lse_ptr, start_ptr,
-                         shift_ptr, sb_ptr, dq_ptr, dk_ptr, dv_ptr, ghk_ptr, ghv_ptr, rows_ptr,
-                         diag_ptr, rows_t,
+                         shift_ptr, sb_ptr, doc_ptr, dq_ptr, dk_ptr, dv_ptr, ghk_ptr, ghv_ptr,
+                         rows_ptr, diag_ptr, rows_t,
                          sq_c, sq_b, sq_h, sq_n, sk_c, sk_b, sk_h, sk_n, sv_c, sv_b, sv_h, sv_n,
                          shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                          sdo_c, sdo_b, sdo_h, sdo_n, so_c, so_b, so_h, so_n,
                          sdq_c, sdq_b, sdq_h, sdq_n, sdk_c, sdk_b, sdk_h, sdk_n,
                          sdv_c, sdv_b, sdv_h, sdv_n,
                          sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t,
-                         ssh_c, ssb_c, srows_c, sdiag_c,
+                         ssh_c, ssb_c, srows_c, sdiag_c, sdoc_c, sdoc_b, sdoc_n,
                          B, H, HKV, n, CELLS, G, T_TILES, src0, src_step, src_top, layer0,
                          layer_step, window, scale, qk_scale,
-                         HAS_SELF: tl.constexpr, ROWS_AT_START: tl.constexpr, D: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         DOT_PREC: tl.constexpr):
+                         HAS_SELF: tl.constexpr, ROWS_AT_START: tl.constexpr,
+                         HAS_DOCS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
         # Programs [0, CELLS·key_programs): (cell, key task, b·kv head); the rest: (cell, query
         # tile, b·head).
         pid = tl.program_id(0)
@@ -568,27 +634,29 @@ if triton is not None:
         do_c, o_c = do_ptr + c64 * sdo_c, o_ptr + c64 * so_c
         lse_c = lse_ptr + c64 * B * H * n
         shift_c, sb_c = shift_ptr + c64 * ssh_c, sb_ptr + c64 * ssb_c
+        doc_c = doc_ptr + c64 * sdoc_c
         if is_key:
             _key_program(rest // (B * HKV), rest % (B * HKV), q_c, k_c, v_c, hk_ptr, hv_ptr,
-                         do_c, o_c, lse_c, start, shift_c, sb_c, dk_ptr + c64 * sdk_c,
+                         do_c, o_c, lse_c, start, shift_c, sb_c, doc_c, dk_ptr + c64 * sdk_c,
                          dv_ptr + c64 * sdv_c, ghk_ptr, ghv_ptr,
                          sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                          shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                          sdo_b, sdo_h, sdo_n, so_b, so_h, so_n,
                          sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
-                         sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t,
+                         sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t, sdoc_b, sdoc_n,
                          H, HKV, n, T_TILES, groups, first, src_step, layer, window, scale,
-                         qk_scale, HAS_SELF, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+                         qk_scale, HAS_SELF, HAS_DOCS, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
         else:
             _query_program(rest // (B * H), rest % (B * H), q_c, k_c, v_c, hk_ptr, hv_ptr,
-                           do_c, o_c, lse_c, start, shift_c, sb_c, dq_ptr + c64 * sdq_c,
+                           do_c, o_c, lse_c, start, shift_c, sb_c, doc_c, dq_ptr + c64 * sdq_c,
                            rows_ptr + c64 * srows_c, diag_ptr + c64 * sdiag_c, rows_t,
                            sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                            shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                            sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, sdq_b, sdq_h, sdq_n,
+                           sdoc_b, sdoc_n,
                            B, H, HKV, n, G, groups, first, src_step, layer, window, scale,
-                           qk_scale, HAS_SELF, ROWS_AT_START, D, BLOCK_M, BLOCK_N, BLOCK_D,
-                           DOT_PREC)
+                           qk_scale, HAS_SELF, ROWS_AT_START, HAS_DOCS, D, BLOCK_M, BLOCK_N,
+                           BLOCK_D, DOT_PREC)
 
 
 def _meta(q: Tensor, *, backward: bool) -> dict:
@@ -614,9 +682,23 @@ def _bias_entries(shift: Tensor, self_bias: Tensor | None) -> tuple[Tensor, Tens
     return shift, sb, shift.stride(0), sb.stride(0) if sb.dim() else 0
 
 
+def _documents(lower: Tensor | None, start: Tensor, q: Tensor) -> tuple[Tensor, int, int, int]:
+    """The document bounds as the kernels read them (spec §7): `lower [cells, B, n]` (any
+    strides: a wave's cells are one strided view of the pass's bounds) and its strides, or a
+    stand-in the kernels do not read."""
+    if lower is None:
+        return start, 0, 0, 0
+    count, batch, _, n, _ = q.shape
+    if lower.shape != (count, batch, n) or lower.dtype != torch.int64:
+        raise ValueError(f"block attention: document bounds must be int64 [cells, B, n] = "
+                         f"[{count}, {batch}, {n}], got {lower.dtype} {tuple(lower.shape)}")
+    return (lower, *lower.stride())
+
+
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, start: Tensor,
-                  shift: Tensor, self_bias: Tensor | None, sources: list[int], layers: list[int],
-                  top: int, window: int, scale: float) -> tuple[Tensor, Tensor]:
+                  shift: Tensor, self_bias: Tensor | None, lower: Tensor | None,
+                  sources: list[int], layers: list[int], top: int, window: int,
+                  scale: float) -> tuple[Tensor, Tensor]:
     cells = Cells.of(sources, layers, top)
     _check(q, k, v, hist_k, hist_v, shift, self_bias, cells)
     q, k, v = _rows(q), _rows(k), _rows(v)
@@ -627,23 +709,24 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tenso
     out = q.new_empty(count, batch, n, heads, width).transpose(2, 3)
     lse = q.new_empty(count, batch, heads, n, dtype=torch.float32)
     shift, sb, s_shift, s_sb = _bias_entries(shift, self_bias)
+    docs = _documents(lower, start, q)
     meta = _meta(q, backward=False)
     grid = (triton.cdiv(n, meta["BLOCK_M"]), batch * heads, count)
-    launch(_forward_kernel, grid, q, k, v, hist_k, hist_v, start, shift, sb, out, lse,
+    launch(_forward_kernel, grid, q, k, v, hist_k, hist_v, start, shift, sb, docs[0], out, lse,
            *q.stride()[:4], *k.stride()[:4], *v.stride()[:4],
            *_hist_strides(hist_k, cells.groups, width),
            *_hist_strides(hist_v, cells.groups, width),
-           *out.stride()[:4], s_shift, s_sb,
+           *out.stride()[:4], s_shift, s_sb, *docs[1:],
            batch, heads, k.shape[2], n, *cells.args(), window, scale * LOG2E,
-           HAS_SELF=self_bias is not None, **meta)
+           HAS_SELF=self_bias is not None, HAS_DOCS=lower is not None, **meta)
     return out, lse
 
 
 def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor,
                    hist_v: Tensor, out: Tensor, lse: Tensor, start: Tensor, shift: Tensor,
-                   self_bias: Tensor | None, grad_hist_k: Tensor, grad_hist_v: Tensor,
-                   sources: list[int], layers: list[int], top: int, window: int, scale: float,
-                   shift_rows: Tensor | None = None,
+                   self_bias: Tensor | None, lower: Tensor | None, grad_hist_k: Tensor,
+                   grad_hist_v: Tensor, sources: list[int], layers: list[int], top: int,
+                   window: int, scale: float, shift_rows: Tensor | None = None,
                    diag_rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     cells = Cells.of(sources, layers, top)
     groups = cells.groups
@@ -680,19 +763,21 @@ def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor
         diag = (lse.new_empty(count, batch, heads, n) if self_bias is not None
                 else lse.new_empty(count, 0))
     shift, sb, s_shift, s_sb = _bias_entries(shift, self_bias)
+    docs = _documents(lower, start, q)
     meta = _meta(q, backward=True)
     t_tiles = triton.cdiv(hist_k.shape[3], meta["BLOCK_N"]) if groups else 0
     key_programs = (triton.cdiv(n, meta["BLOCK_N"]) + groups * t_tiles) * batch * k.shape[2]
     grid = (count * (key_programs + triton.cdiv(n, meta["BLOCK_M"]) * batch * heads),)
     launch(_backward_kernel, grid, q, k, v, hist_k, hist_v, grad, out, lse, start, shift, sb,
-           dq, dk, dv, grad_hist_k, grad_hist_v, rows, diag, rows_t,
+           docs[0], dq, dk, dv, grad_hist_k, grad_hist_v, rows, diag, rows_t,
            *q.stride()[:4], *k.stride()[:4], *v.stride()[:4],
            *_hist_strides(hist_k, groups, width), *_hist_strides(hist_v, groups, width),
            *grad.stride()[:4], *out.stride()[:4], *dq.stride()[:4], *dk.stride()[:4],
            *dv.stride()[:4], *_hist_strides(grad_hist_k, groups, width),
            *_hist_strides(grad_hist_v, groups, width), s_shift, s_sb, rows.stride(0), diag.stride(0),
-           batch, heads, k.shape[2], n, count, groups, t_tiles, *cells.args()[2:], window,
-           scale, scale * LOG2E, HAS_SELF=self_bias is not None, ROWS_AT_START=in_pass, **meta)
+           *docs[1:], batch, heads, k.shape[2], n, count, groups, t_tiles, *cells.args()[2:],
+           window, scale, scale * LOG2E, HAS_SELF=self_bias is not None, ROWS_AT_START=in_pass,
+           HAS_DOCS=lower is not None, **meta)
     if in_pass:
         return dq, dk, dv, lse.new_empty(0), lse.new_empty(0)
     # The shift is subtracted from the scores.
@@ -709,16 +794,16 @@ if triton is not None:
 
     @custom_op("block_attention_forward")
     def _forward_op(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
-                    start: Tensor, shift: Tensor, self_bias: Tensor | None, sources: list[int],
-                    layers: list[int], top: int, window: int,
+                    start: Tensor, shift: Tensor, self_bias: Tensor | None, lower: Tensor | None,
+                    sources: list[int], layers: list[int], top: int, window: int,
                     scale: float) -> tuple[Tensor, Tensor]:
-        return _forward_impl(q, k, v, hist_k, hist_v, start, shift, self_bias, sources, layers,
-                             top, window, scale)
+        return _forward_impl(q, k, v, hist_k, hist_v, start, shift, self_bias, lower, sources,
+                             layers, top, window, scale)
 
     @_forward_op.register_fake
     def _(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, start: Tensor,
-          shift: Tensor, self_bias: Tensor | None, sources: list[int], layers: list[int],
-          top: int, window: int, scale: float) -> tuple[Tensor, Tensor]:
+          shift: Tensor, self_bias: Tensor | None, lower: Tensor | None, sources: list[int],
+          layers: list[int], top: int, window: int, scale: float) -> tuple[Tensor, Tensor]:
         return _forward_fake(q)
 
     # No defaults (ops.custom_op says why).
@@ -726,18 +811,19 @@ if triton is not None:
                mutates_args=("grad_hist_k", "grad_hist_v", "shift_rows", "diag_rows"))
     def _backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor,
                      hist_v: Tensor, out: Tensor, lse: Tensor, start: Tensor, shift: Tensor,
-                     self_bias: Tensor | None, grad_hist_k: Tensor, grad_hist_v: Tensor,
-                     sources: list[int], layers: list[int], top: int, window: int, scale: float,
-                     shift_rows: Tensor | None, diag_rows: Tensor | None
-                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     self_bias: Tensor | None, lower: Tensor | None, grad_hist_k: Tensor,
+                     grad_hist_v: Tensor, sources: list[int], layers: list[int], top: int,
+                     window: int, scale: float, shift_rows: Tensor | None,
+                     diag_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         return _backward_impl(grad, q, k, v, hist_k, hist_v, out, lse, start, shift, self_bias,
-                              grad_hist_k, grad_hist_v, sources, layers, top, window, scale,
-                              shift_rows, diag_rows)
+                              lower, grad_hist_k, grad_hist_v, sources, layers, top, window,
+                              scale, shift_rows, diag_rows)
 
     @_backward_op.register_fake
     def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
           out: Tensor, lse: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
-          grad_hist_k: Tensor, grad_hist_v: Tensor, sources: list[int], layers: list[int],
+          lower: Tensor | None, grad_hist_k: Tensor, grad_hist_v: Tensor, sources: list[int],
+          layers: list[int],
           top: int, window: int, scale: float, shift_rows: Tensor | None,
           diag_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         if shift_rows is not None:
@@ -750,26 +836,26 @@ if triton is not None:
     @custom_op("block_attention")
     def _attention_op(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
                       grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor, shift: Tensor,
-                      self_bias: Tensor | None, anchor: Tensor | None, sources: list[int],
-                      layers: list[int], top: int, window: int, scale: float,
-                      shift_rows: Tensor | None,
+                      self_bias: Tensor | None, lower: Tensor | None, anchor: Tensor | None,
+                      sources: list[int], layers: list[int], top: int, window: int,
+                      scale: float, shift_rows: Tensor | None,
                       diag_rows: Tensor | None) -> tuple[Tensor, Tensor]:
-        return _forward_impl(q, k, v, hist_k, hist_v, start, shift, self_bias, sources, layers,
-                             top, window, scale)
+        return _forward_impl(q, k, v, hist_k, hist_v, start, shift, self_bias, lower, sources,
+                             layers, top, window, scale)
 
     @_attention_op.register_fake
     def _(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, grad_hist_k: Tensor,
           grad_hist_v: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
-          anchor: Tensor | None, sources: list[int], layers: list[int], top: int, window: int,
-          scale: float, shift_rows: Tensor | None,
+          lower: Tensor | None, anchor: Tensor | None, sources: list[int], layers: list[int],
+          top: int, window: int, scale: float, shift_rows: Tensor | None,
           diag_rows: Tensor | None) -> tuple[Tensor, Tensor]:
         return _forward_fake(q)
 
     def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-        (q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, shift, self_bias, anchor,
-         sources, layers, top, window, scale, shift_rows, diag_rows) = inputs
+        (q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, shift, self_bias, lower,
+         anchor, sources, layers, top, window, scale, shift_rows, diag_rows) = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, start, shift, self_bias, out, lse)
+        ctx.save_for_backward(q, k, v, start, shift, self_bias, lower, out, lse)
         # Not saved tensors on purpose: later blocks write their rows of the history (rows
         # >= start, which this call never reads), which would trip the saved-tensor version
         # check; and the gradient buffers are written by this very backward.
@@ -783,11 +869,11 @@ if triton is not None:
 
     def _attention_backward(ctx, grad: Tensor, _grad_lse: Tensor | None) -> tuple:
         if grad is None:  # the output took no part in the loss
-            return (None,) * 18
-        q, k, v, start, shift, self_bias, out, lse = ctx.saved_tensors
+            return (None,) * 19
+        q, k, v, start, shift, self_bias, lower, out, lse = ctx.saved_tensors
         hist_k, hist_v, grad_hist_k, grad_hist_v = ctx.history
         dq, dk, dv, d_shift, d_self_bias = torch.ops.megabeta.block_attention_backward(
-            grad, q, k, v, hist_k, hist_v, out, lse, start, shift, self_bias, grad_hist_k,
+            grad, q, k, v, hist_k, hist_v, out, lse, start, shift, self_bias, lower, grad_hist_k,
             grad_hist_v, *ctx.args, *ctx.rows)
         if ctx.rows[0] is not None:  # the biases' partial sums went to the pass's buffers
             d_shift = d_self_bias = None
@@ -795,7 +881,7 @@ if triton is not None:
                 None if d_shift is None else d_shift.to(shift.dtype),
                 None if self_bias is None or d_self_bias is None
                 else d_self_bias.to(self_bias.dtype),
-                anchor_gradient(ctx.anchor), None, None, None, None, None, None, None)
+                None, anchor_gradient(ctx.anchor), None, None, None, None, None, None, None)
 
     _attention_op.register_autograd(_attention_backward, setup_context=_setup_context)
 
@@ -819,7 +905,7 @@ def _block_top(sources: list[int], layer: int) -> int:
 
 def forward(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, start: Tensor,
             shift: Tensor, self_bias: Tensor | None = None, *, sources: list[int], layer: int,
-            window: int, scale: float) -> tuple[Tensor, Tensor]:
+            window: int, scale: float, lower: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention of one block's queries at `layer` over its own keys and its finished groups
     (one launch; not differentiable: see `block_attention`).
 
@@ -830,21 +916,24 @@ def forward(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, sta
     deeper than `layer` when window > 0, else 0; not read at all when `sources` is empty);
     `start` a one-element (or 0-d) int tensor on q's device (the block's first position, read
     by the kernels: no shape depends on it); `shift [G, H]` subtracted from group g's scores of
-    head h; `self_bias [1]` or None added to the diagonal score; scores are q·k·scale. `sources`
+    head h; `self_bias [1]` or None added to the diagonal score; scores are q·k·scale; `lower
+    [B, n]` int64 or None: the document bounds (spec §7), query i reads only keys at positions
+    >= lower[:, i] (history row j is position j; own key j is start + j). `sources`
     must be an arithmetic progression (spec §3's M(l) always is). Returns `out [B, H, n, d]`
     in q's dtype (a transposed view of a contiguous `[B, n, H, d]`) and `lse [B, H, n]`
     float32, natural log.
     """
     out, lse = torch.ops.megabeta.block_attention_forward(
-        q[None], k[None], v[None], hist_k, hist_v, start, shift[None], self_bias, sources,
-        [layer], _block_top(sources, layer), window, scale)
+        q[None], k[None], v[None], hist_k, hist_v, start, shift[None], self_bias, _one(lower),
+        sources, [layer], _block_top(sources, layer), window, scale)
     return out[0], lse[0]
 
 
 def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
              out: Tensor, lse: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
              grad_hist_k: Tensor, grad_hist_v: Tensor, *, sources: list[int], layer: int,
-             window: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             window: int, scale: float,
+             lower: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of `forward` (one launch, then the bias gradients' row sums reduced).
 
     `grad [B, H, n, d]` of `out`; `out, lse` as `forward` returned them; the rest as in
@@ -855,7 +944,7 @@ def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist
     """
     dq, dk, dv, d_shift, d_self_bias = torch.ops.megabeta.block_attention_backward(
         grad[None], q[None], k[None], v[None], hist_k, hist_v, out[None], lse[None], start,
-        shift[None], self_bias, grad_hist_k, grad_hist_v, sources, [layer],
+        shift[None], self_bias, _one(lower), grad_hist_k, grad_hist_v, sources, [layer],
         _block_top(sources, layer), window, scale, None, None)
     return dq[0], dk[0], dv[0], d_shift[0], d_self_bias.reshape(-1)
 
@@ -864,8 +953,8 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Ten
                     grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor, shift: Tensor,
                     self_bias: Tensor | None = None, *, sources: list[int], layer: int,
                     window: int, scale: float, anchor: Tensor | None = None,
-                    shift_rows: Tensor | None = None,
-                    diag_rows: Tensor | None = None) -> Tensor:
+                    shift_rows: Tensor | None = None, diag_rows: Tensor | None = None,
+                    lower: Tensor | None = None) -> Tensor:
     """`forward`'s output `[B, H, n, d]`, differentiable w.r.t. q, k, v, shift and self_bias;
     its backward adds the history's gradients into `grad_hist_k, grad_hist_v` (as `backward`).
     `anchor`: an optional 0-d tensor taken as an input only so that autograd runs this
@@ -880,16 +969,16 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Ten
     once, instead of a reduction and a sum per block."""
     return torch.ops.megabeta.block_attention(
         q[None], k[None], v[None], hist_k, hist_v, grad_hist_k, grad_hist_v, start,
-        shift[None], self_bias, anchor, sources, [layer], _block_top(sources, layer), window,
-        scale, _one(shift_rows), _one(diag_rows))[0].squeeze(0)
+        shift[None], self_bias, _one(lower), anchor, sources, [layer],
+        _block_top(sources, layer), window, scale, _one(shift_rows), _one(diag_rows))[0].squeeze(0)
 
 
 def wave_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
                    grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor, shift: Tensor,
                    self_bias: Tensor | None = None, *, sources: list[int], layers: list[int],
                    top: int, window: int, scale: float, anchor: Tensor | None = None,
-                   shift_rows: Tensor | None = None,
-                   diag_rows: Tensor | None = None) -> Tensor:
+                   shift_rows: Tensor | None = None, diag_rows: Tensor | None = None,
+                   lower: Tensor | None = None) -> Tensor:
     """`block_attention` of a wave's cells in one launch each way (module doc, "Cells"):
     `q [cells, B, H, n, d]`, `k, v [cells, B, H_kv, n, d]`, the cells on consecutive blocks of
     n rows, oldest first, at `layers` (a constant step); `start` the LAST cell's first position;
@@ -897,8 +986,9 @@ def wave_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tens
     offset, cut at `top`); `shift [cells, G', H]` (G' ≥ G; entries past a cell's groups are
     not used),
     `self_bias [cells]`; `shift_rows [cells, G, B, H, T]` and `diag_rows [cells, B, H, T]`
-    (strided views of a pass's buffers will do). Returns `[cells, B, H, n, d]` (a transposed
-    view of a contiguous `[cells, B, n, H, d]`)."""
+    (strided views of a pass's buffers will do); `lower [cells, B, n]` the cells' document
+    bounds (a strided view of the pass's: cell i's rows n apart). Returns `[cells, B, H, n, d]`
+    (a transposed view of a contiguous `[cells, B, n, H, d]`)."""
     return torch.ops.megabeta.block_attention(
-        q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, shift, self_bias, anchor,
-        sources, layers, top, window, scale, shift_rows, diag_rows)[0]
+        q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, shift, self_bias, lower,
+        anchor, sources, layers, top, window, scale, shift_rows, diag_rows)[0]

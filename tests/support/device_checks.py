@@ -123,9 +123,24 @@ class AttentionCase:
     sources: tuple[int, ...]
     layer: int
     window: int
+    documents: bool = False
+    """With document bounds (spec §7, `document_bounds`)."""
 
     def geometry(self) -> dict[str, Any]:
         return dict(sources=self.sources, layer=self.layer, start=self.start, window=self.window)
+
+    def document_bounds(self) -> Tensor | None:
+        """`[B, n]` int64 or None: sample 0's first half continues a document that began in
+        the middle of the history (tiles below it skipped, the boundary tile masked), then a
+        one-token document, then one to the block's end; further samples one document from
+        position 0 (nothing masked)."""
+        if not self.documents:
+            return None
+        half = self.n // 2
+        first = (self.start // 2) + 3 if self.start else 0
+        row = torch.cat([torch.full((half,), first), torch.tensor([self.start + half]),
+                         torch.full((self.n - half - 1,), self.start + half + 1)])
+        return torch.stack([row, *[torch.zeros(self.n, dtype=torch.int64)] * (self.batch - 1)])
 
 
 ATTENTION_CASES = [
@@ -133,10 +148,14 @@ ATTENTION_CASES = [
     AttentionCase("mha", 1, 2, 2, 24, 8, 3, 40, 24, (0, 1, 2), 0, 0),
     AttentionCase("gqa+window", 2, 2, 1, 24, 8, 4, 40, 24, (1, 2, 3), 1, 10),
     AttentionCase("one block", 1, 2, 1, 24, 8, 0, 0, 0, (), 0, 0),
+    # Document masks (spec §7) on the same structures.
+    AttentionCase("gqa+window docs", 2, 2, 1, 24, 8, 4, 40, 24, (1, 2, 3), 1, 10, True),
+    AttentionCase("one block docs", 1, 2, 1, 24, 8, 0, 0, 0, (), 0, 0, True),
     # t19_flash: d_h 200, 8 heads, c = 32, 3 groups, T = 4096; GQA with a deep-token window.
     AttentionCase("t19 mha", 1, 8, 8, 200, 32, 4, 4096, 2080, (0, 1, 2), 0, 0),
     AttentionCase("t19 gqa+window", 2, 8, 2, 200, 32, 4, 4096, 2080, (1, 2, 3), 1, 1000),
     AttentionCase("t19 one block", 1, 8, 8, 200, 32, 0, 0, 0, (), 0, 0),
+    AttentionCase("t19 mha docs", 2, 8, 8, 200, 32, 4, 4096, 2080, (0, 1, 2), 0, 0, True),
 ]
 
 
@@ -163,7 +182,8 @@ def attention_inputs(case: AttentionCase, seed: int = 0) -> dict[str, Tensor]:
 def reference_attention(case: AttentionCase, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
     """The float64 reference's output and gradients, named as `run_block_attention`'s (no
     history gradients without history)."""
-    want = block_attention_grads(inputs, inputs["grad"], **case.geometry())
+    want = block_attention_grads(inputs, inputs["grad"], **case.geometry(),
+                                 lower=case.document_bounds())
     del want["lse"]
     if not case.sources:
         del want["d_hist_k"], want["d_hist_v"]
@@ -191,10 +211,11 @@ def run_block_attention(case: AttentionCase, inputs: dict[str, Tensor], dtype: t
     else:
         hist_k = hist_v = grad_k = grad_v = q.new_empty(0)
         start = torch.zeros((), dtype=torch.int64, device=device)
+    lower = case.document_bounds()
     out = triton_attention.block_attention(
         q, k, v, hist_k, hist_v, grad_k, grad_v, start, shift, self_bias,
         sources=list(case.sources), layer=case.layer, window=case.window,
-        scale=1.0 / math.sqrt(case.head_dim))
+        scale=1.0 / math.sqrt(case.head_dim), lower=None if lower is None else lower.to(device))
     out.backward(inputs["grad"].to(device, dtype))
     result = dict(out=out, d_q=q.grad, d_k=k.grad, d_v=v.grad, d_shift=shift.grad,
                   d_self_bias=self_bias.grad)

@@ -7,8 +7,10 @@ One block of n queries at `layer`, starting at token `start`, reads in one softm
   `group_rows(...)` of it, score minus `shift[g, h]`;
 - its own n keys, causal, with the self bias b_σ added on the diagonal (the self slot).
 
-Scores are q·k·scale (default 1/√d); query head h reads KV head h // (H / H_kv) (GQA). It shares
-no code with megabeta: a bug in the model's helpers cannot hide in it.
+Scores are q·k·scale (default 1/√d); query head h reads KV head h // (H / H_kv) (GQA). With
+document bounds `lower [B, n]` (spec §7), query r reads only keys at positions >= lower[:, r]
+(history row j is position j, own key j is position start + j). It shares no code with
+megabeta: a bug in the model's helpers cannot hide in it.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def _per_query_head(x: Tensor, heads: int) -> Tensor:
 def block_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
                     shift: Tensor, self_bias: Tensor | None, *, sources: Sequence[int],
                     layer: int, start: int, window: int, scale: float | None = None,
-                    perturb: str | None = None) -> tuple[Tensor, Tensor]:
+                    perturb: str | None = None,
+                    lower: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(output `[B, H, n, d]`, log-sum-exp of the scores `[B, H, n]`), computed in the inputs'
     dtype (float64 for a reference). `q [B, H, n, d]`, `k, v [B, H_kv, n, d]`, `shift [G, H]`,
     `self_bias [1]` or None (no self slot). Rows of the history a block does not read are never
@@ -56,6 +59,7 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Ten
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(
         1 if perturb == "causal" else 0)
     scores, values = [own.masked_fill(~causal, float("-inf"))], [_per_query_head(v, heads)]
+    positions = [torch.arange(start, start + n)]
     sign = 1.0 if perturb == "shift_sign" else -1.0
     for g, source in enumerate(sources):
         rows = group_rows(source, layer, start, window)
@@ -64,7 +68,11 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Ten
         keys = _per_query_head(hist_k[source, :, :, rows], heads)
         scores.append(q @ keys.transpose(-1, -2) * scale + sign * shift[g].view(1, heads, 1, 1))
         values.append(_per_query_head(hist_v[source, :, :, rows], heads))
+        positions.append(torch.arange(rows.start, rows.stop))
     s = torch.cat(scores, dim=-1)
+    if lower is not None:
+        read = torch.cat(positions).to(q.device)[None, None, None, :] >= lower[:, None, :, None]
+        s = s.masked_fill(~read, float("-inf"))
     return torch.softmax(s, dim=-1) @ torch.cat(values, dim=2), torch.logsumexp(s, dim=-1)
 
 
@@ -73,8 +81,8 @@ INPUTS = ("q", "k", "v", "hist_k", "hist_v", "shift", "self_bias")
 
 def block_attention_grads(inputs: dict[str, Tensor | None], grad: Tensor, *,
                           sources: Sequence[int], layer: int, start: int, window: int,
-                          scale: float | None = None, perturb: str | None = None
-                          ) -> dict[str, Tensor | None]:
+                          scale: float | None = None, perturb: str | None = None,
+                          lower: Tensor | None = None) -> dict[str, Tensor | None]:
     """`block_attention` in float64 on the CPU with its gradients: `out`, `lse` and `d_<name>`
     of Σ out·grad for every input of `INPUTS` (zero where the output does not depend on it,
     e.g. history rows not read; None for a missing self bias)."""
@@ -82,7 +90,8 @@ def block_attention_grads(inputs: dict[str, Tensor | None], grad: Tensor, *,
               else inputs[name].detach().double().cpu().clone().requires_grad_()
               for name in INPUTS}
     out, lse = block_attention(*leaves.values(), sources=sources, layer=layer, start=start,
-                               window=window, scale=scale, perturb=perturb)
+                               window=window, scale=scale, perturb=perturb,
+                               lower=None if lower is None else lower.cpu())
     (out * grad.double().cpu()).sum().backward()
     result: dict[str, Tensor | None] = dict(out=out.detach(), lse=lse.detach())
     for name, leaf in leaves.items():

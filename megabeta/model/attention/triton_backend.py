@@ -16,6 +16,11 @@ On the wavefront schedule (spec §5) the cells of a wave, on consecutive blocks 
 step down by k+1, go to the same kernels as one call of stacked cells (`attend_wave`): one
 launch forward and one backward per wave, whatever the number of cells.
 
+Document masks (spec §7, `KeySet.documents`): the kernels read each query row's lower bound
+from the bounds tensor (an ordinary input: one compiled graph for every block here too) and
+skip the key tiles wholly below a query tile's smallest bound; a wave's cells read one strided
+view of the pass's bounds. Without documents the kernels are compiled without the mask.
+
 Decoding hands attention the history as pieces; those calls go to the `explicit` backend,
 which computes the same function (a decoding step's score matrix is one row per query).
 """
@@ -49,7 +54,7 @@ class TritonAttention(CellByCell):
     reads_buffers = True
     # CUDA (or a CPU under Triton's interpreter: select.py asks elementwise.require_triton).
     capabilities = Capabilities(devices=frozenset({"cuda", "cpu"}), dropout=False,
-                                static_step=True, batched_waves=True)
+                                static_step=True, batched_waves=True, documents=True)
 
     def __init__(self, head_dim: int) -> None:
         self.layout = KeyLayout(head_dim)
@@ -69,15 +74,19 @@ class TritonAttention(CellByCell):
         if bias.rows is not None and torch.is_grad_enabled():
             shift_rows, diag_rows = bias.rows.layer_buffers(layer, q.shape[0], q.shape[1], q)
             rows = dict(shift_rows=shift_rows, diag_rows=diag_rows)
+        lower = None if keys.documents is None else keys.documents.lower
         if stored is None:
             # A block with no history (the first, or a sequence of at most c tokens): own keys.
             # Empty stand-ins for the history, its gradient buffers float32 like a real one's
             # (the same compiled kernel).
+            if keys.documents is not None and keys.documents.start != 0:
+                raise ValueError(f"triton attention: a block without history at position "
+                                 f"{keys.documents.start} (the kernels put it at 0)")
             empty, grads = q.new_empty(0), q.new_empty(0, dtype=torch.float32)
             return triton_attention.block_attention(
                 q, keys.k.to(q.dtype), keys.v.to(q.dtype), empty, empty, grads, grads,
                 q.new_zeros((), dtype=torch.int64), q.new_empty(0, q.shape[1]), bias.self_bias,
-                sources=[], layer=layer, window=0, scale=scale, **rows)
+                sources=[], layer=layer, window=0, scale=scale, lower=lower, **rows)
         # In the buffers' dtype: the kernels take one, and autocast does not reach them.
         dtype = stored.dtype
         hist_k, hist_v = stored.buffers()
@@ -86,7 +95,8 @@ class TritonAttention(CellByCell):
         return triton_attention.block_attention(
             q, keys.k.to(dtype), keys.v.to(dtype), hist_k, hist_v, grad_k, grad_v,
             stored.start_index(), bias.group_shift, bias.self_bias, sources=stored.sources(layer),
-            layer=layer, window=stored.window, scale=scale, anchor=stored.anchor, **rows)
+            layer=layer, window=stored.window, scale=scale, anchor=stored.anchor, lower=lower,
+            **rows)
 
     def attend_wave(self, q: Tensor, k: Tensor, v: Tensor, keys: list[KeySet], bias: WaveBias,
                     *, layers: list[int], dropout_p: float) -> Tensor:
@@ -112,7 +122,7 @@ class TritonAttention(CellByCell):
             q, k.to(dtype), v.to(dtype), hist_k, hist_v, grad_k, grad_v, last.start_index(),
             bias.group_shift, bias.self_bias, sources=last.sources(layers[-1]), layers=layers,
             top=cells.top, window=last.window, scale=1.0 / math.sqrt(q.shape[-1]),
-            anchor=last.anchor, **rows)
+            anchor=last.anchor, lower=_wave_bounds(keys, q.shape[3]), **rows)
         return out.transpose(2, 3)
 
 
@@ -127,6 +137,23 @@ def _gradient_buffers(stored: StoredHistory) -> tuple[Tensor, Tensor]:
         return stored.gradient_buffers()
     empty = stored.buffers()[0].new_empty(0)
     return empty, empty
+
+
+def _wave_bounds(keys: list[KeySet], n: int) -> Tensor | None:
+    """The cells' document bounds `[cells, B, n]` as one strided view, without a copy: the
+    cells are consecutive blocks of n tokens, so their bounds are consecutive slices of the
+    pass's `[B, T]` (history.block_bounds). None without documents."""
+    if keys[0].documents is None:
+        return None
+    first = keys[0].documents.lower
+    view = first.as_strided((len(keys), *first.shape), (n * first.stride(1), *first.stride()),
+                            first.storage_offset())
+    for i, key_set in enumerate(keys):
+        lower = key_set.documents.lower
+        if lower.data_ptr() != view[i].data_ptr() or lower.stride() != first.stride():
+            raise ValueError(f"triton wave attention: cell {i}'s document bounds are not the "
+                             f"slice {n} rows after cell {i - 1}'s of one tensor")
+    return view
 
 
 def _check_wave(stored: list[StoredHistory | None], layers: list[int],

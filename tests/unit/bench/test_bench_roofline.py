@@ -252,3 +252,41 @@ def test_bench_gpu_speed_rows_carry_the_share_of_the_bound(gpu: str, has_column:
     standard = bench_gpu._speed_row(run, "standard", config.replace(arch="standard"), 1, 256,
                                     "eager", timing, 989e12, None)
     assert "of_bound" not in standard
+
+
+def test_document_mask_saving_on_a_hand_example(tmp_path) -> None:
+    """Spec §7 in the roofline: the history tiles wholly below a bound are skipped. One layer,
+    k = 0 (one group, rows [0, start)), c = 2, every tile 2 rows, d_h 16, 2 heads (no GQA),
+    documents of 3 and 3 tokens: the block at 2 (bound 0) skips nothing of its 1 tile; the
+    block at 4 (bound 3) skips 1 of its 2 tiles; three kinds of loop each (forward, backward
+    key and query programs)."""
+    assert roofline.skipped_tiles(0, 8, 5, 2) == 2
+    assert roofline.skipped_tiles(3, 8, 5, 2) == 1       # tiles cut from the group's first row
+    assert roofline.skipped_tiles(0, 8, 100, 4) == 2     # never more than there are
+    assert roofline.skipped_tiles(8, 8, 100, 4) == 0
+    starts = roofline.document_starts([3], 6)
+    assert starts == [0, 0, 0, 3, 3, 3]
+    assert roofline.document_starts([3, 2], 8) == [0, 0, 0, 3, 3, 5, 5, 5]
+    config = ModelConfig(vocab_size=16, d_model=32, hidden_dim=48, num_heads=2, num_layers=1,
+                         block_size=2, depth_window=0, max_seq_len=8)
+    kernel = roofline._Kernel(2, 2, 2, 2, 16)
+    saving = roofline.document_saving(config, kernel, starts, grad_bytes=4, recompute=False)
+    assert (saving.tiles, saving.tiles_skipped) == (9, 3)
+    # A skipped tile saves: forward 2 heads x 2 rows x K,V (32 B a row); a key program its
+    # K/V rows and float32 gradient RMW (2 x (64 + 256) B) and the q/dO/O/lse of its 2 query
+    # rows (100 B each), for each of 2 kv heads; a query program 2 heads x 2 K/V rows.
+    assert saving.bytes_saved == 256 + 2 * (2 * 320 + 2 * 100) + 256
+    assert saving.flops_saved == 2 * 4 * 2 * 2 * 16 + 2 * 8 * 2 * 2 * 16 + 2 * 6 * 2 * 2 * 16
+    assert saving.bytes == 3 * saving.bytes_saved        # 3 tiles a kind, 1 skipped
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("5\n7\n")
+    assert roofline.parse_doc_lengths(str(lengths), 3) == [5, 7]
+    drawn = roofline.parse_doc_lengths("64-300", 50)
+    assert len(drawn) == 50 and 64 <= min(drawn) and max(drawn) <= 300
+    with pytest.raises(ValueError, match="doc-lengths"):
+        roofline.parse_doc_lengths("300-64", 5)
+
+
+def test_roofline_prints_the_document_saving(capsys) -> None:
+    roofline.main(["--no-sweeps", "--doc-lengths", "64-300", "--seq-len", "2048"])
+    assert "document mask (spec §7; documents" in capsys.readouterr().out

@@ -15,7 +15,11 @@ pytest.importorskip("triton", reason="triton is not importable: no Triton kernel
 
 from megabeta.kernels import triton_attention  # noqa: E402
 from megabeta.kernels.ops import LaunchCount  # noqa: E402
-from support.reference_attention import INPUTS, block_attention_grads  # noqa: E402
+from support.reference_attention import (  # noqa: E402
+    INPUTS,
+    block_attention_grads,
+    group_rows,
+)
 
 L, D = 4, 24
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -314,3 +318,58 @@ def test_wave_geometry_is_checked() -> None:
         triton_attention.Cells.of([0, 1], [2, 0], 0)
     cells = triton_attention.Cells.of([0, 1, 2], [6, 3, 0], 7)
     assert [cells.sources(i) for i in range(3)] == [[6, 7], [3, 4, 5], [0, 1, 2]]
+
+
+def _bounds(*runs: tuple[int, int]) -> torch.Tensor:
+    """Document bounds `[n]` (spec §7) from (rows, first position of their document) runs."""
+    return torch.cat([torch.full((rows,), first) for rows, first in runs])
+
+
+# n = 20 queries at 32…51 over history rows 0…31 (tiles of 16). Sample 0: rows 0-6 continue a
+# document that began at 20 (history tile 0 wholly below every bound), a document starts at
+# row 7 (position 39) with a one-token document at row 12, and rows 13-19 one more; query tile
+# 1 (rows 16-19) reads no history at all, and only part of own tile 0. Sample 1: one document
+# from position 3 (the boundary inside history tile 0).
+DOCUMENTS = torch.stack([_bounds((7, 20), (5, 39), (1, 44), (7, 45)), _bounds((20, 3))])
+
+
+@pytest.mark.parametrize("window", [0, 21])
+def test_document_bounds_mask_keys_and_skip_tiles_below_them(window: int) -> None:
+    """Spec §7 in the kernels: outputs and every gradient match the float64 reference with the
+    bounds. History tiles wholly below a sample's bounds are skipped, not masked: they hold NaN
+    here (a read would poison the output, dQ or the gradient rows through 0·NaN), and their
+    gradient rows stay as they were."""
+    c = _case(n=20, start=32, batch=2, sources=(1, 2, 3) if window == 0 else (0, 1, 2),
+              layer=1 if window == 0 else 0, window=window, seed=5)
+    want = block_attention_grads({name: c[name] for name in INPUTS}, c["grad"],
+                                 sources=c["sources"], layer=c["layer"], start=32,
+                                 window=window, scale=c["scale"], lower=DOCUMENTS)
+    want_unmasked = _reference(c)
+    # Sample 0's tiles wholly below its smallest bound (20), counted from each group's first
+    # row (a deeper source's window starts at 11: its tile 11…26 holds the bound).
+    skipped = {m: rows.start + (20 - rows.start) // 16 * 16 for m in c["sources"]
+               for rows in [group_rows(m, c["layer"], 32, window)]}
+    for name in ("hist_k", "hist_v"):
+        c[name] = c[name].clone()
+        for m, end in skipped.items():
+            c[name][m, 0, :, :end] = float("nan")
+    lower = DOCUMENTS.clone()
+    with LaunchCount() as count:
+        out, lse = triton_attention.forward(c["q"], c["k"], c["v"], c["hist_k"], c["hist_v"],
+                                            c["start"], c["shift"], c["self_bias"],
+                                            **_kwargs(c), lower=lower)
+        base = torch.full(c["hist_k"].shape, 0.25)
+        grad_hist_k, grad_hist_v = base.clone(), base.clone()
+        dq, dk, dv, d_shift, d_self_bias = triton_attention.backward(
+            c["grad"], c["q"], c["k"], c["v"], c["hist_k"], c["hist_v"], out, lse, c["start"],
+            c["shift"], c["self_bias"], grad_hist_k, grad_hist_v, **_kwargs(c), lower=lower)
+    assert count.total == 2
+    got = dict(out=out, lse=lse, d_q=dq, d_k=dk, d_v=dv, d_shift=d_shift,
+               d_self_bias=d_self_bias, d_hist_k=grad_hist_k - base,
+               d_hist_v=grad_hist_v - base)
+    _assert_matches(got, want)
+    for m, end in skipped.items():
+        for buffer in (grad_hist_k, grad_hist_v):
+            assert torch.equal(buffer[m, 0, :, :end], base[m, 0, :, :end])
+    # And the mask matters: the reference without it differs.
+    assert not _close(out, want_unmasked["out"]) and not _close(dq, want_unmasked["d_q"])
