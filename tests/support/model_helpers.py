@@ -68,16 +68,19 @@ def tokens(batch: int = 2, length: int = 19, seed: int = 1) -> torch.Tensor:
 
 def assert_trains_like(model: DecoderLM, reference: DecoderLM, *, steps: int, length: int,
                        tolerance: dict[str, float],
-                       before_step: Callable[[int], None] = lambda step: None) -> None:
+                       before_step: Callable[[int], None] = lambda step: None,
+                       documents: torch.Tensor | None = None) -> None:
     """`steps` training steps (batch 2 of `length` tokens) of `model` and `reference`: the same
     losses and parameter gradients within `tolerance` (assert_close's rtol/atol), and no
-    gradient where the reference has none. `before_step(n)` runs before step n."""
+    gradient where the reference has none. `before_step(n)` runs before step n; `documents`:
+    the batches' document ids (spec §7), or None."""
+    kwargs = {} if documents is None else {"documents": documents}
     for step in range(steps):
         before_step(step)
         x, y = tokens(2, length, seed=step), tokens(2, length, seed=10 + step)
         model.zero_grad()
         reference.zero_grad()
-        loss, want = model(x, y), reference(x, y)
+        loss, want = model(x, y, **kwargs), reference(x, y, **kwargs)
         loss.backward()
         want.backward()
         torch.testing.assert_close(loss, want, **tolerance)

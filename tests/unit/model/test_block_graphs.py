@@ -39,6 +39,27 @@ def test_replayed_steps_train_like_the_eager_loop() -> None:
     assert capture.captured == 2
 
 
+@pytest.mark.skipif(not finished_groups.build(),
+                    reason="the fused C++ kernels do not build on this machine")
+def test_replayed_steps_with_documents_train_like_the_eager_loop() -> None:
+    """Document bounds (spec §7) are copied into a fixed tensor like the block's input: the
+    same two graphs serve every block and step, masked as the eager loop; a pass without
+    documents afterwards captures graphs that read none."""
+    model = tiny_model(torch.float64, attention="cpu_fused", activation_checkpoint="block",
+                       block_size=4)
+    eager = copy.deepcopy(model)
+    capture = EagerCapture()
+    model.block_graphs = BlockGraphs(model._graphed_step, capture)
+    starts = torch.zeros(2, 22, dtype=torch.int64)
+    starts[0, [3, 9, 10]] = 1
+    starts[1, [13]] = 1
+    assert_trains_like(model, eager, steps=2, length=22, tolerance=dict(rtol=1e-10, atol=1e-13),
+                       documents=starts.cumsum(1))
+    assert capture.captured == 2
+    assert_trains_like(model, eager, steps=1, length=22, tolerance=dict(rtol=1e-10, atol=1e-13))
+    assert capture.captured == 4
+
+
 def test_cuda_graphs_need_block_checkpointing() -> None:
     with pytest.raises(ConfigError, match="activation_checkpoint = block"):
         ExecutionConfig(cuda_graphs=True)
