@@ -2,7 +2,8 @@
 (the explicit backend) and against itself on other schedules: c = T equals the standard arm,
 prefill + steps equal the forward, logits, loss and every parameter gradient equal the explicit
 backend's, the wavefront schedule equals the block schedule, and the compiled and CUDA-graphed
-static block step equal the eager loop (in one compiled graph; two CUDA graphs)."""
+static block step equal the eager loop (in one compiled graph; two CUDA graphs); with document
+masks (spec §7) as well."""
 
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ def _triton() -> None:
     pytest.importorskip("triton", reason="triton is not installed (pip install 'megabeta[gpu]')")
 
 
-def _explicit(part: int) -> Callable[..., dict[str, float]]:
-    """Logits and loss (0) or the parameter gradients (1) against the explicit backend."""
-    return lambda dtype, fields, length, prompt: explicit_errors(BACKEND, dtype, CUDA, fields,
-                                                                 length)[part]
+def _explicit(part: int, documents: bool = False) -> Callable[..., dict[str, float]]:
+    """Logits and loss (0) or the parameter gradients (1) against the explicit backend, with
+    a document mask (spec §7) when `documents`."""
+    return lambda dtype, fields, length, prompt: explicit_errors(
+        BACKEND, dtype, CUDA, fields, length, documents)[part]
 
 
 CHECKS: dict[str, tuple[Callable[..., dict[str, float]], dict[str, float]]] = {
@@ -44,9 +46,14 @@ CHECKS: dict[str, tuple[Callable[..., dict[str, float]], dict[str, float]]] = {
     "gradients_equal_explicit": (_explicit(1), GRAD_TOL),
     "wavefront_equals_block": (lambda dtype, fields, length, prompt: wavefront_errors(
         BACKEND, dtype, CUDA, fields, length), GRAD_TOL),
+    "documents_logits_loss_equal_explicit": (_explicit(0, documents=True), MODEL_TOL),
+    "documents_gradients_equal_explicit": (_explicit(1, documents=True), GRAD_TOL),
+    "documents_wavefront_equals_block": (lambda dtype, fields, length, prompt: wavefront_errors(
+        BACKEND, dtype, CUDA, fields, length, documents=True), GRAD_TOL),
 }
 """Each check: its errors from (dtype, config fields, length, prompt), and its tolerances."""
-BF16_GRADIENTS = {"gradients_equal_explicit", "wavefront_equals_block"}
+BF16_GRADIENTS = {"gradients_equal_explicit", "wavefront_equals_block",
+                  "documents_gradients_equal_explicit", "documents_wavefront_equals_block"}
 """Gradient checks that bf16 parameters may miss: every gradient sum rounds to bf16, on any
 backend (0.10-0.15 of a bias gradient's scale on the CPU's; docs/benchmarks/2026-12-04-gpu.md:
 0.09-0.12 on triton), and training keeps float32 parameters under autocast. They run and report,
@@ -69,10 +76,14 @@ def test_model_on_triton(check: str, case: str, shape: str, dtype: str, within,
 
 
 @shapes
+@pytest.mark.parametrize("documents", [False, True], ids=["", "documents"])
 @pytest.mark.parametrize("mode,graphs", [("compiled", 1), ("graphed", 2)])
-def test_static_block_step_equals_eager(mode: str, graphs: int, shape: str, within) -> None:
-    """fp32, MHA: compiling takes a minute, one case is enough."""
+def test_static_block_step_equals_eager(mode: str, graphs: int, documents: bool, shape: str,
+                                        within) -> None:
+    """fp32, MHA: compiling takes a minute, one case is enough; with a document mask too (its
+    bounds an input of the same one graph, spec §7)."""
     fields, length, _ = model_shape(shape, "mha")
-    errors, got = static_step_errors(BACKEND, torch.float32, CUDA, fields, length, mode)
+    errors, got = static_step_errors(BACKEND, torch.float32, CUDA, fields, length, mode,
+                                     documents)
     within(errors, GRAD_TOL["fp32"])
     assert got == graphs, f"{got} graphs, expected {graphs}"

@@ -92,6 +92,32 @@ def test_model_checks_pass_on_a_cpu_backend_and_fail_a_wrong_one(
     assert not within(errors, tol) and not within(grads, GRAD_TOL["fp32"])
 
 
+def test_masked_model_checks_pass_and_fail_a_model_that_drops_the_mask(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The document-mask checks (spec §7) on cpu_flash: against the explicit reference, the
+    wavefront against the block schedule and the compiled step on cpu_fused; a backend that
+    ignores the bounds must fail the first."""
+    fields, length, _ = checks.model_shape("small", "gqa+window")
+    errors, grads = checks.explicit_errors("cpu_flash", FP32, CPU, fields, length, True)
+    assert within(errors, MODEL_TOL["fp32"]) and within(grads, GRAD_TOL["fp32"])
+    assert within(checks.wavefront_errors("cpu_flash", FP32, CPU, fields, length, True),
+                  GRAD_TOL["fp32"])
+    errors, graphs = checks.static_step_errors("cpu_fused", FP32, CPU, fields, length,
+                                               "compiled", True)
+    assert within(errors, GRAD_TOL["fp32"]) and graphs == 1
+    from megabeta.model.attention.merged import CpuMergedAttention
+
+    original = CpuMergedAttention.attend
+
+    def unmasked(self, q, keys, bias, **kw):
+        keys.documents = None
+        return original(self, q, keys, bias, **kw)
+
+    monkeypatch.setattr(CpuMergedAttention, "attend", unmasked)
+    errors, _ = checks.explicit_errors("cpu_flash", FP32, CPU, fields, length, True)
+    assert not within(errors, MODEL_TOL["fp32"])
+
+
 def test_a_check_refuses_a_backend_the_model_does_not_run(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A backend that maps to another on a device would make a check pass vacuously."""

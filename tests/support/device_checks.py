@@ -335,6 +335,15 @@ def tokens(vocab: int, batch: int, length: int, seed: int) -> Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def document_ids(batch: int, length: int, seed: int) -> Tensor:
+    """Document ids `[batch, length]` (spec §7) of documents of 1 to length/3 tokens, seeded:
+    boundaries inside blocks, on block edges and one-token documents alike."""
+    gen = torch.Generator().manual_seed(seed)
+    new = torch.rand(batch, length, generator=gen) < 3 / max(length, 3)
+    new[:, 0] = False
+    return new.cumsum(1)
+
+
 def grads(model: DecoderLM) -> dict[str, Tensor]:
     """Every parameter's gradient, zero where it has none."""
     return {n: torch.zeros_like(p) if p.grad is None else p.grad
@@ -390,39 +399,45 @@ def decoding_errors(backend: str, dtype: torch.dtype, device: torch.device,
 
 
 def explicit_errors(backend: str, dtype: torch.dtype, device: torch.device,
-                    fields: dict[str, Any], length: int
+                    fields: dict[str, Any], length: int, documents: bool = False
                     ) -> tuple[dict[str, float], dict[str, float]]:
     """beta_1.2 on `backend` against the float64 CPU explicit backend, with block checkpointing
-    as in training: (logits and loss errors, every parameter gradient's error)."""
+    as in training: (logits and loss errors, every parameter gradient's error); `documents`:
+    with a document mask (`document_ids`)."""
     config = ModelConfig(**fields)
     reference = reference_model(config)
     x, y = tokens(config.vocab_size, 2, length, 1), tokens(config.vocab_size, 2, length, 2)
+    ids = document_ids(2, length, 4) if documents else None
     with torch.no_grad():
-        want_logits = reference(x)
-    want_loss = reference(x, y)
+        want_logits = reference(x, documents=ids)
+    want_loss = reference(x, y, documents=ids)
     want_loss.backward()
     model = on_device(reference, device, dtype, attention=backend,
                       activation_checkpoint="block")
+    ids = None if ids is None else ids.to(device)
     with torch.no_grad():
-        got_logits = model(x.to(device))
-    loss = model(x.to(device), y.to(device))
+        got_logits = model(x.to(device), documents=ids)
+    loss = model(x.to(device), y.to(device), documents=ids)
     loss.backward()
     return ({"logits": rel_err(got_logits, want_logits), "loss": rel_err(loss, want_loss)},
             grad_errors(grads(model), grads(reference), dtype))
 
 
 def _paired_steps(models: list[DecoderLM], config: ModelConfig, length: int,
-                  device: torch.device, dtype: torch.dtype, steps: int) -> dict[str, float]:
-    """`steps` training steps of the second model against the first (same tokens): each step's
-    loss error and its worst parameter gradient error."""
+                  device: torch.device, dtype: torch.dtype, steps: int,
+                  documents: bool = False) -> dict[str, float]:
+    """`steps` training steps of the second model against the first (same tokens and, with
+    `documents`, document ids): each step's loss error and its worst parameter gradient
+    error."""
     errors: dict[str, float] = {}
     for step in range(steps):
         x = tokens(config.vocab_size, 2, length, 1 + step).to(device)
         y = tokens(config.vocab_size, 2, length, 3 + step).to(device)
+        ids = document_ids(2, length, 5 + step).to(device) if documents else None
         results = []
         for m in models:
             m.zero_grad(set_to_none=True)
-            loss = m(x, y)
+            loss = m(x, y, documents=ids)
             loss.backward()
             results.append((loss.detach(), grads(m)))
         (want_loss, want), (got_loss, got) = results
@@ -432,7 +447,7 @@ def _paired_steps(models: list[DecoderLM], config: ModelConfig, length: int,
 
 
 def static_step_errors(backend: str, dtype: torch.dtype, device: torch.device,
-                       fields: dict[str, Any], length: int, mode: str
+                       fields: dict[str, Any], length: int, mode: str, documents: bool = False
                        ) -> tuple[dict[str, float], int]:
     """The static block step, compiled (`mode` "compiled": execution.compile) or captured in
     CUDA graphs ("graphed": execution.cuda_graphs), against the eager block loop on the same
@@ -450,14 +465,16 @@ def static_step_errors(backend: str, dtype: torch.dtype, device: torch.device,
     captures = (count_graph_captures() if device.type == "cuda"
                 else contextlib.nullcontext([0]))
     with captures as count:
-        errors = _paired_steps([eager, model], config, length, device, dtype, steps=2)
+        errors = _paired_steps([eager, model], config, length, device, dtype, steps=2,
+                               documents=documents)
     graphs = (torch._dynamo.utils.counters["stats"]["unique_graphs"] if mode == "compiled"
               else count[0])
     return errors, graphs
 
 
 def wavefront_errors(backend: str, dtype: torch.dtype, device: torch.device,
-                     fields: dict[str, Any], length: int) -> dict[str, float]:
+                     fields: dict[str, Any], length: int, documents: bool = False
+                     ) -> dict[str, float]:
     """The wavefront schedule with wave checkpointing against the block schedule on the same
     device and weights: loss and every parameter's gradient of one training step."""
     config = ModelConfig(**fields)
@@ -465,4 +482,4 @@ def wavefront_errors(backend: str, dtype: torch.dtype, device: torch.device,
     models = [on_device(reference, device, dtype, attention=backend, **execution)
               for execution in (dict(activation_checkpoint="block"),
                                 dict(schedule="wavefront", activation_checkpoint="wave"))]
-    return _paired_steps(models, config, length, device, dtype, steps=1)
+    return _paired_steps(models, config, length, device, dtype, steps=1, documents=documents)
