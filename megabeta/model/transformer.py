@@ -106,10 +106,12 @@ class DecoderLM(nn.Module):
     # ---- execution ------------------------------------------------------------------------------
     def _select_kernels(self) -> None:
         """Choose the attention backend (attention/select.py) and the elementwise kernels
-        (elementwise.py) for the parameters' device, once: here and whenever the model is
-        moved (`_apply`), never per call."""
+        (elementwise.py) for the parameters' device, once: here and whenever the model moves to
+        another device (`_apply`), never per call."""
         c = self.config
         device = self.tok_embeddings.weight.device
+        self.kernels_device = device
+        """The device the kernels were chosen for."""
         self.elementwise_kernels: ElementwiseKernels = select_elementwise_kernels(
             self.execution.elementwise_kernels, device=device)
         self.attention_backend: AttentionBackend = select_attention(
@@ -117,8 +119,11 @@ class DecoderLM(nn.Module):
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "DecoderLM":
         # `to`, `cuda`, `cpu`, `to_empty`, dtype casts all end here: the device may have changed.
+        # Only a new device makes a new choice (and drops what the old one kept: captured
+        # graphs, pooled buffers); a dtype cast keeps them, they are keyed by dtype.
         out = super()._apply(fn, recurse)
-        self._select_kernels()
+        if self.tok_embeddings.weight.device != self.kernels_device:
+            self._select_kernels()
         return out
 
     def head_weight(self) -> Tensor:

@@ -113,3 +113,17 @@ def test_replayed_steps_keep_the_forwards_autocast() -> None:
     torch.testing.assert_close(x.grad, w.detach().sum(1).expand(1, 3, 4), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(w.grad, x.detach().sum((0, 1))[:, None].expand(4, 4),
                                rtol=1e-2, atol=1e-2)
+
+
+def test_a_dtype_cast_keeps_the_runtime_state_a_device_change_renews() -> None:
+    """`.to(dtype)` keeps what the model holds for its device (captured graphs, pooled history
+    buffers: keyed by dtype); only another device chooses the kernels again."""
+    model = tiny_model(torch.float64, attention="explicit", activation_checkpoint="block")
+    graphs = model.block_graphs = BlockGraphs(model._graphed_step, EagerCapture())
+    pool, backend = model.history_pool, model.attention_backend
+    model.float()
+    assert model.block_graphs is graphs and model.history_pool is pool
+    assert model.attention_backend is backend
+    model.to("meta")
+    assert model.block_graphs is None and model.history_pool is None
+    assert model.kernels_device == torch.device("meta")
