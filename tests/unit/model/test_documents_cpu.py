@@ -78,7 +78,7 @@ def _gradients(attention: str, ids: torch.Tensor, case: str, **execution: str
 
 
 @pytest.mark.parametrize("checkpoint", ["none", "block"])
-@pytest.mark.parametrize("case", ["c3_k2", "c_over_T", "deep_token_window", "gqa",
+@pytest.mark.parametrize("case", ["c3_k2", "c1_k2", "c_over_T", "deep_token_window", "gqa",
                                   "stride2", "no_extras"])
 def test_masked_gradients_agree_with_explicit(case: str, checkpoint: str) -> None:
     """The history's key/value gradients and the biases' gradient rows are routed by hand; with
@@ -108,6 +108,13 @@ def test_static_step_with_documents_is_one_graph(flags: dict) -> None:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     apply_compile(model)
+    compiled, calls = model.block_step, []
+
+    def step(*args, **kwargs):
+        calls.append(args[2].start.item())
+        return compiled(*args, **kwargs)
+
+    model.block_step = step
     x, y = tokens(length=22), tokens(length=22, seed=2)
     ids = torch.tensor([_ids([3, 1, 9, 9]), _ids([6, 16])])
     for _ in range(2):  # the second pass runs the compiled graph again
@@ -120,6 +127,8 @@ def test_static_step_with_documents_is_one_graph(flags: dict) -> None:
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-11, atol=1e-13, msg=name)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    # And unmasked after masked: the mask is an input, not a constant of the graph.
+    # Every full block, each pass, through that graph (the ragged last one runs eagerly).
+    assert calls == [0, 4, 8, 12, 16] * 2
+    # The logits too: the reference's.
     reference = reference_logits(model.state_dict(), model.config, x, documents=ids)
     torch.testing.assert_close(model(x, documents=ids), reference, rtol=0, atol=1e-9)
