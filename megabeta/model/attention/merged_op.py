@@ -5,8 +5,9 @@ The eager block loop hands `merged.fused_cells` its groups as views sliced at a 
 (`history.BufferedView.batches`), which a traced graph would bake in: one graph per block. These
 operators take the whole buffers `[L, B, H_kv, T, d_h]` and the block's first position as a 0-d
 tensor, and slice inside, where no tracer looks, so every block of a sequence has the same
-graph, as with the Triton kernels (`megabeta/kernels/triton_attention.py`, same signature and
-the same contract: the gradient buffers are held and added to in backward, not saved). The work
+graph, as with the Triton kernels (`megabeta/kernels/triton_attention.py`, the same contract:
+the gradient buffers are held and added to in backward, not saved; this one also takes the
+document bounds, spec §7). The work
 itself is `merged.fused_cells_forward` / `fused_cells_backward` (one cell), so the result is
 the eager path's, bit for bit.
 
