@@ -11,7 +11,7 @@ BENCHMARKS = {"model": "megabeta.bench.model", "data": "megabeta.bench.data",
               "step": "megabeta.bench.step", "wavefront": "megabeta.bench.wavefront",
               "kernels": "megabeta.bench.kernels", "roofline": "megabeta.bench.roofline",
               "trace": "megabeta.bench.trace",
-              "packing": "megabeta.bench.packing"}
+              "packing": "megabeta.bench.packing", "documents": "megabeta.bench.documents"}
 PROG = "megabeta bench"
 
 
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
               "MFU ceiling\n"
               "  trace  a run's profiler trace drawn as a timeline PNG (no browser needed)\n"
               "  packing  padding share of packed, block-aligned and one-document samples\n"
+              "  documents  a training step with a document mask vs without (CPU, paired)\n"
               f"Each takes --help ({PROG} model --help).", file=sys.stderr)
         if argv and argv[0] not in ("-h", "--help"):
             print(f"{PROG}: error: unknown benchmark {argv[0]!r}; choose one of "

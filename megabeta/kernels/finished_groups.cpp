@@ -17,6 +17,13 @@
 // Given empty key/value gradient buffers (nobody wants them), only dQ and rows_g.
 // The tiles keep P and dS in cache, as the flash kernels do.
 //
+// Document masks (spec §7): each query row r of a block may carry a lower bound, the position of
+// the first key its document lets it read. Keys of a query tile below its smallest bound are
+// never read (the key loop starts there: whole tiles skipped, forward and backward), and the
+// keys of a tile below a row's own bound are masked (-inf scores, so P = 0). A row that reads
+// no key of a tile leaves the merged output and lse as they were: a part all masked is the
+// empty part (lse -inf), never NaN; the merged lse stays finite (the self slot is always read).
+//
 // One call serves several query blocks (a wave's cells, or one block), each with a list of
 // stacks of groups: the tasks of all blocks run in one parallel loop.
 
@@ -134,6 +141,8 @@ struct Scratch {
 
 // One stack of groups `keys/values [g, B, H_kv, R, d]` read by one query block `q [B, H, n, d]`
 // (the caller's `cells` says which): pointers and strides, read as rows of d numbers.
+// With `lower` (`[B, n]` int64, or undefined: no document mask) and `first`, the position of
+// the stack's first row: which keys each query row reads (spec §7).
 template <typename T>
 struct Groups {
   int64_t groups, batch, kv_heads, rows, dim, heads, n, per_kv;
@@ -141,12 +150,38 @@ struct Groups {
   const T* k_;
   const T* v_;
   std::vector<int64_t> qs, ks, vs;
+  const int64_t* lower_;
+  int64_t first;
+  std::vector<int64_t> lows;
 
-  Groups(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values)
+  Groups(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+         const at::Tensor& lower, int64_t first_row)
       : groups(keys.size(0)), batch(keys.size(1)), kv_heads(keys.size(2)), rows(keys.size(3)),
         dim(keys.size(4)), heads(q.size(1)), n(q.size(2)), per_kv(q.size(1) / keys.size(2)),
         q_(q.data_ptr<T>()), k_(keys.data_ptr<T>()), v_(values.data_ptr<T>()),
-        qs(row_strides(q)), ks(row_strides(keys)), vs(row_strides(values)) {}
+        qs(row_strides(q)), ks(row_strides(keys)), vs(row_strides(values)),
+        lower_(lower.defined() ? lower.data_ptr<int64_t>() : nullptr), first(first_row),
+        lows(lower.defined() ? lower.strides().vec() : std::vector<int64_t>{0, 0}) {}
+
+  // The stack's rows that query row i of batch row b may not read: [0, masked(b, i)).
+  int64_t masked(int64_t b, int64_t i) const {
+    if (!lower_) return 0;
+    return std::clamp(lower_[b * lows[0] + i * lows[1]] - first, int64_t(0), rows);
+  }
+
+  // The first row any of queries [i0, i0 + m) reads: the key loop starts there.
+  int64_t first_read(int64_t b, int64_t i0, int64_t m) const {
+    if (!lower_) return 0;
+    int64_t least = rows;
+    for (int64_t i = i0; i < i0 + m; ++i) least = std::min(least, masked(b, i));
+    return least;
+  }
+
+  // How many leading keys of the tile from row j0, `nj` wide, query row i (batch row b) may
+  // not read (nj: none it may). Their weights are zeroed, not exp'd from -inf scores.
+  int masked_in_tile(int64_t b, int64_t i, int64_t j0, int nj) const {
+    return static_cast<int>(std::clamp<int64_t>(masked(b, i) - j0, 0, nj));
+  }
 };
 
 template <typename T>
@@ -157,8 +192,9 @@ struct ForwardItem : Groups<T> {
   std::vector<int64_t> os, ls, ss;
 
   ForwardItem(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-              const at::Tensor& shift, const at::Tensor& out, const at::Tensor& lse)
-      : Groups<T>(q, keys, values), shift_(shift.data_ptr<T>()), out_(out.data_ptr<T>()),
+              const at::Tensor& shift, const at::Tensor& out, const at::Tensor& lse,
+              const at::Tensor& lower, int64_t first)
+      : Groups<T>(q, keys, values, lower, first), shift_(shift.data_ptr<T>()), out_(out.data_ptr<T>()),
         lse_(lse.data_ptr<T>()), os(row_strides(out)), ls(lse.strides().vec()),
         ss(shift.strides().vec()) {}
 
@@ -172,24 +208,33 @@ struct ForwardItem : Groups<T> {
     T* oh = out_ + b * os[0] + h * os[1];
     T* lh = lse_ + b * ls[0] + h * ls[1];
     const int d = static_cast<int>(dim), mi = static_cast<int>(n);
+    const int64_t from = this->first_read(b, 0, n);
     for (int64_t g = 0; g < this->groups; ++g) {
       const T bias = shift_[g * ss[0] + h * ss[1]];
       const T* kg = this->k_ + g * this->ks[0] + b * this->ks[1] + hk * this->ks[2];
       const T* vg = this->v_ + g * this->vs[0] + b * this->vs[1] + hk * this->vs[2];
-      for (int64_t j0 = 0; j0 < this->rows; j0 += kt) {
+      for (int64_t j0 = from; j0 < this->rows; j0 += kt) {
         const int nj = static_cast<int>(std::min(kt, this->rows - j0)), ld = nj;
         gemm<T>(false, true, mi, nj, d, T(scale), qh, this->qs[2], kg + j0 * this->ks[3],
                 this->ks[3], T(0), p, ld);
         for (int i = 0; i < mi; ++i) {
           T* pr = p + i * ld;
-          maxima[i] = row_max<T>(pr, nj);
-          sums[i] = exp_row<T>(pr, nj, maxima[i]);
+          const int below = this->masked_in_tile(b, i, j0, nj);
+          std::fill(pr, pr + below, T(0));
+          if (below == nj) {
+            // Nothing of this tile for the row (lse -inf): the merge below skips it.
+            maxima[i] = -std::numeric_limits<T>::infinity();
+            continue;
+          }
+          maxima[i] = row_max<T>(pr + below, nj - below);
+          sums[i] = exp_row<T>(pr + below, nj - below, maxima[i]);
         }
         gemm<T>(false, false, mi, d, nj, T(1), p, ld, vg + j0 * this->vs[3], this->vs[3], T(0),
                 o, d);
         // Merge the tile (unnormalized output o, log-sum m + log Σp - bias) into the
         // running normalized output and lse.
         for (int i = 0; i < mi; ++i) {
+          if (maxima[i] == -std::numeric_limits<T>::infinity()) continue;
           T* li = lh + i * ls[2];
           const T tile = maxima[i] + std::log(sums[i]) - bias;
           const T merged = std::max(*li, tile) + std::log1p(std::exp(-std::abs(*li - tile)));
@@ -218,8 +263,8 @@ struct BackwardItem : Groups<T> {
   BackwardItem(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& keys,
                const at::Tensor& values, const at::Tensor& lse, const at::Tensor& delta,
                const at::Tensor& dq, const at::Tensor& grad_keys, const at::Tensor& grad_values,
-               const at::Tensor& row_sums)
-      : Groups<T>(q, keys, values), g_(grad.data_ptr<T>()), lse_(lse.data_ptr<T>()),
+               const at::Tensor& row_sums, const at::Tensor& lower, int64_t first)
+      : Groups<T>(q, keys, values, lower, first), g_(grad.data_ptr<T>()), lse_(lse.data_ptr<T>()),
         delta_(delta.data_ptr<T>()), dq_(dq.data_ptr<T>()),
         // Empty key/value gradient buffers: nobody wants those gradients, only dq.
         gk_(grad_keys.numel() ? grad_keys.data_ptr<T>() : nullptr),
@@ -254,13 +299,19 @@ struct BackwardItem : Groups<T> {
           const T* qi = qh + i0 * qs[2];
           const T* gi = gh + i0 * gs[2];
           T* dqi = dqh + i0 * dqs[2];
-          for (int64_t j0 = 0; j0 < rows; j0 += kt) {
+          for (int64_t j0 = this->first_read(b, i0, mi); j0 < rows; j0 += kt) {
             const int nj = static_cast<int>(std::min(kt, rows - j0));
             const T* kj = kg + j0 * ks[3];
             const T* vj = vg + j0 * vs[3];
             const int ld = nj, d = static_cast<int>(this->dim);
             gemm<T>(false, true, mi, nj, d, sc, qi, qs[2], kj, ks[3], T(0), p, ld);
-            for (int i = 0; i < mi; ++i) exp_row<T>(p + i * ld, nj, lh[(i0 + i) * ls[3]]);
+            for (int i = 0; i < mi; ++i) {
+              // P = 0 on masked keys: dS, and every gradient they feed, gets nothing there.
+              T* pr = p + i * ld;
+              const int below = this->masked_in_tile(b, i0 + i, j0, nj);
+              std::fill(pr, pr + below, T(0));
+              exp_row<T>(pr + below, nj - below, lh[(i0 + i) * ls[3]]);
+            }
             gemm<T>(false, true, mi, nj, d, T(1), gi, gs[2], vj, vs[3], T(0), ds_buf, ld);
             for (int i = 0; i < mi; ++i) {
               const T sum = score_grad_row<T>(ds_buf + i * ld, p + i * ld, nj,
@@ -310,6 +361,25 @@ void check(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values
 void check_shape(const at::Tensor& t, at::IntArrayRef expected, const char* name) {
   TORCH_CHECK(t.sizes() == expected, "finished groups: ", name, " must be ", expected, ", got ",
               t.sizes());
+}
+
+// Document bounds (spec §7): none (both lists empty), or `lower [B, n]` int64 per query block
+// and the first row's position per stack. Returns query block i's bounds (undefined: none).
+std::vector<at::Tensor> document_bounds(at::TensorList lower, at::IntArrayRef first,
+                                        at::TensorList q, size_t stacks) {
+  std::vector<at::Tensor> bounds(q.size());
+  if (lower.empty() && first.empty()) return bounds;
+  TORCH_CHECK(lower.size() == q.size() && first.size() == stacks,
+              "finished groups: document bounds need lower [B, n] per query block and first "
+              "per stack of groups (or neither), got ", lower.size(), " and ", first.size(),
+              " for ", q.size(), " query blocks and ", stacks, " stacks");
+  for (size_t i = 0; i < q.size(); ++i) {
+    TORCH_CHECK(lower[i].scalar_type() == at::kLong && lower[i].device().is_cpu(),
+                "finished groups: lower must be int64 on the CPU, got ", lower[i].scalar_type());
+    if (q[i].dim() == 4) check_shape(lower[i], {q[i].size(0), q[i].size(2)}, "lower");
+    bounds[i] = lower[i];
+  }
+  return bounds;
 }
 
 // `cells[j]`: the query block that stack j of groups belongs to, non-decreasing, < blocks.
@@ -372,7 +442,8 @@ void for_each_head(at::IntArrayRef cells, at::TensorList q, at::TensorList keys,
 
 void finished_groups_forward(at::TensorList q, at::TensorList keys, at::TensorList values,
                              at::TensorList shift, at::IntArrayRef cells, double scale,
-                             at::TensorList out, at::TensorList lse) {
+                             at::TensorList out, at::TensorList lse, at::TensorList lower,
+                             at::IntArrayRef first) {
   TORCH_CHECK(out.size() == q.size() && lse.size() == q.size() && keys.size() == values.size() &&
                   shift.size() == keys.size(),
               "finished groups: q, out, lse one per query block; keys, values, shift one per "
@@ -386,12 +457,13 @@ void finished_groups_forward(at::TensorList q, at::TensorList keys, at::TensorLi
     check_shape(lse[cells[j]], qi.sizes().slice(0, 3), "lse");
     check_shape(shift[j], {keys[j].size(0), qi.size(1)}, "shift");
   }
+  const std::vector<at::Tensor> bounds = document_bounds(lower, first, q, keys.size());
   if (keys.empty()) return;
   AT_DISPATCH_FLOATING_TYPES(q[0].scalar_type(), "finished_groups_forward", [&] {
     std::vector<ForwardItem<scalar_t>> items;
     for (size_t j = 0; j < keys.size(); ++j) {
       items.emplace_back(q[cells[j]], keys[j], values[j], shift[j], out[cells[j]],
-                         lse[cells[j]]);
+                         lse[cells[j]], bounds[cells[j]], first.empty() ? 0 : first[j]);
     }
     auto heads = [&](size_t i) { return q[i].size(1); };
     for_each_head(cells, q, keys, heads, [&](int64_t j, int64_t b, int64_t h) {
@@ -405,7 +477,8 @@ void finished_groups_backward(at::TensorList grad, at::TensorList q, at::TensorL
                               at::TensorList values, at::TensorList lse, at::TensorList delta,
                               at::IntArrayRef cells, double scale, at::TensorList dq,
                               at::TensorList grad_keys, at::TensorList grad_values,
-                              at::TensorList row_sums) {
+                              at::TensorList row_sums, at::TensorList lower,
+                              at::IntArrayRef first) {
   TORCH_CHECK(grad.size() == q.size() && delta.size() == q.size() && dq.size() == q.size() &&
                   values.size() == keys.size() && lse.size() == keys.size() &&
                   grad_keys.size() == keys.size() && grad_values.size() == keys.size() &&
@@ -435,13 +508,14 @@ void finished_groups_backward(at::TensorList grad, at::TensorList q, at::TensorL
                 "finished groups: one query block's stacks have the same KV heads");
     kv_heads[cells[j]] = keys[j].size(2);
   }
+  const std::vector<at::Tensor> bounds = document_bounds(lower, first, q, keys.size());
   if (keys.empty()) return;
   AT_DISPATCH_FLOATING_TYPES(q[0].scalar_type(), "finished_groups_backward", [&] {
     std::vector<BackwardItem<scalar_t>> items;
     for (size_t j = 0; j < keys.size(); ++j) {
       items.emplace_back(grad[cells[j]], q[cells[j]], keys[j], values[j], lse[j],
                          delta[cells[j]], dq[cells[j]], grad_keys[j], grad_values[j],
-                         row_sums[j]);
+                         row_sums[j], bounds[cells[j]], first.empty() ? 0 : first[j]);
     }
     auto heads = [&](size_t i) { return kv_heads[i]; };
     for_each_head(cells, q, keys, heads, [&](int64_t j, int64_t b, int64_t hk) {
@@ -455,10 +529,12 @@ void finished_groups_backward(at::TensorList grad, at::TensorList q, at::TensorL
 
 TORCH_LIBRARY(megabeta, m) {
   m.def("finished_groups_forward(Tensor[] q, Tensor[] keys, Tensor[] values, Tensor[] shift, "
-        "int[] cells, float scale, Tensor(a!)[] out, Tensor(b!)[] lse) -> ()");
+        "int[] cells, float scale, Tensor(a!)[] out, Tensor(b!)[] lse, Tensor[] lower, "
+        "int[] first) -> ()");
   m.impl("finished_groups_forward", c10::DispatchKey::CPU, &finished_groups_forward);
   m.def("finished_groups_backward(Tensor[] grad, Tensor[] q, Tensor[] keys, Tensor[] values, "
         "Tensor[] lse, Tensor[] delta, int[] cells, float scale, Tensor(a!)[] dq, "
-        "Tensor(b!)[] grad_keys, Tensor(c!)[] grad_values, Tensor(d!)[] row_sums) -> ()");
+        "Tensor(b!)[] grad_keys, Tensor(c!)[] grad_values, Tensor(d!)[] row_sums, "
+        "Tensor[] lower, int[] first) -> ()");
   m.impl("finished_groups_backward", c10::DispatchKey::CPU, &finished_groups_backward);
 }

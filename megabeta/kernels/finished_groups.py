@@ -89,7 +89,8 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 def forward(q: list[Tensor], keys: list[Tensor], values: list[Tensor], shift: list[Tensor],
-            cells: list[int], scale: float, out: list[Tensor], lse: list[Tensor]) -> None:
+            cells: list[int], scale: float, out: list[Tensor], lse: list[Tensor], *,
+            lower: list[Tensor] | None = None, first: list[int] | None = None) -> None:
     """Merge attention over stacks of finished groups into `out` and `lse` (in place), for
     several query blocks in one call.
 
@@ -100,14 +101,22 @@ def forward(q: list[Tensor], keys: list[Tensor], values: list[Tensor], shift: li
     bias). On return `out`/`lse` are those of the merged key sets, each block's stacks merged
     in their order. Query head h reads KV head h // (H / H_kv). One dtype (`supports`),
     contiguous last dimensions, any other strides.
+
+    Document masks (spec §7): `lower[i] [B, n]` int64, the position of the first key each of
+    query block i's rows reads, and `first[j]`, the position of stack j's first row: row r reads
+    row k of stack j iff `first[j] + k >= lower[i][:, r]`; keys below a block's (backward: a
+    query tile's) smallest bound are skipped. A row that reads no key of the stacks keeps its
+    output and lse. Both None: no mask.
     """
-    torch.ops.megabeta.finished_groups_forward(q, keys, values, shift, cells, scale, out, lse)
+    torch.ops.megabeta.finished_groups_forward(q, keys, values, shift, cells, scale, out, lse,
+                                               lower or [], first or [])
 
 
 def backward(grad: list[Tensor], q: list[Tensor], keys: list[Tensor], values: list[Tensor],
              lse: list[Tensor], delta: list[Tensor], cells: list[int], scale: float,
              dq: list[Tensor], grad_keys: list[Tensor], grad_values: list[Tensor],
-             row_sums: list[Tensor]) -> None:
+             row_sums: list[Tensor], *, lower: list[Tensor] | None = None,
+             first: list[int] | None = None) -> None:
     """Add the gradients of attention over stacks of finished groups to `dq`, `grad_keys`,
     `grad_values`, and each group's per-row score-gradient sums to `row_sums` (in place), for
     several query blocks in one call.
@@ -118,7 +127,9 @@ def backward(grad: list[Tensor], q: list[Tensor], keys: list[Tensor], values: li
     [g, B, H_kv, R, d]`: the groups and their gradient buffers (both empty: only `dq` is
     wanted); `lse[j] [g, B, H, n]`: the merged lse plus each group's shift; `row_sums[j]
     [g, B, H, n]`, or empty when not wanted. Different query blocks' stacks must not share
-    gradient buffers (they run in parallel). Layouts as in `forward`.
+    gradient buffers (they run in parallel). Layouts and document bounds (`lower`, `first`:
+    masked keys get no weight, hence no gradient) as in `forward`.
     """
     torch.ops.megabeta.finished_groups_backward(grad, q, keys, values, lse, delta, cells, scale,
-                                                dq, grad_keys, grad_values, row_sums)
+                                                dq, grad_keys, grad_values, row_sums,
+                                                lower or [], first or [])

@@ -375,14 +375,18 @@ class CellByCell:
                             for i, l in enumerate(layers)])
 
 
-def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float) -> Tensor:
-    """SDPA with query r seeing keys `j <= (S - n) + r` (bottom-right causal)."""
+def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float, *,
+                allowed: Tensor | None = None) -> Tensor:
+    """SDPA with query r seeing keys `j <= (S - n) + r` (bottom-right causal), and of those only
+    the ones `allowed [B, 1, n, S]` (bool; a document mask, spec §7) lets it, when given."""
     n, total = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if total == n:
+    if total == n and allowed is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
                                               scale=scale, enable_gqa=gqa)
     mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+    if allowed is not None:
+        mask = mask & allowed
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           scale=scale, enable_gqa=gqa)
 

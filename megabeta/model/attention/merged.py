@@ -38,6 +38,14 @@ gradient (as torch's context-parallel ring attention does).
   own keys of all cells in one flash call, every cell's groups in one fused-kernel call.
 ATen's kernels that expose the lse have no dropout here: attention dropout runs on the
 `explicit` backend.
+
+Document masks (spec §7, `KeySet.documents`): one lower bound per query row. The own keys'
+float mask gets -inf on the keys before each query's document (`_own_masks`); on the fused
+kernels each row's bound goes to the kernel, which skips the key tiles below a query tile's
+smallest bound; on ATen's, the groups are first cut to the rows from the block's smallest bound
+on (`_read_from`: groups wholly before it are dropped) and the rest masked per row. A part a
+row reads nothing of has lse -inf (ATen's kernel says 0 with a zero output: set to -inf), so
+the merge gives it no weight; the self slot keeps every row's merged lse finite.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from megabeta.model.attention.backend import (
     AttentionBias,
     Capabilities,
     CellByCell,
+    DocumentBounds,
     GroupBatch,
     KeyLayout,
     KeySet,
@@ -97,7 +106,7 @@ class CpuKernels:
 
     def own_forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None,
                     scale: float) -> tuple[Tensor, Tensor]:
-        """Output and lse over the block's own keys, causal, `mask` (`_self_mask`, or None
+        """Output and lse over the block's own keys, causal, `mask` (`_own_masks`, or None
         without a self bias) added to the scores."""
         out, lse = flash_cpu(q, k, v, dropout_p=0.0, is_causal=True, attn_mask=mask,
                              scale=scale)[:2]
@@ -111,18 +120,21 @@ class CpuKernels:
                                         attn_mask=mask, scale=scale)[:3]
         return dq, dk, dv
 
-    def group_forward(self, q: Tensor, k: Tensor, v: Tensor, *,
+    def group_forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None,
                       scale: float) -> tuple[Tensor, Tensor]:
-        """Output and lse over all of `k/v` (no mask)."""
-        out, lse = flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, scale=scale)[:2]
+        """Output and lse over all of `k/v`, `mask` (a document mask, or None) added to the
+        scores."""
+        out, lse = flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, attn_mask=mask,
+                             scale=scale)[:2]
         return out, lse
 
     def group_backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor,
-                       lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                       lse: Tensor, mask: Tensor | None,
+                       scale: float) -> tuple[Tensor, Tensor, Tensor]:
         """A group's share of dq, and its dk, dv, for the merged `out` and the merged `lse`
         shifted by the group's depth bias."""
         dq, dk, dv = flash_cpu_backward(grad, q, k, v, out, lse, dropout_p=0.0,
-                                        is_causal=False, scale=scale)[:3]
+                                        is_causal=False, attn_mask=mask, scale=scale)[:3]
         return dq, dk, dv
 
 
@@ -152,21 +164,26 @@ class _MergedAttention(CellByCell):
             stored, dtype = keys.stored, keys.stored.dtype
             if stored.block_start is None:
                 out = self._static(q.to(dtype), keys.k.to(dtype), keys.v.to(dtype), stored,
-                                   bias, layer=layer, scale=scale)
+                                   bias, keys.documents, layer=layer, scale=scale)
             else:
                 out = merged_attention(q.to(dtype), keys.k.to(dtype), keys.v.to(dtype),
                                        stored.batches(layer), bias, scale, kernels=self.kernels,
-                                       anchor=stored.anchor, on_backward=stored.done_reading)
+                                       anchor=stored.anchor, on_backward=stored.done_reading,
+                                       documents=keys.documents)
             return out.to(q.dtype)
         if bias.self_bias is None and not keys.finished:
             # No groups and no self slot: the depth bias would shift every key alike, which
-            # softmax ignores, so plain causal SDPA over (prefix, own keys) is exact.
+            # softmax ignores, so plain causal SDPA over (prefix, own keys) is exact. A
+            # document mask comes without a prefix (a cache holds one document).
             hist_k, hist_v, _ = keys.history_pieces()
+            documents = keys.documents
+            allowed = (None if documents is None
+                       else documents.allowed(documents.own_positions(q.shape[2])))
             return causal_sdpa(q, torch.cat([*hist_k, keys.k], dim=2),
-                               torch.cat([*hist_v, keys.v], dim=2), 0.0, scale)
+                               torch.cat([*hist_v, keys.v], dim=2), 0.0, scale, allowed=allowed)
         # One dtype for the kernels (a per-head norm may leave q and k in another than v's).
         return merged_attention(q, keys.k.to(q.dtype), keys.v.to(q.dtype), _piece_batches(keys),
-                                bias, scale, kernels=self.kernels)
+                                bias, scale, kernels=self.kernels, documents=keys.documents)
 
 
     def attend_wave(self, q: Tensor, k: Tensor, v: Tensor, keys: list[KeySet], bias: WaveBias,
@@ -178,23 +195,28 @@ class _MergedAttention(CellByCell):
         if len(keys) == 1 or dropout_p or not self.kernels.fuses_groups(dtype):
             return super().attend_wave(q, k, v, keys, bias, layers=layers, dropout_p=dropout_p)
         batches = [s.batches(layer) if s is not None else [] for s, layer in zip(stored, layers)]
+        documents = [key_set.documents for key_set in keys]
         out = fused_cells(q.to(dtype), k.to(dtype), v.to(dtype), bias.self_bias, bias.slope,
                           batches, 1.0 / math.sqrt(q.shape[-1]),
                           anchors=[s.anchor for s in stored if s is not None],
-                          on_backward=[s.done_reading for s in stored if s is not None])
+                          on_backward=[s.done_reading for s in stored if s is not None],
+                          documents=None if documents[0] is None else documents)
         return out.transpose(2, 3).to(q.dtype)
 
     def _static(self, q: Tensor, k: Tensor, v: Tensor, stored: StoredHistory,
-                bias: AttentionBias, *, layer: int, scale: float) -> Tensor:
+                bias: AttentionBias, documents: DocumentBounds | None, *, layer: int,
+                scale: float) -> Tensor:
         """A static block step's read (its start is a tensor): the operator of merged_op.py,
-        on the fused kernels."""
+        on the fused kernels; the document bounds (spec §7) as a tensor input, so that every
+        block still runs the same graph."""
         if not self.kernels.fuses_groups(q.dtype):
             raise RuntimeError(f"{self.name} attention in a static block step needs the fused "
                                f"kernels (cpu_fused, float32 or float64), not {q.dtype}")
         grad_k, grad_v = stored.gradient_buffers()
         return torch.ops.megabeta.merged_attention(
-            q, k, v, *stored.buffers(), grad_k, grad_v, stored.start_index(), bias.self_bias,
-            bias.slope, stored.anchor, stored.sources(layer), layer, stored.window, scale)[0]
+            q, k, v, *stored.buffers(), grad_k, grad_v, stored.start_index(),
+            None if documents is None else documents.lower, bias.self_bias, bias.slope,
+            stored.anchor, stored.sources(layer), layer, stored.window, scale)[0]
 
 
 class CpuMergedAttention(_MergedAttention):
@@ -205,23 +227,26 @@ class CpuMergedAttention(_MergedAttention):
         self.name = "cpu_fused" if fused_kernels else "cpu_flash"
         # The static step's operator (merged_op.py) and the batched wave need the fused kernels.
         self.capabilities = Capabilities(devices=frozenset({"cpu"}), dropout=False,
-                                         static_step=fused_kernels, batched_waves=fused_kernels)
+                                         static_step=fused_kernels, batched_waves=fused_kernels,
+                                         documents=True)
 
 
 def _piece_batches(keys: KeySet) -> list[GroupBatch]:
     """The history pieces as merged_attention's groups: the pieces of one finished group (one
-    depth offset) concatenated, and the prefix as a group of offset 0. Read-only (decoding)."""
-    groups: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
-    for offset, k, v in keys.finished:
-        ks, vs = groups.setdefault(offset, ([], []))
+    depth offset, consecutive positions) concatenated, and the prefix as a group of offset 0.
+    Read-only (decoding)."""
+    groups: dict[int, tuple[list[Tensor], list[Tensor], int]] = {}
+    firsts = keys.finished_first or [0] * len(keys.finished)
+    for (offset, k, v), first in zip(keys.finished, firsts):
+        ks, vs, _ = groups.setdefault(offset, ([], [], first))
         ks.append(k)
         vs.append(v)
     if keys.prefix_k is not None and keys.prefix_k.shape[2] > 0:
-        groups.setdefault(0, ([], []))
+        groups.setdefault(0, ([], [], 0))
         groups[0][0].append(keys.prefix_k)
         groups[0][1].append(keys.prefix_v)
-    return [GroupBatch(_joined(ks)[None], _joined(vs)[None], [offset])
-            for offset, (ks, vs) in groups.items()]
+    return [GroupBatch(_joined(ks)[None], _joined(vs)[None], [offset], first=first)
+            for offset, (ks, vs, first) in groups.items()]
 
 
 def _joined(pieces: list[Tensor]) -> Tensor:
@@ -232,9 +257,11 @@ def _joined(pieces: list[Tensor]) -> Tensor:
 def merged_attention(q: Tensor, k: Tensor, v: Tensor, batches: list[GroupBatch],
                      bias: AttentionBias, scale: float, *, kernels: CpuKernels,
                      anchor: Tensor | None = None,
-                     on_backward: Callable[[], None] | None = None) -> Tensor:
+                     on_backward: Callable[[], None] | None = None,
+                     documents: DocumentBounds | None = None) -> Tensor:
     """Attention `[B, H, n, d_h]` of queries `q` over the groups in `batches`, their own keys
-    `k/v [B, H_kv, n, d_h]` (in-block and self slot) and the biases, on `kernels`. `anchor` (an
+    `k/v [B, H_kv, n, d_h]` (in-block and self slot) and the biases, on `kernels`, each query
+    reading only keys of its document (`documents`, spec §7; None: no mask). `anchor` (an
     input whose backward must wait for this one's) and `on_backward` (called when this backward
     is done) let history.py order the finished-KV gradients."""
     if torch.is_grad_enabled() and any(b.grads is None and (b.k.requires_grad or b.v.requires_grad)
@@ -243,10 +270,29 @@ def merged_attention(q: Tensor, k: Tensor, v: Tensor, batches: list[GroupBatch],
                            "buffer (GroupBatch.grads)")
     if batches and kernels.fuses_groups(q.dtype):
         return fused_cells(q[None], k[None], v[None], bias.self_bias, one_cell(bias.slope),
-                           [batches], scale, anchors=[anchor],
-                           on_backward=[on_backward]).squeeze(0)
+                           [batches], scale, anchors=[anchor], on_backward=[on_backward],
+                           documents=None if documents is None else [documents]).squeeze(0)
+    if documents is not None:
+        batches = _read_from(batches, int(documents.lower.min()))
     return _Merged.apply(q, k, v, bias.self_bias, bias.slope, anchor, batches, on_backward,
-                         scale, kernels)
+                         scale, kernels, documents)
+
+
+def _read_from(batches: list[GroupBatch], least: int) -> list[GroupBatch]:
+    """`batches` cut to their rows at positions from `least` on (the block's smallest document
+    bound, spec §7: no query reads a row before it); groups wholly before it dropped. What the
+    fused kernels skip by themselves, for ATen's kernels."""
+    cut = []
+    for b in batches:
+        skip = least - b.first
+        if skip <= 0:
+            cut.append(b)
+        elif skip < b.k.shape[3]:
+            grads = None if b.grads is None else (
+                lambda grads=b.grads, skip=skip: tuple(g[:, :, :, skip:] for g in grads()))
+            cut.append(GroupBatch(b.k[:, :, :, skip:], b.v[:, :, :, skip:], b.offsets, grads,
+                                  first=least))
+    return cut
 
 
 class _Merged(torch.autograd.Function):
@@ -257,11 +303,12 @@ class _Merged(torch.autograd.Function):
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
                 slope: Tensor | None, anchor: Tensor | None, batches: list[GroupBatch],
                 on_backward: Callable[[], None] | None, scale: float,
-                kernels: CpuKernels) -> Tensor:
+                kernels: CpuKernels, documents: DocumentBounds | None) -> Tensor:
         out, lse, weighted, weights = merge_forward(q, k, v, self_bias, slope, batches,
-                                                    scale=scale, kernels=kernels)
+                                                    scale=scale, kernels=kernels,
+                                                    documents=documents)
         ctx.scale, ctx.batches, ctx.on_backward = scale, batches, on_backward
-        ctx.kernels = kernels
+        ctx.kernels, ctx.documents = kernels, documents
         ctx.has_anchor = anchor is not None
         ctx.save_for_backward(q, k, v, out, lse, self_bias, slope, weighted, weights)
         return out
@@ -271,14 +318,15 @@ class _Merged(torch.autograd.Function):
         q, k, v, out, lse, self_bias, slope, weighted, weights = ctx.saved_tensors
         dq, dk, dv, d_bias, d_slope = merge_backward(
             grad, q, k, v, out, lse, self_bias, slope, weighted, weights, ctx.batches,
-            scale=ctx.scale, kernels=ctx.kernels, bias_grad=ctx.needs_input_grad[3])
+            scale=ctx.scale, kernels=ctx.kernels, bias_grad=ctx.needs_input_grad[3],
+            documents=ctx.documents)
         if ctx.on_backward is not None:
             ctx.on_backward()
         # The batches are views of the history's buffers: the graph must not keep them alive
         # (with block checkpointing it lives on in a reference cycle until a collection).
         ctx.batches = ()
         d_anchor = grad.new_zeros(()) if ctx.has_anchor else None
-        return dq, dk, dv, d_bias, d_slope, d_anchor, None, None, None, None
+        return dq, dk, dv, d_bias, d_slope, d_anchor, None, None, None, None, None
 
 
 def one_cell(x: Tensor | None) -> Tensor | None:
@@ -288,16 +336,19 @@ def one_cell(x: Tensor | None) -> Tensor | None:
 
 def fused_cells(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None, slope: Tensor | None,
                 batches: list[list[GroupBatch]], scale: float, *, anchors: list[Tensor | None],
-                on_backward: list[Callable[[], None] | None]) -> Tensor:
+                on_backward: list[Callable[[], None] | None],
+                documents: list[DocumentBounds] | None = None) -> Tensor:
     """The merged attention of n cells on the fused kernels (`cpu_fused`, float32/float64):
     queries `q [n, B, H, c, d_h]` over their own keys `k/v [n, B, H_kv, c, d_h]` and their
     finished groups `batches[i]`, with b_σ `self_bias [n]` and λ `slope [n, H]` (either
     None): outputs `[n, B, H, c, d_h]`. A wave's cells (spec §5) read different source layers,
     so their groups' gradients never meet; one cell is a block of the block schedule. Each
     `anchors` entry orders this backward before its producer's, each `on_backward` entry is
-    called once it is done (history.py)."""
+    called once it is done (history.py). `documents`: each cell's document bounds (spec §7;
+    None: no mask)."""
     held = list({id(a): a for a in anchors if a is not None}.values())
-    return _FusedCells.apply(q, k, v, self_bias, slope, batches, on_backward, scale, *held)
+    return _FusedCells.apply(q, k, v, self_bias, slope, batches, on_backward, scale, documents,
+                             *held)
 
 
 class _FusedCells(torch.autograd.Function):
@@ -307,8 +358,8 @@ class _FusedCells(torch.autograd.Function):
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
                 slope: Tensor | None, batches: list[list[GroupBatch]],
                 on_backward: list[Callable[[], None] | None], scale: float,
-                *anchors: Tensor) -> Tensor:
-        groups = CellStacks.of(batches, slope, q)
+                documents: list[DocumentBounds] | None, *anchors: Tensor) -> Tensor:
+        groups = CellStacks.of(batches, slope, q, documents)
         out, lse = fused_cells_forward(q, k, v, self_bias, slope, groups, scale=scale)
         ctx.scale, ctx.groups, ctx.on_backward = scale, groups, on_backward
         ctx.anchors = len(anchors)
@@ -328,7 +379,7 @@ class _FusedCells(torch.autograd.Function):
         # The batches are views of the history's buffers: the graph must not keep them alive.
         ctx.groups = None
         anchors = [grad.new_zeros(()) for _ in range(ctx.anchors)]
-        return dq, dk, dv, d_bias, d_slope, None, None, None, *anchors
+        return dq, dk, dv, d_bias, d_slope, None, None, None, None, *anchors
 
 
 def _fold_cells(x: Tensor) -> Tensor:
@@ -357,9 +408,14 @@ class CellStacks:
     """G: the most groups one cell reads."""
     offsets: Tensor | None
     """Each group's depth offset m - l `[n, G]` (padding 0); None: no depth bias shifts one."""
+    lower: list[Tensor] | None = None
+    """Each cell's document bounds `[B, c]` (spec §7, `DocumentBounds.lower`); None: no mask."""
+    own_lower: Tensor | None = None
+    """The bounds as indices of the cells' own keys `[n, B, c]` (what `_own_masks` reads)."""
 
     @staticmethod
-    def of(batches: list[list[GroupBatch]], slope: Tensor | None, like: Tensor) -> "CellStacks":
+    def of(batches: list[list[GroupBatch]], slope: Tensor | None, like: Tensor,
+           documents: list[DocumentBounds] | None = None) -> "CellStacks":
         stacks, cells, rows, offsets = [], [], [], []
         for i, cell in enumerate(batches):
             row: list[int] = []
@@ -374,7 +430,14 @@ class CellStacks:
         if slope is not None and any(o for row in offsets for o in row):
             table = torch.tensor([row + [0] * (width - len(row)) for row in offsets],
                                  dtype=like.dtype, device=like.device)
-        return CellStacks(stacks, cells, rows, width, table)
+        if documents is None:
+            return CellStacks(stacks, cells, rows, width, table)
+        return CellStacks(stacks, cells, rows, width, table, [d.lower for d in documents],
+                          torch.stack([d.lower - d.start for d in documents]))
+
+    def first(self) -> list[int] | None:
+        """Each stack's first row's position, where the kernels read document bounds."""
+        return None if self.lower is None else [b.first for b in self.stacks]
 
     def shift(self, slope: Tensor | None, like: Tensor) -> Tensor:
         """λ_h·(m - l) per cell, group and head `[n, G, H]` (what the kernels subtract)."""
@@ -394,8 +457,7 @@ def fused_cells_forward(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | Non
     kernel call for all cells (the cells' masks `[n, 1, c, c]`), then every cell's groups
     merged in by one call of the fused kernels."""
     n, batch, c = q.shape[0], q.shape[1], q.shape[3]
-    mask = (None if self_bias is None
-            else _self_masks(c, self_bias, CPU_FUSED.mask_dtype(q.dtype)))
+    mask = _own_masks(c, self_bias, groups.own_lower, q.shape[2], CPU_FUSED.mask_dtype(q.dtype))
     out, lse = CPU_FUSED.own_forward(_fold_cells(q), _fold_cells(k), _fold_cells(v), mask=mask,
                                      scale=scale)
     out, lse = _unfold_cells(out, n, batch), _unfold_cells(lse, n, batch)
@@ -403,7 +465,8 @@ def fused_cells_forward(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | Non
         finished_groups.forward(list(q.unbind()), [b.k for b in groups.stacks],
                                 [b.v for b in groups.stacks],
                                 groups.per_stack(groups.shift(slope, q)), groups.cells, scale,
-                                list(out.unbind()), list(lse.unbind()))
+                                list(out.unbind()), list(lse.unbind()), lower=groups.lower,
+                                first=groups.first())
     return out, lse
 
 
@@ -415,8 +478,7 @@ def fused_cells_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     (None: no group's depth offset is non-zero) of `fused_cells_forward`; the groups' key and
     value gradients are added into their `GroupBatch.grads()` buffers."""
     n, batch, c = q.shape[0], q.shape[1], q.shape[3]
-    mask = (None if self_bias is None
-            else _self_masks(c, self_bias, CPU_FUSED.mask_dtype(q.dtype)))
+    mask = _own_masks(c, self_bias, groups.own_lower, q.shape[2], CPU_FUSED.mask_dtype(q.dtype))
     grad = _fold_cells(grad)
     if grad.stride(-1) != 1:
         grad = grad.contiguous()  # the kernels read rows of d numbers
@@ -445,7 +507,8 @@ def fused_cells_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
             list(_unfold_cells(delta, n, batch).unbind()), groups.cells, scale,
             list(dq.unbind()),
             [g for g, _ in grads], [g for _, g in grads],
-            [empty] * len(grads) if rows is None else groups.per_stack(rows))
+            [empty] * len(grads) if rows is None else groups.per_stack(rows),
+            lower=groups.lower, first=groups.first())
         if rows is not None:
             # Score bias -λ·offset per group: dλ = -Σ offset · (row sums of the group's score
             # gradient), which the kernel summed.
@@ -461,20 +524,20 @@ def _has_depth(slope: Tensor | None, batches: list[GroupBatch]) -> bool:
 
 def merge_forward(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
                   slope: Tensor | None, batches: list[GroupBatch], *, scale: float,
-                  kernels: CpuKernels) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+                  kernels: CpuKernels, documents: DocumentBounds | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """The merged attention's output (q's dtype) and lse, and, where the depth bias's gradient
     will need them, each group's weighted output and merge weight; the groups on the kernels'
-    `group_forward`."""
+    `group_forward`; `documents`: the queries' bounds (spec §7), None: no mask."""
     # Merged in the kernels' lse precision (float32 for bf16 inputs).
     acc = torch.promote_types(q.dtype, torch.float32)
-    mask = (None if self_bias is None
-            else _self_mask(q.shape[2], self_bias, kernels.mask_dtype(q.dtype)))
+    mask = _own_mask(q.shape[2], self_bias, documents, kernels.mask_dtype(q.dtype))
     out, lse = kernels.own_forward(q, k, v, mask=mask, scale=scale)
     weighted = weights = None
     if batches:
         own, own_lse = out, lse
         biases = [_bias(slope, b.offsets, acc) for b in batches]
-        groups_out, groups_lse = _attend_groups(q, batches, biases, scale, kernels)
+        groups_out, groups_lse = _attend_groups(q, batches, biases, scale, kernels, documents)
         lse = torch.logaddexp(own_lse, torch.logsumexp(groups_lse, dim=0))
         weights = torch.exp(groups_lse - lse)
         weighted = weights.unsqueeze(-1) * groups_out
@@ -488,14 +551,13 @@ def merge_forward(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | None,
 def merge_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    self_bias: Tensor | None, slope: Tensor | None, weighted: Tensor | None,
                    weights: Tensor | None, batches: list[GroupBatch], *, scale: float,
-                   kernels: CpuKernels, bias_grad: bool
+                   kernels: CpuKernels, bias_grad: bool, documents: DocumentBounds | None = None
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """dq, dk, dv (the own keys), d_self_bias (when `bias_grad`) and d_slope of `merge_forward`
     for its `out, lse, weighted, weights`; the groups' key and value gradients are added into
     their `GroupBatch.grads()` buffers."""
     acc = lse.dtype
-    mask = (None if self_bias is None
-            else _self_mask(q.shape[2], self_bias, kernels.mask_dtype(q.dtype)))
+    mask = _own_mask(q.shape[2], self_bias, documents, kernels.mask_dtype(q.dtype))
     dq, dk, dv = kernels.own_backward(grad, q, k, v, out=out, lse=lse, mask=mask, scale=scale)
     # D_i = dO_i·o_i, which the gradients of both learned biases read.
     delta = _rowdot(grad, out, acc) if bias_grad or weighted is not None else None
@@ -503,6 +565,7 @@ def merge_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
               .to(self_bias.dtype) if bias_grad else None)
     for b in batches:
         bias = _bias(slope, b.offsets, acc)
+        group_mask = _group_mask(b, documents, kernels.mask_dtype(q.dtype))
         grad_k, grad_v = b.grads() if b.grads is not None else (None, None)
         # The kernel forms P = exp(S·scale - lse_i) with lse_i = lse + λ·offset: each
         # group's exact share of the merged softmax, depth bias included.
@@ -510,7 +573,7 @@ def merge_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         shifted = (lse + bias).unbind() if isinstance(bias, Tensor) else [lse] * len(b.offsets)
         for i, lse_g in enumerate(shifted):
             dq_g, dk_g, dv_g = kernels.group_backward(grad, q, b.k[i], b.v[i], out=out,
-                                                      lse=lse_g, scale=scale)
+                                                      lse=lse_g, mask=group_mask, scale=scale)
             dq += dq_g
             if grad_k is not None:
                 grad_k[i].add_(dk_g)
@@ -548,34 +611,73 @@ def _rowdot(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
 
 
 def _attend_groups(q: Tensor, batches: list[GroupBatch], biases: list[Tensor | float],
-                   scale: float, kernels: CpuKernels) -> tuple[Tensor, Tensor]:
+                   scale: float, kernels: CpuKernels,
+                   documents: DocumentBounds | None) -> tuple[Tensor, Tensor]:
     """Each group's own attention output `[G, B, H, n, d_h]` and lse `[G, B, H, n]` (its depth
     bias, from `_bias`, included), one kernel call per batch of stacked groups."""
     outs, lses = [], []
     for b, bias in zip(batches, biases):
         g = len(b.offsets)
+        mask = _group_mask(b, documents, kernels.mask_dtype(q.dtype))
         o, lse = kernels.group_forward(q.repeat(g, 1, 1, 1) if g > 1 else q, b.k.flatten(0, 1),
-                                       b.v.flatten(0, 1), scale=scale)
+                                       b.v.flatten(0, 1), scale=scale,
+                                       mask=mask if mask is None or g == 1
+                                       else mask.repeat(g, 1, 1, 1))
+        lse = lse.view(g, *q.shape[:3])
+        if mask is not None:
+            # A row that reads none of the group: ATen's kernel gives lse 0 (and output 0);
+            # the empty part's lse is -inf, so that the merge gives it no weight.
+            lse = lse.masked_fill(mask[:, :, :, -1] < 0, float("-inf"))
         outs.append(o.view(g, *q.shape))
-        lses.append(lse.view(g, *q.shape[:3]) - bias)
+        lses.append(lse - bias)
     return torch.cat(outs), torch.cat(lses)
 
 
-def _self_mask(n: int, self_bias: Tensor, dtype: torch.dtype) -> Tensor:
-    """The float mask `[n, n]` of a block's own keys: b_σ on the diagonal (the self slot), 0
-    below it (in-block keys), -inf above. Detached: the kernels take it as a constant, and
-    `_Merged` writes b_σ's gradient out. Quadratic in the block: 1 MiB at c = 512, 1 GiB for
-    one block of 16K tokens (float32), alive only during one kernel call."""
-    return _self_masks(n, self_bias, dtype)[0, 0]
+def _group_mask(b: GroupBatch, documents: DocumentBounds | None,
+                dtype: torch.dtype) -> Tensor | None:
+    """The float mask `[B, 1, n, rows]` of one group's rows: -inf on those before each query's
+    document (spec §7), 0 elsewhere; None without documents."""
+    if documents is None:
+        return None
+    positions = torch.arange(b.first, b.first + b.k.shape[3], device=b.k.device)
+    allowed = documents.allowed(positions)
+    return torch.zeros(allowed.shape, dtype=dtype, device=b.k.device).masked_fill_(
+        ~allowed, float("-inf"))
 
 
-def _self_masks(n: int, self_bias: Tensor, dtype: torch.dtype) -> Tensor:
-    """`_self_mask` per cell `[cells, 1, n, n]`, for the cells' b_σ `self_bias [cells]`."""
-    cells = self_bias.shape[0]
+def _own_mask(n: int, self_bias: Tensor | None, documents: DocumentBounds | None,
+              dtype: torch.dtype) -> Tensor | None:
+    """`_own_masks` of one block: `[n, n]` (b_σ alone) or `[B, 1, n, n]` (documents)."""
+    own_lower = None if documents is None else (documents.lower - documents.start)[None]
+    mask = _own_masks(n, self_bias, own_lower, 1, dtype)
+    return mask if mask is None or documents is not None else mask[0, 0]
+
+
+def _own_masks(n: int, self_bias: Tensor | None, own_lower: Tensor | None, heads: int,
+               dtype: torch.dtype) -> Tensor | None:
+    """The float mask of the cells' own keys, as the own keys' kernel takes the cells
+    (`_fold_cells`): b_σ on the diagonal (the self slot; `self_bias [cells]`, or None: 0), 0
+    below it (in-block keys), -inf above, and -inf on keys before each query's document (spec
+    §7; `own_lower [cells, B, n]`: the bounds as indices of the own keys, or None). None when
+    neither (the kernel's causal flag is the whole mask). `[cells, 1, n, n]` without documents;
+    with them `[B, 1, n, n]` for one cell, `[cells, B·H, n, n]` for several (`heads` H).
+    Detached: the kernels take it as a constant, and b_σ's gradient is written out by hand.
+    Quadratic in the block: 1 MiB at c = 512, 1 GiB for one block of 16K tokens (float32),
+    alive only during one kernel call."""
+    if self_bias is None and own_lower is None:
+        return None
+    source = self_bias if self_bias is not None else own_lower
+    cells = source.shape[0]
     mask = torch.full((cells, 1, n, n), float("-inf"), dtype=dtype,
-                      device=self_bias.device).triu_(1)
-    mask.diagonal(0, -2, -1).copy_(self_bias.detach().to(dtype).view(cells, 1, 1).expand(-1, -1, n))
-    return mask
+                      device=source.device).triu_(1)
+    if self_bias is not None:
+        mask.diagonal(0, -2, -1).copy_(
+            self_bias.detach().to(dtype).view(cells, 1, 1).expand(-1, -1, n))
+    if own_lower is None:
+        return mask
+    before = torch.arange(n, device=own_lower.device) < own_lower[..., None]
+    mask = torch.where(before[:, :, None], float("-inf"), mask[:, None])
+    return mask[0] if cells == 1 else mask.expand(-1, -1, heads, -1, -1).flatten(1, 2)
 
 
 def _bias(slope: Tensor | None, offsets: list[int], dtype: torch.dtype) -> Tensor | float:

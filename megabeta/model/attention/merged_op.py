@@ -5,16 +5,20 @@ The eager block loop hands `merged.fused_cells` its groups as views sliced at a 
 (`history.BufferedView.batches`), which a traced graph would bake in: one graph per block. These
 operators take the whole buffers `[L, B, H_kv, T, d_h]` and the block's first position as a 0-d
 tensor, and slice inside, where no tracer looks, so every block of a sequence has the same
-graph, as with the Triton kernels (`megabeta/kernels/triton_attention.py`, same signature and
-the same contract: the gradient buffers are held and added to in backward, not saved). The work
+graph, as with the Triton kernels (`megabeta/kernels/triton_attention.py`, the same contract:
+the gradient buffers are held and added to in backward, not saved; this one also takes the
+document bounds, spec §7). The work
 itself is `merged.fused_cells_forward` / `fused_cells_backward` (one cell), so the result is
 the eager path's, bit for bit.
 
 `torch.ops.megabeta.merged_attention(q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start,
-self_bias, slope, anchor, sources, layer, window, scale)` returns `(out, lse)`: the output
+lower, self_bias, slope, anchor, sources, layer, window, scale)` returns `(out, lse)`: the output
 `[B, H, n, d_h]` of the block's queries at `layer` over its own keys and the finished groups of
 `sources` (history rows before `start`, a 0-d int64 tensor), with b_σ = `self_bias` and the depth
-slope λ = `slope` (either None); differentiable w.r.t. q, k, v and the biases. Its backward adds
+slope λ = `slope` (either None), each query reading only keys from the position `lower [B, n]`
+(int64, its document's first: spec §7) on, or every key when `lower` is None; differentiable
+w.r.t. q, k, v and the biases. The bounds are a tensor input like the start, so a document mask
+keeps one graph for every block. Its backward adds
 the groups' key and value gradients into `grad_hist_k, grad_hist_v` (shaped like the buffers).
 `anchor` is taken only so that autograd orders that backward before the anchor's producer's
 (history.py). Float32 or float64 (the fused kernels' dtypes). Registered on import (`select.py`
@@ -30,7 +34,7 @@ import torch
 from torch import Tensor
 
 from megabeta.kernels.ops import anchor_gradient, custom_op
-from megabeta.model.attention.backend import GroupBatch, group_runs
+from megabeta.model.attention.backend import DocumentBounds, GroupBatch, group_runs
 from megabeta.model.attention.merged import (
     CellStacks,
     fused_cells_backward,
@@ -53,8 +57,15 @@ def _batches(hist_k: Tensor, hist_v: Tensor, grad_k: Tensor | None, grad_v: Tens
             grads = (lambda layers=layers, rows=rows:
                      (grad_k[layers, :, :, rows], grad_v[layers, :, :, rows]))
         batches.append(GroupBatch(hist_k[layers, :, :, rows], hist_v[layers, :, :, rows],
-                                  offsets, grads))
+                                  offsets, grads, first=rows.start))
     return batches
+
+
+def _stacks(batches: list[GroupBatch], slope: Tensor | None, q: Tensor, start: Tensor,
+            lower: Tensor | None) -> CellStacks:
+    """The one cell's stacks, with its document bounds (if any) at the block's start."""
+    documents = None if lower is None else [DocumentBounds(lower, int(start))]
+    return CellStacks.of([batches], one_cell(slope), q, documents)
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -63,12 +74,12 @@ def _empty(like: Tensor) -> Tensor:
 
 @custom_op("merged_attention")
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
-                  grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor,
+                  grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor, lower: Tensor | None,
                   self_bias: Tensor | None, slope: Tensor | None, anchor: Tensor | None,
                   sources: list[int], layer: int, window: int,
                   scale: float) -> tuple[Tensor, Tensor]:
     batches = _batches(hist_k, hist_v, None, None, start, sources, layer, window)
-    groups = CellStacks.of([batches], one_cell(slope), q)
+    groups = _stacks(batches, slope, q, start, lower)
     out, lse = fused_cells_forward(q[None], k[None], v[None], self_bias, one_cell(slope), groups,
                                    scale=scale)
     # The layouts the fake implementation promises (ATen's CPU flash kernel makes these
@@ -88,22 +99,22 @@ def _heads_last_like(q: Tensor) -> Tensor:
 
 @_attention_op.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, grad_hist_k: Tensor,
-      grad_hist_v: Tensor, start: Tensor, self_bias: Tensor | None, slope: Tensor | None,
-      anchor: Tensor | None, sources: list[int], layer: int, window: int,
+      grad_hist_v: Tensor, start: Tensor, lower: Tensor | None, self_bias: Tensor | None,
+      slope: Tensor | None, anchor: Tensor | None, sources: list[int], layer: int, window: int,
       scale: float) -> tuple[Tensor, Tensor]:
     return _heads_last_like(q), q.new_empty(q.shape[:3])
 
 
 @custom_op("merged_attention_backward", mutates_args=("grad_hist_k", "grad_hist_v"))
 def _backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
-                 out: Tensor, lse: Tensor, start: Tensor, self_bias: Tensor | None,
-                 slope: Tensor | None, grad_hist_k: Tensor, grad_hist_v: Tensor,
-                 sources: list[int], layer: int, window: int,
+                 out: Tensor, lse: Tensor, start: Tensor, lower: Tensor | None,
+                 self_bias: Tensor | None, slope: Tensor | None, grad_hist_k: Tensor,
+                 grad_hist_v: Tensor, sources: list[int], layer: int, window: int,
                  scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     batches = _batches(hist_k, hist_v, grad_hist_k, grad_hist_v, start, sources, layer, window)
     dq, dk, dv, d_bias, d_slope = fused_cells_backward(
         grad[None], q[None], k[None], v[None], out[None], lse[None], self_bias,
-        one_cell(slope), CellStacks.of([batches], one_cell(slope), q), scale=scale,
+        one_cell(slope), _stacks(batches, slope, q, start, lower), scale=scale,
         bias_grad=self_bias is not None)
     if slope is not None:  # no group shifted by a non-zero offset: no gradient
         d_slope = torch.zeros_like(slope) if d_slope is None else d_slope[0]
@@ -118,19 +129,19 @@ def _like(grad: Tensor, x: Tensor) -> Tensor:
 
 @_backward_op.register_fake
 def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
-      out: Tensor, lse: Tensor, start: Tensor, self_bias: Tensor | None, slope: Tensor | None,
-      grad_hist_k: Tensor, grad_hist_v: Tensor, sources: list[int], layer: int, window: int,
-      scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+      out: Tensor, lse: Tensor, start: Tensor, lower: Tensor | None, self_bias: Tensor | None,
+      slope: Tensor | None, grad_hist_k: Tensor, grad_hist_v: Tensor, sources: list[int],
+      layer: int, window: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             _empty(q) if self_bias is None else torch.empty_like(self_bias),
             _empty(q) if slope is None else torch.empty_like(slope))
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-    (q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, self_bias, slope, _anchor,
+    (q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, lower, self_bias, slope, _anchor,
      sources, layer, window, scale) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, start, self_bias, slope, out, lse)
+    ctx.save_for_backward(q, k, v, start, lower, self_bias, slope, out, lse)
     # Held, not saved (as the Triton operator's): later blocks write rows >= start of the
     # history, which this call never reads, and this very backward writes the gradient buffers.
     ctx.history = (hist_k, hist_v, grad_hist_k, grad_hist_v)
@@ -142,13 +153,13 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> No
 
 def _backward(ctx: Any, grad: Tensor | None, _grad_lse: Tensor | None) -> tuple:
     if grad is None:  # the output took no part in the loss
-        return (None,) * 15
-    q, k, v, start, self_bias, slope, out, lse = ctx.saved_tensors
+        return (None,) * 16
+    q, k, v, start, lower, self_bias, slope, out, lse = ctx.saved_tensors
     hist_k, hist_v, grad_hist_k, grad_hist_v = ctx.history
     dq, dk, dv, d_bias, d_slope = torch.ops.megabeta.merged_attention_backward(
-        grad, q, k, v, hist_k, hist_v, out, lse, start, self_bias, slope, grad_hist_k,
+        grad, q, k, v, hist_k, hist_v, out, lse, start, lower, self_bias, slope, grad_hist_k,
         grad_hist_v, *ctx.args)
-    return (dq, dk, dv, None, None, None, None, None,
+    return (dq, dk, dv, None, None, None, None, None, None,
             None if self_bias is None else d_bias, None if slope is None else d_slope,
             anchor_gradient(ctx.anchor), None, None, None, None)
 

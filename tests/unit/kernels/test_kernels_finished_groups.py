@@ -49,10 +49,11 @@ def _case(n: int, rows: int, dtype: torch.dtype, seed: int = 0) -> dict:
                 own_v=rand(B, H, 5, D), shift=rand(G, H).abs(), grad=rand(B, H, n, D))
 
 
-def _explicit(c: dict, scale: float) -> dict:
+def _explicit(c: dict, scale: float, lower: torch.Tensor | None = None, first: int = 0) -> dict:
     """Attention over the block's own keys and the groups, concatenated, in float64 autograd:
     group g's scores shifted by -shift[g, h] per row (leaves, so their gradient is the row
-    sums), the queries twice (own / groups) to separate their gradient."""
+    sums), the queries twice (own / groups) to separate their gradient. `lower [B, n]`: the
+    groups' rows (at positions from `first`) each query reads from (spec §7)."""
     q_own = c["q"].double().detach().requires_grad_()
     q_groups = c["q"].double().detach().requires_grad_()
     keys = c["keys"].double().detach().requires_grad_()
@@ -66,6 +67,10 @@ def _explicit(c: dict, scale: float) -> dict:
     scores_own = q_own @ c["own_k"].double().transpose(-1, -2) * scale
     scores_groups = [q_groups @ k_groups[g].transpose(-1, -2) * scale - shift[g]
                      for g in range(G)]
+    if lower is not None:
+        positions = torch.arange(first, first + keys.shape[3])
+        before = positions[None, None, None, :] < lower[:, None, :, None]
+        scores_groups = [s.masked_fill(before, float("-inf")) for s in scores_groups]
     scores = torch.cat([scores_own, *scores_groups], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.softmax(scores, dim=-1)
@@ -219,3 +224,55 @@ def test_ninja_from_the_environment_when_not_on_path(monkeypatch: pytest.MonkeyP
     finished_groups._put_ninja_on_path()
     assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
     assert shutil.which("ninja") is not None
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)],
+                         ids=["fp64", "fp32"])
+def test_document_bounds_mask_and_skip_per_query_row(dtype: torch.dtype, tol: float) -> None:
+    """Spec §7: row r reads the rows at positions >= lower[b, r]. 70 queries (two query tiles)
+    over 600 rows from position 100 (two key tiles): bounds inside the first and the second key
+    tile, below every row (nothing masked) and past every row (the row reads nothing of the
+    groups: its output and lse stay the own keys', no NaN, no gradient)."""
+    n, rows, first = 70, 600, 100
+    c = _case(n, rows, dtype, seed=4)
+    lower = torch.zeros(B, n, dtype=torch.int64)
+    lower[0, :20] = 0
+    lower[0, 20:50] = 350
+    lower[0, 50:] = first + rows  # reads no group row
+    lower[1, :] = first + 530  # the second key tile only: the first one is skipped
+    lower[1, 64:] = first + 599
+    scale = D ** -0.5
+    ref = _explicit(c, scale, lower, first)
+
+    out, lse = ref["own_out"].to(dtype), ref["own_lse"].to(dtype)
+    bounds = dict(lower=[lower], first=[first])
+    finished_groups.forward([c["q"]], [c["keys"]], [c["values"]], [c["shift"]], [0], scale,
+                            [out], [lse], **bounds)
+    torch.testing.assert_close(out.double(), ref["out"], rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), ref["lse"], rtol=tol, atol=tol)
+    torch.testing.assert_close(out[0, :, 50:].double(), ref["own_out"][0, :, 50:], rtol=tol,
+                               atol=tol)
+
+    dk, dv = (torch.zeros(G, B, H_KV, rows, D, dtype=dtype) for _ in range(2))
+    dq = torch.zeros_like(c["grad"])
+    rows_sum = torch.zeros(G, B, H, n, dtype=dtype)
+    delta = (c["grad"].double() * ref["out"]).sum(-1).to(dtype)
+    lse_g = ref["lse"].to(dtype).expand(G, B, H, n) + c["shift"].view(G, 1, H, 1)
+    finished_groups.backward([c["grad"]], [c["q"]], [c["keys"]], [c["values"]], [lse_g], [delta],
+                             [0], scale, [dq], [dk], [dv], [rows_sum], **bounds)
+    for got, want in ((dq, ref["dq"]), (dk, ref["dk"]), (dv, ref["dv"]), (rows_sum, ref["rows"])):
+        assert not got.isnan().any()
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    assert dk[:, 1, :, :530].abs().sum() == 0  # rows below every bound of sample 1
+
+
+def test_document_bounds_are_checked() -> None:
+    c = _case(5, 7, torch.float64)
+    out, lse = torch.zeros_like(c["q"]), torch.zeros(B, H, 5, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="lower"):
+        finished_groups.forward([c["q"]], [c["keys"]], [c["values"]], [c["shift"]], [0], 1.0,
+                                [out], [lse], lower=[torch.zeros(B, 5)], first=[0])
+    with pytest.raises(RuntimeError, match="per stack"):
+        finished_groups.forward([c["q"]], [c["keys"]], [c["values"]], [c["shift"]], [0], 1.0,
+                                [out], [lse], lower=[torch.zeros(B, 5, dtype=torch.int64)],
+                                first=[])

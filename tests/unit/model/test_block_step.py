@@ -127,10 +127,12 @@ def test_other_arms_compile_their_residual_branches() -> None:
     assert list(model.state_dict()) == names
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["unmasked", "documents"])
 @pytest.mark.parametrize("start", [0, 5])
-def test_merged_attention_operator_is_well_registered(start: int) -> None:
+def test_merged_attention_operator_is_well_registered(start: int, documents: bool) -> None:
     """Schema, fake implementation (shapes and strides) and autograd registration agree with
-    the real operator (torch.library.opcheck), with and without history rows."""
+    the real operator (torch.library.opcheck), with and without history rows, with and without
+    document bounds (spec §7: a view of the pass's starts, as the static step passes them)."""
     gen = torch.Generator().manual_seed(start)
 
     def rand(*shape: int, grad: bool = False) -> torch.Tensor:
@@ -141,7 +143,12 @@ def test_merged_attention_operator_is_well_registered(start: int) -> None:
     k, v = rand(batch, kv, n, d, grad=True), rand(batch, kv, n, d, grad=True)
     hist = [rand(layers, batch, kv, length, d) for _ in range(2)]
     grads = [torch.zeros(layers, batch, kv, length, d, dtype=torch.float64) for _ in range(2)]
-    args = (q, k, v, *hist, *grads, torch.arange(length)[start], rand(1, grad=True),
+    # Documents from 0, 2 and start + 1 (sample 0), from 0 and 4 (sample 1).
+    starts = torch.tensor([[0, 0, 2, 2, 2, 2, 7, 7, 7, 7, 7, 7],
+                           [0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4]])
+    starts[0, start + 1:] = start + 1
+    lower = starts[:, start:start + n] if documents else None
+    args = (q, k, v, *hist, *grads, torch.arange(length)[start], lower, rand(1, grad=True),
             rand(heads, grad=True), None, [1, 2], 1, 0, d ** -0.5)
     torch.library.opcheck(torch.ops.megabeta.merged_attention.default, args,
                           test_utils=("test_schema", "test_autograd_registration",
