@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from megabeta.model.attention import AttentionBias, BiasRows, WaveBias
+from megabeta.model.attention import AttentionBias, BiasRows, PassDocuments, WaveBias
 from megabeta.model.block_graphs import BlockGraphs, CudaCapture
 from megabeta.model.cache import DecodeCache
 from megabeta.model.config import ConfigError
@@ -290,7 +290,9 @@ class Beta12Transformer(DecoderLM):
             padded = -(-length // c) * c
             weights = PassWeights(self, finished=True, length=padded, wavefront=True)
             cos, sin = self.rope(0, padded, x)
-            history = self._history(x, static=False, documents=padded_starts(starts, padded))
+            documents = (None if starts is None
+                         else PassDocuments(padded_starts(starts, padded), c))
+            history = self._history(x, static=False, documents=documents)
             try:
                 hidden = run_wavefront(self, x, cos, sin, weights, history, dropout=dropout)
             finally:
@@ -301,7 +303,8 @@ class Beta12Transformer(DecoderLM):
         weights = PassWeights(self, finished=length > c, length=length, traced=static)
         # The tables of the whole sequence, once per pass; each block reads a slice (no copy).
         cos, sin = self.rope(0, length, x)
-        history = self._history(x, static=static, documents=starts)
+        documents = None if starts is None else PassDocuments(starts, c)
+        history = self._history(x, static=static, documents=documents)
         if static:
             self._prepare_static(history, weights, x)
         hidden = []
@@ -351,7 +354,7 @@ class Beta12Transformer(DecoderLM):
             return self._run(step, x, rope, view, weights, **kwargs)
 
     def _history(self, x: Tensor, *, static: bool,
-                 documents: Tensor | None) -> BufferedHistory | PieceHistory:
+                 documents: PassDocuments | None) -> BufferedHistory | PieceHistory:
         """Zero-copy buffers for the backends that read them; per-block pieces for the others
         (and for a single block, which reads no history). `documents`: the pass's document
         starts (None: no mask), which every view hands its block's readers."""

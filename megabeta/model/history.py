@@ -54,6 +54,7 @@ from torch import Tensor
 from megabeta.model.attention.backend import (
     DocumentBounds,
     GroupBatch,
+    PassDocuments,
     KeySet,
     group_rows,
     group_runs,
@@ -96,8 +97,8 @@ class PieceView:
     keys: History
     values: History
     prefix: list[tuple[Tensor, Tensor]] | None = None
-    documents: Tensor | None = None
-    """The pass's document starts `[B, T]` (spec §7, `model.documents`); None: no mask."""
+    documents: PassDocuments | None = None
+    """The pass's documents (spec §7); None: no mask."""
 
     def key_set(self, layer: int, k: Tensor, v: Tensor) -> KeySet:
         """Keys for the queries of `layer` whose own construction KVs are `k, v`."""
@@ -116,18 +117,21 @@ class PieceView:
         return keys
 
 
-def block_bounds(documents: Tensor | None, start: int, n: int) -> DocumentBounds | None:
-    """The document bounds of the `n` queries from `start` on, from the pass's document starts
-    `[B, T]` (a view: no kernel per block)."""
-    return None if documents is None else DocumentBounds(documents[:, start:start + n], start)
+def block_bounds(documents: PassDocuments | None, start: int,
+                 n: int) -> DocumentBounds | None:
+    """The document bounds of the `n` queries from `start` on, from the pass's documents (a
+    view: no kernel per block)."""
+    if documents is None:
+        return None
+    return DocumentBounds(documents.starts[:, start:start + n], start, documents)
 
 
 class PieceHistory:
     """The growing history of one forward as per-block pieces per source layer; `documents`:
-    the pass's document starts `[B, T]` (None: no document mask)."""
+    the pass's documents (None: no document mask)."""
 
     def __init__(self, sources: list[list[int]], window: int,
-                 documents: Tensor | None = None) -> None:
+                 documents: PassDocuments | None = None) -> None:
         self.sources, self.window, self.documents = sources, window, documents
         self.keys: list[list[Tensor]] = [[] for _ in sources]
         self.values: list[list[Tensor]] = [[] for _ in sources]
@@ -193,10 +197,11 @@ class BufferedHistory:
 
     def __init__(self, sources: list[list[int]], window: int, length: int, *,
                  dtype: torch.dtype, check_order: bool = True,
-                 pool: BufferPool | None = None, documents: Tensor | None = None) -> None:
+                 pool: BufferPool | None = None,
+                 documents: PassDocuments | None = None) -> None:
         self.sources, self.window, self.length = sources, window, length
         self.documents = documents
-        """The pass's document starts `[B, T]` (spec §7); None: no document mask."""
+        """The pass's documents (spec §7); None: no document mask."""
         self.dtype = dtype
         self._loan = None if pool is None else _Loan(pool)
         if self._loan is not None:
@@ -265,7 +270,7 @@ class BufferedHistory:
         grad_keys, grad_values = (self.gradient_buffers() if self.grad_keys is not None
                                   else (self.keys.new_empty(0), self.keys.new_empty(0)))
         documents = (None if self.documents is None
-                     else self.documents[:, block_start:block_start + n])
+                     else self.documents.starts[:, block_start:block_start + n])
         return StepView(self.keys, self.values, grad_keys, grad_values,
                         self.positions[block_start], self._anchor, self.sources, self.window,
                         documents)

@@ -23,6 +23,7 @@ from megabeta.model.attention import (
     AttentionBackend,
     DocumentBounds,
     KeySet,
+    PassDocuments,
     select_attention,
 )
 from megabeta.model.cache import DecodeCache, KVBuffer
@@ -236,14 +237,14 @@ class StandardTransformer(DecoderLM):
 
     def _layer(self, layer: TransformerLayer, weights: tuple[Projection, BranchWeights], x: Tensor,
                cos: Tensor, sin: Tensor, cache: KVBuffer | None,
-               documents: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+               documents: PassDocuments | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """One layer on tokens with RoPE tables `cos/sin`; earlier tokens' KVs come from `cache`;
-        `documents`: the tokens' document starts (spec §7: block-causal attention), or None."""
+        `documents`: the pass's documents (spec §7: block-causal attention), or None."""
         projection, branches = weights
         kernels, eps = self.elementwise_kernels, self.config.norm_eps
         q, k, v = projection(kernels.rms_normalize(x, eps), cos, sin)
         keys = KeySet(k=k, v=v, documents=None if documents is None
-                      else DocumentBounds(documents, 0))
+                      else DocumentBounds(documents.starts, 0, documents))
         if cache is not None:
             keys.prefix_k, keys.prefix_v = cache.view()
         dropout = self.config.dropout if self.training else 0.0
@@ -262,11 +263,13 @@ class StandardTransformer(DecoderLM):
         `documents [B, T]`: the tokens' document ids (spec §7), None: one document."""
         self._check_length(tokens.shape[1])
         starts = self._document_starts(documents, tokens)
+        # One block of T tokens: the mask is block-causal over the whole sequence.
+        masked = None if starts is None else PassDocuments(starts, tokens.shape[1])
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope(0, tokens.shape[1], x)
         for layer, weights in self._applications():
             x = self._run(lambda h, layer=layer, weights=weights:
-                          self._layer(layer, weights, h, cos, sin, None, starts)[0], x)
+                          self._layer(layer, weights, h, cos, sin, None, masked)[0], x)
         return self.head(x, targets)
 
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:

@@ -10,10 +10,11 @@ from megabeta.model.attention.backend import (
     GroupBatch,
     KeyLayout,
     KeySet,
+    PassDocuments,
     StoredHistory,
     WaveBias,
 )
 from megabeta.model.attention.select import select_attention
 
 __all__ = ["AttentionBackend", "AttentionBias", "BiasRows", "DocumentBounds", "NO_BIAS", "GroupBatch", "KeyLayout",
-           "KeySet", "StoredHistory", "WaveBias", "select_attention"]
+           "KeySet", "PassDocuments", "StoredHistory", "WaveBias", "select_attention"]

@@ -261,6 +261,35 @@ class StoredHistory(Protocol):
     is told; a static block step cannot call back into Python)."""
 
 
+@dataclass(eq=False)
+class PassDocuments:
+    """One pass's document starts (spec §7) and what backends derive from them once per pass
+    rather than once per (block, layer) cell: each block's readers take views (`DocumentBounds`),
+    so a mask adds no kernel launch per cell."""
+
+    starts: Tensor
+    """`[B, T]` int64: the first position of each token's document."""
+    block: int
+    """The block size c the pass's blocks start at multiples of (T for one block)."""
+    derived: dict[Any, Tensor] = field(default_factory=dict)
+
+    def own_masks(self, dtype: torch.dtype) -> Tensor:
+        """`[B, T, c]` in `dtype`: for each query, its float mask over the keys of its own block
+        (0 read, -inf not: above the diagonal, or before its document); made once per pass."""
+        key = ("own_masks", dtype)
+        if key not in self.derived:
+            length = self.starts.shape[1]
+            c = min(self.block, length)
+            position = torch.arange(length, device=self.starts.device)
+            relative = (self.starts - position // c * c)[..., None]
+            column = torch.arange(c, device=self.starts.device)
+            hidden = (column < relative) | (column > (position % c)[:, None])
+            self.derived[key] = torch.zeros(hidden.shape, dtype=dtype,
+                                            device=hidden.device).masked_fill_(hidden,
+                                                                               float("-inf"))
+        return self.derived[key]
+
+
 @dataclass(frozen=True)
 class DocumentBounds:
     """Spec §7 for one block of queries: each query reads only keys of its own document, and
@@ -273,17 +302,48 @@ class DocumentBounds:
     start: int | None
     """Position of the block's first query (its own keys' first position); None inside a
     static block step, whose readers take it from `StoredHistory.start_index()`."""
+    shared: PassDocuments | None = None
+    """The pass's documents, where the bounds are a block of them (None: the bounds alone)."""
 
     def allowed(self, positions: Tensor) -> Tensor:
         """`[B, 1, n, len]` bool: which of the keys at `positions [len]` each query reads
         (broadcasts over heads)."""
         return (positions[None, None, None, :] >= self.lower[:, None, :, None])
 
+    def own_mask(self, dtype: torch.dtype) -> Tensor:
+        """`[B, n, n]` in `dtype`: the float mask over the queries' own keys (0 read, -inf not:
+        above the diagonal or before the query's document), a view of the pass's
+        (`PassDocuments.own_masks`) where there is one."""
+        n = self.lower.shape[1]
+        if self.shared is not None and self.start is not None:
+            return self.shared.own_masks(dtype)[:, self.start:self.start + n, :n]
+        if self.start is None:
+            raise RuntimeError("a static block step's bounds have no Python start")
+        column = torch.arange(n, device=self.lower.device)
+        hidden = ((column < (self.lower - self.start)[..., None])
+                  | (column > column[:, None]))
+        return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
+            hidden, float("-inf"))
+
     def own_positions(self, n: int) -> Tensor:
         """Positions of the queries' own keys (the block's tokens), on the bounds' device."""
         if self.start is None:
             raise RuntimeError("a static block step's bounds have no Python start")
         return torch.arange(self.start, self.start + n, device=self.lower.device)
+
+
+def consecutive(views: list[Tensor]) -> Tensor:
+    """`views` (each `[B, n, …]`), the bounds or masks of consecutive blocks of n tokens, as one
+    `[len(views), B, n, …]`: a strided view where they are consecutive slices of one tensor
+    along dim 1 (a wave's cells, no copy), stacked otherwise."""
+    first = views[0]
+    n = first.shape[1]
+    view = first.as_strided((len(views), *first.shape), (n * first.stride(1), *first.stride()),
+                            first.storage_offset())
+    if all(v.data_ptr() == view[i].data_ptr() and v.stride() == first.stride()
+           for i, v in enumerate(views)):
+        return view
+    return torch.stack(views)
 
 
 @dataclass

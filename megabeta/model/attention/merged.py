@@ -70,6 +70,7 @@ from megabeta.model.attention.backend import (
     StoredHistory,
     WaveBias,
     causal_sdpa,
+    consecutive,
     per_query_head,
 )
 
@@ -272,7 +273,7 @@ def merged_attention(q: Tensor, k: Tensor, v: Tensor, batches: list[GroupBatch],
         return fused_cells(q[None], k[None], v[None], bias.self_bias, one_cell(bias.slope),
                            [batches], scale, anchors=[anchor], on_backward=[on_backward],
                            documents=None if documents is None else [documents]).squeeze(0)
-    if documents is not None:
+    if documents is not None and batches:
         batches = _read_from(batches, int(documents.lower.min()))
     return _Merged.apply(q, k, v, bias.self_bias, bias.slope, anchor, batches, on_backward,
                          scale, kernels, documents)
@@ -410,8 +411,9 @@ class CellStacks:
     """Each group's depth offset m - l `[n, G]` (padding 0); None: no depth bias shifts one."""
     lower: list[Tensor] | None = None
     """Each cell's document bounds `[B, c]` (spec §7, `DocumentBounds.lower`); None: no mask."""
-    own_lower: Tensor | None = None
-    """The bounds as indices of the cells' own keys `[n, B, c]` (what `_own_masks` reads)."""
+    own_masks: Tensor | None = None
+    """The cells' masks over their own keys `[n, B, c, c]` (`DocumentBounds.own_mask`, what
+    `_own_masks` reads)."""
 
     @staticmethod
     def of(batches: list[list[GroupBatch]], slope: Tensor | None, like: Tensor,
@@ -432,8 +434,9 @@ class CellStacks:
                                  dtype=like.dtype, device=like.device)
         if documents is None:
             return CellStacks(stacks, cells, rows, width, table)
+        dtype = CPU_FUSED.mask_dtype(like.dtype)
         return CellStacks(stacks, cells, rows, width, table, [d.lower for d in documents],
-                          torch.stack([d.lower - d.start for d in documents]))
+                          consecutive([d.own_mask(dtype) for d in documents]))
 
     def first(self) -> list[int] | None:
         """Each stack's first row's position, where the kernels read document bounds."""
@@ -457,7 +460,7 @@ def fused_cells_forward(q: Tensor, k: Tensor, v: Tensor, self_bias: Tensor | Non
     kernel call for all cells (the cells' masks `[n, 1, c, c]`), then every cell's groups
     merged in by one call of the fused kernels."""
     n, batch, c = q.shape[0], q.shape[1], q.shape[3]
-    mask = _own_masks(c, self_bias, groups.own_lower, q.shape[2], CPU_FUSED.mask_dtype(q.dtype))
+    mask = _own_masks(c, self_bias, groups.own_masks, q.shape[2], CPU_FUSED.mask_dtype(q.dtype))
     out, lse = CPU_FUSED.own_forward(_fold_cells(q), _fold_cells(k), _fold_cells(v), mask=mask,
                                      scale=scale)
     out, lse = _unfold_cells(out, n, batch), _unfold_cells(lse, n, batch)
@@ -478,7 +481,7 @@ def fused_cells_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     (None: no group's depth offset is non-zero) of `fused_cells_forward`; the groups' key and
     value gradients are added into their `GroupBatch.grads()` buffers."""
     n, batch, c = q.shape[0], q.shape[1], q.shape[3]
-    mask = _own_masks(c, self_bias, groups.own_lower, q.shape[2], CPU_FUSED.mask_dtype(q.dtype))
+    mask = _own_masks(c, self_bias, groups.own_masks, q.shape[2], CPU_FUSED.mask_dtype(q.dtype))
     grad = _fold_cells(grad)
     if grad.stride(-1) != 1:
         grad = grad.contiguous()  # the kernels read rows of d numbers
@@ -648,35 +651,38 @@ def _group_mask(b: GroupBatch, documents: DocumentBounds | None,
 def _own_mask(n: int, self_bias: Tensor | None, documents: DocumentBounds | None,
               dtype: torch.dtype) -> Tensor | None:
     """`_own_masks` of one block: `[n, n]` (b_σ alone) or `[B, 1, n, n]` (documents)."""
-    own_lower = None if documents is None else (documents.lower - documents.start)[None]
-    mask = _own_masks(n, self_bias, own_lower, 1, dtype)
+    own = None if documents is None else documents.own_mask(dtype)[None]
+    mask = _own_masks(n, self_bias, own, 1, dtype)
     return mask if mask is None or documents is not None else mask[0, 0]
 
 
-def _own_masks(n: int, self_bias: Tensor | None, own_lower: Tensor | None, heads: int,
+def _own_masks(n: int, self_bias: Tensor | None, documents: Tensor | None, heads: int,
                dtype: torch.dtype) -> Tensor | None:
     """The float mask of the cells' own keys, as the own keys' kernel takes the cells
     (`_fold_cells`): b_σ on the diagonal (the self slot; `self_bias [cells]`, or None: 0), 0
     below it (in-block keys), -inf above, and -inf on keys before each query's document (spec
-    §7; `own_lower [cells, B, n]`: the bounds as indices of the own keys, or None). None when
-    neither (the kernel's causal flag is the whole mask). `[cells, 1, n, n]` without documents;
-    with them `[B, 1, n, n]` for one cell, `[cells, B·H, n, n]` for several (`heads` H).
-    Detached: the kernels take it as a constant, and b_σ's gradient is written out by hand.
-    Quadratic in the block: 1 MiB at c = 512, 1 GiB for one block of 16K tokens (float32),
-    alive only during one kernel call."""
-    if self_bias is None and own_lower is None:
+    §7; `documents [cells, B, n, n]`: the cells' masks without b_σ, `DocumentBounds.own_mask`,
+    or None). None when neither (the kernel's causal flag is the whole mask). `[cells, 1, n, n]`
+    without documents; with them `[B, 1, n, n]` for one cell, `[cells, B·H, n, n]` for several
+    (`heads` H). Detached: the kernels take it as a constant, and b_σ's gradient is written out
+    by hand. Quadratic in the block: 1 MiB at c = 512, 1 GiB for one block of 16K tokens
+    (float32)."""
+    if self_bias is None and documents is None:
         return None
-    source = self_bias if self_bias is not None else own_lower
-    cells = source.shape[0]
-    mask = torch.full((cells, 1, n, n), float("-inf"), dtype=dtype,
-                      device=source.device).triu_(1)
-    if self_bias is not None:
+    if documents is None:
+        cells = self_bias.shape[0]
+        mask = torch.full((cells, 1, n, n), float("-inf"), dtype=dtype,
+                          device=self_bias.device).triu_(1)
         mask.diagonal(0, -2, -1).copy_(
             self_bias.detach().to(dtype).view(cells, 1, 1).expand(-1, -1, n))
-    if own_lower is None:
         return mask
-    before = torch.arange(n, device=own_lower.device) < own_lower[..., None]
-    mask = torch.where(before[:, :, None], float("-inf"), mask[:, None])
+    cells = documents.shape[0]
+    mask = documents[:, :, None]
+    if self_bias is not None:
+        # The pass's masks are shared by every layer's cells: b_σ goes on a copy.
+        mask = mask.clone()
+        mask.diagonal(0, -2, -1).copy_(
+            self_bias.detach().to(dtype).view(cells, 1, 1, 1).expand(mask.shape[:-1]))
     return mask[0] if cells == 1 else mask.expand(-1, -1, heads, -1, -1).flatten(1, 2)
 
 

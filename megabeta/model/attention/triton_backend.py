@@ -42,6 +42,7 @@ from megabeta.model.attention.backend import (
     StoredHistory,
     WaveBias,
     after_backward,
+    consecutive,
 )
 from megabeta.model.attention.explicit import ExplicitAttention
 
@@ -122,7 +123,7 @@ class TritonAttention(CellByCell):
             q, k.to(dtype), v.to(dtype), hist_k, hist_v, grad_k, grad_v, last.start_index(),
             bias.group_shift, bias.self_bias, sources=last.sources(layers[-1]), layers=layers,
             top=cells.top, window=last.window, scale=1.0 / math.sqrt(q.shape[-1]),
-            anchor=last.anchor, lower=_wave_bounds(keys, q.shape[3]), **rows)
+            anchor=last.anchor, lower=_wave_bounds(keys), **rows)
         return out.transpose(2, 3)
 
 
@@ -139,21 +140,12 @@ def _gradient_buffers(stored: StoredHistory) -> tuple[Tensor, Tensor]:
     return empty, empty
 
 
-def _wave_bounds(keys: list[KeySet], n: int) -> Tensor | None:
-    """The cells' document bounds `[cells, B, n]` as one strided view, without a copy: the
-    cells are consecutive blocks of n tokens, so their bounds are consecutive slices of the
-    pass's `[B, T]` (history.block_bounds). None without documents."""
+def _wave_bounds(keys: list[KeySet]) -> Tensor | None:
+    """The cells' document bounds `[cells, B, n]`: one strided view of the pass's bounds (the
+    cells are consecutive blocks, `backend.consecutive`). None without documents."""
     if keys[0].documents is None:
         return None
-    first = keys[0].documents.lower
-    view = first.as_strided((len(keys), *first.shape), (n * first.stride(1), *first.stride()),
-                            first.storage_offset())
-    for i, key_set in enumerate(keys):
-        lower = key_set.documents.lower
-        if lower.data_ptr() != view[i].data_ptr() or lower.stride() != first.stride():
-            raise ValueError(f"triton wave attention: cell {i}'s document bounds are not the "
-                             f"slice {n} rows after cell {i - 1}'s of one tensor")
-    return view
+    return consecutive([key_set.documents.lower for key_set in keys])
 
 
 def _check_wave(stored: list[StoredHistory | None], layers: list[int],

@@ -125,12 +125,14 @@ def test_the_gpu_path_wavefront_launches_at_most_035x_the_block_schedule() -> No
 
 @pytest.mark.parametrize("attention", ["cpu_fused", "triton"])
 def test_a_document_mask_launches_nothing_more_per_cell(attention: str) -> None:
-    """Spec §7's bounds are read inside the attention kernels: a masked step launches what an
-    unmasked one does per cell (the starts are computed once per pass)."""
+    """Spec §7's bounds are read inside the attention kernels, and what the kernels read of
+    them is derived once per pass (`PassDocuments`): a masked step launches no more per cell
+    than an unmasked one."""
     if attention == "triton":
         pytest.importorskip("triton", reason="triton is not installed")
     kernels = "triton" if attention == "triton" else "torch"
     plain, masked = (per_cell(attention, elementwise_kernels=kernels, blocks=(2, 3),
                               documents=documents, **SMALL) for documents in (False, True))
-    assert masked["per_cell"] == plain["per_cell"], (masked["ops"], plain["ops"])
+    # (cpu_fused: fewer, its own keys' masks are views of the pass's, with b_σ on a copy.)
+    assert masked["per_cell"] <= plain["per_cell"], (masked["ops"], plain["ops"])
     assert masked["launches"] == plain["launches"]
