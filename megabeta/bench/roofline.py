@@ -653,6 +653,11 @@ def main(argv: list[str] | None = None) -> None:
                                  GRAD_DTYPES[args.grad_dtype],
                                  args.execution.activation_checkpoint != "none")
         print("\n" + format_saving(saving, lengths))
+        after = bound.bytes - args.batch * saving.bytes_saved
+        flops = bound.flops - args.batch * saving.flops_saved
+        print(f"the step's HBM traffic: {bound.bytes / 1e9:.1f} GB without the mask, "
+              f"{after / 1e9:.1f} GB with it ({after / bound.bytes:.1%}); its FLOPs "
+              f"{bound.flops / 1e12:.1f} and {flops / 1e12:.1f} TFLOP")
     if not args.no_sweeps:
         print("\n" + format_sweeps(base, device))
 
