@@ -95,7 +95,7 @@ def test_eval_of_an_export_takes_its_defaults_from_the_metadata(run, exported, t
     prefix, tokenizer = tiny_data
     source = read_source(exported)
     assert source.data == {"path": [str(prefix)], "seq_len": 32, "val_fraction": 0.1,
-                           "align": "packed"}
+                           "align": "packed", "document_mask": False}
     assert source.tokenizer["sha256"] == file_sha256(tokenizer)
     with safe_open(str(exported), framework="pt") as f:
         assert f.metadata()["format"] == "megabeta-export/1"
