@@ -64,23 +64,6 @@ def test_one_graph_for_every_block(dtype: torch.dtype, checkpoint: str, flags: d
     assert len(calls) == 5 * 2 * (2 if checkpoint == "block" else 1) - traced_at // 4
 
 
-def test_one_graph_for_every_block_with_documents() -> None:
-    """Document bounds (spec §7) are an input tensor of the static step like its start: one
-    graph for every block, masked as the eager loop (which the reference tests hold exact)."""
-    model = tiny_model(torch.float64, attention="cpu_fused", activation_checkpoint="block",
-                       block_size=4, num_kv_heads=2)
-    eager = copy.deepcopy(model)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    apply_compile(model)
-    starts = torch.zeros(2, 22, dtype=torch.int64)
-    starts[0, [2, 8, 9, 17]] = 1
-    starts[1, [12]] = 1
-    assert_trains_like(model, eager, steps=2, length=22, tolerance=dict(rtol=1e-11, atol=1e-13),
-                       documents=starts.cumsum(1))
-    assert _graphs() == 1
-
-
 def test_one_graph_under_bf16_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
     """train.precision = bf16 with a compiled step: the projections compute in bf16 and the
     fused kernels, which take float32 and float64, read a float32 history

@@ -168,23 +168,6 @@ def test_one_document_is_the_unmasked_model(attention: str) -> None:
                                rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("checkpoint", ["none", "block"])
-@pytest.mark.parametrize("attention", ATTENTION)
-def test_masked_gradients_agree_with_explicit(attention: str, checkpoint: str) -> None:
-    """Each backend's hand-routed gradients with a mask, against the explicit backend's plain
-    autograd (reference for the gradients of the backends that route them by hand)."""
-    x, y, ids = tokens(length=T), tokens(length=T, seed=2), batch_ids("many_short")
-    grads = []
-    for name in ("explicit", attention):
-        model = tiny_model(attention=name, activation_checkpoint=checkpoint, block_size=3,
-                           deep_token_window=4)
-        model(x, y, documents=ids).backward()
-        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys()
-    for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=1e-10, msg=name)
-
-
 @pytest.mark.parametrize("documents, message", [
     (torch.tensor([[0] * 10 + [1] * 9, [0] * 5 + [2] * 4 + [1] * 10]), "non-decreasing"),
     (torch.zeros(2, 18, dtype=torch.int64), "shape"),
