@@ -281,13 +281,19 @@ class PassDocuments:
             length = self.starts.shape[1]
             c = min(self.block, length)
             position = torch.arange(length, device=self.starts.device)
-            relative = (self.starts - position // c * c)[..., None]
-            column = torch.arange(c, device=self.starts.device)
-            hidden = (column < relative) | (column > (position % c)[:, None])
-            self.derived[key] = torch.zeros(hidden.shape, dtype=dtype,
-                                            device=hidden.device).masked_fill_(hidden,
-                                                                               float("-inf"))
+            self.derived[key] = own_keys_mask(self.starts - position // c * c, position % c, c,
+                                              dtype)
         return self.derived[key]
+
+
+def own_keys_mask(relative: Tensor, row: Tensor, width: int, dtype: torch.dtype) -> Tensor:
+    """`[B, n, width]` float: 0 where query i reads its block's key j, -inf where not (j above
+    its row in the block `row [n]`, or before its document, `relative [B, n]`: the document's
+    start counted from the block's)."""
+    column = torch.arange(width, device=relative.device)
+    hidden = (column < relative[..., None]) | (column > row[:, None])
+    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
+        hidden, float("-inf"))
 
 
 @dataclass(frozen=True)
@@ -317,13 +323,8 @@ class DocumentBounds:
         n = self.lower.shape[1]
         if self.shared is not None and self.start is not None:
             return self.shared.own_masks(dtype)[:, self.start:self.start + n, :n]
-        if self.start is None:
-            raise RuntimeError("a static block step's bounds have no Python start")
-        column = torch.arange(n, device=self.lower.device)
-        hidden = ((column < (self.lower - self.start)[..., None])
-                  | (column > column[:, None]))
-        return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
-            hidden, float("-inf"))
+        row = self.own_positions(n) - self.start
+        return own_keys_mask(self.lower - self.start, row, n, dtype)
 
     def own_positions(self, n: int) -> Tensor:
         """Positions of the queries' own keys (the block's tokens), on the bounds' device."""
@@ -337,12 +338,13 @@ def consecutive(views: list[Tensor]) -> Tensor:
     `[len(views), B, n, …]`: a strided view where they are consecutive slices of one tensor
     along dim 1 (a wave's cells, no copy), stacked otherwise."""
     first = views[0]
-    n = first.shape[1]
-    view = first.as_strided((len(views), *first.shape), (n * first.stride(1), *first.stride()),
-                            first.storage_offset())
-    if all(v.data_ptr() == view[i].data_ptr() and v.stride() == first.stride()
+    step = first.shape[1] * first.stride(1)
+    if all(v.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+           and v.storage_offset() == first.storage_offset() + i * step
+           and v.shape == first.shape and v.stride() == first.stride()
            for i, v in enumerate(views)):
-        return view
+        return first.as_strided((len(views), *first.shape), (step, *first.stride()),
+                                first.storage_offset())
     return torch.stack(views)
 
 
