@@ -339,13 +339,15 @@ def consecutive(views: list[Tensor]) -> Tensor:
     along dim 1 (a wave's cells, no copy), stacked otherwise."""
     first = views[0]
     step = first.shape[1] * first.stride(1)
-    if all(v.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-           and v.storage_offset() == first.storage_offset() + i * step
-           and v.shape == first.shape and v.stride() == first.stride()
-           for i, v in enumerate(views)):
-        return first.as_strided((len(views), *first.shape), (step, *first.stride()),
-                                first.storage_offset())
-    return torch.stack(views)
+    # Views of one base tensor (no data pointers: the compile step traces fake tensors).
+    consecutive_views = first._base is not None and all(
+        v._base is first._base and v.shape == first.shape and v.stride() == first.stride()
+        and v.storage_offset() == first.storage_offset() + i * step
+        for i, v in enumerate(views))
+    if not consecutive_views:
+        return torch.stack(views)
+    return first.as_strided((len(views), *first.shape), (step, *first.stride()),
+                            first.storage_offset())
 
 
 @dataclass
