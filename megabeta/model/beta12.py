@@ -32,10 +32,9 @@ from megabeta.model.documents import padded_starts
 from megabeta.model.history import (
     BufferPool,
     BufferedHistory,
-    BufferedView,
+    HistoryView,
     PieceHistory,
     PieceView,
-    StepView,
     block_cells,
 )
 from megabeta.model.layers import (
@@ -107,9 +106,14 @@ class PassWeights:
             return functools.partial(self.next, index=self.index(layer))
         return self.plain[layer]
 
-    def branches(self, layer: int) -> BranchWeights:
-        """Layer `layer`'s residual-branch weights: its views of the stacks."""
-        return BranchWeights(self.out, self.gate_up, self.down, self.index(layer))
+    def branches(self, cells: slice) -> BranchWeights:
+        """The residual-branch weights of the layers `cells` of the stacks (one layer's:
+        `layer_cells`)."""
+        return BranchWeights(self.out, self.gate_up, self.down, cells)
+
+    def layer_cells(self, layer: int) -> slice:
+        """Layer `layer`'s entry in the stacks, as a stack of one cell."""
+        return slice(self.index(layer), self.index(layer) + 1)
 
     def tensors(self) -> list[Tensor]:
         """Every tensor the block step reads of these weights, in a fixed order."""
@@ -219,7 +223,7 @@ class Beta12Transformer(DecoderLM):
     def _sources(self) -> list[list[int]]:
         return [self.config.source_layers(l) for l in range(len(self.layers))]
 
-    def _block(self, x: Tensor, rope: tuple[Tensor, Tensor], history: BufferedView | PieceView,
+    def _block(self, x: Tensor, rope: tuple[Tensor, Tensor], history: HistoryView | PieceView,
                weights: PassWeights, *, dropout: float, finished: bool,
                construction: bool) -> BlockOutput:
         """All layers on the tokens `x [B, n, d]` of one block, whose positions' RoPE tables
@@ -242,7 +246,7 @@ class Beta12Transformer(DecoderLM):
         # Each residual add is fused into the norm that reads the sum (`add_rms_normalize`):
         # the MLP branch of layer l is added where layer l+1 (or the last finished K/V) reads it.
         mlp = None
-        for l, layer in enumerate(self.layers):
+        for l in range(len(self.layers)):
             if mlp is None:
                 normalized = kernels.rms_normalize(x, eps)
             else:
@@ -256,9 +260,9 @@ class Beta12Transformer(DecoderLM):
                 q, k, v = parts
             o = attention.attend(q, history.key_set(l, k, v), weights.biases[l], layer=l,
                                  dropout_p=dropout)
-            branches = weights.branches(l)
-            x, normalized = kernels.add_rms_normalize(x, layer.attention_delta(o, branches), eps)
-            mlp = layer.mlp_delta(normalized, branches, kernels)
+            # One cell: heads concatenated per token, `[1, B·n, H·d_h]`.
+            x, mlp = (t[0] for t in self.branches(x[None], o.transpose(1, 2).reshape(
+                1, -1, o.shape[1] * o.shape[3]), weights.branches(weights.layer_cells(l))))
             if construction:
                 con_k.append(k)
                 con_v.append(v)
@@ -340,7 +344,7 @@ class Beta12Transformer(DecoderLM):
             graphs.begin_pass(weights, blocks=history.length // c.block_size)
         history.allocate(x.shape[0], heads, width, device=x.device, buffers=buffers)
 
-    def _static_block(self, x: Tensor, rope: tuple[Tensor, Tensor], view: StepView,
+    def _static_block(self, x: Tensor, rope: tuple[Tensor, Tensor], view: HistoryView,
                       weights: PassWeights, *, dropout: float) -> BlockOutput:
         """One block of a static pass: a full block replayed (CUDA graphs, which recompute in
         backward themselves) or through the compiled step; a ragged last block eagerly (it
@@ -411,7 +415,7 @@ class Beta12Transformer(DecoderLM):
         recompute and backward).
 
         Nothing the graph sees differs between blocks but tensor contents: the history is read
-        from fixed-size buffers, the block's start from a tensor (`history.StepView`), and the
+        from fixed-size buffers, the block's start from a tensor (`history.HistoryView`), and the
         attention backend must read both (`triton`, or `cpu_fused` through
         attention/merged_op.py). The history's publish stays outside, between blocks; a ragged
         last block runs eagerly (it would be a second graph)."""

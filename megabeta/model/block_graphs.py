@@ -35,7 +35,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor
 
-from megabeta.model.history import StepView
+from megabeta.model.history import HistoryView
 
 
 class Capture(Protocol):
@@ -160,7 +160,7 @@ class BlockGraphs:
         self._fixed_weights = weights.with_tensors(current.weights)
         self._pending = blocks
 
-    def run(self, x: Tensor, rope: tuple[Tensor, Tensor], view: StepView,
+    def run(self, x: Tensor, rope: tuple[Tensor, Tensor], view: HistoryView,
             **kwargs: Any) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         """One block: hidden states and finished K/V per layer, differentiable w.r.t. `x`
         and the pass's weights (through `_GraphedBlock`)."""
@@ -170,11 +170,11 @@ class BlockGraphs:
         return outs[0], list(outs[1:1 + layers]), list(outs[1 + layers:])
 
     # ---- the two graphs -------------------------------------------------------------------------
-    def _copy_in(self, x: Tensor, cos: Tensor, sin: Tensor, view: StepView) -> _Shape:
+    def _copy_in(self, x: Tensor, cos: Tensor, sin: Tensor, view: HistoryView) -> _Shape:
         current = self._current
         if current.x.shape != x.shape:
             current.x, current.cos, current.sin = (torch.empty_like(t) for t in (x, cos, sin))
-        documents = view.documents
+        documents = view.lower
         if (documents is None) != (current.documents is None):
             # Graphs captured with a document mask read other tensors than those without.
             current.documents = None if documents is None else torch.empty_like(documents)
@@ -187,11 +187,14 @@ class BlockGraphs:
             current.documents.copy_(documents)
         return current
 
-    def _view(self, current: _Shape, like: StepView) -> StepView:
-        return StepView(*current.history, current.start, None, like.layer_sources, like.window,
-                        current.documents)
+    def _view(self, current: _Shape, like: HistoryView) -> HistoryView:
+        """A view of the fixed tensors that reads like `like` (a static step's view of the
+        pass's history)."""
+        keys, values, *grads = current.history
+        return HistoryView(like.history, keys, values, current.start, None, None,
+                           grads=tuple(grads), lower=current.documents)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, view: StepView,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, view: HistoryView,
                 kwargs: dict) -> list[Tensor]:
         current = self._copy_in(x, cos, sin, view)
         if current.forward is None:
@@ -213,7 +216,7 @@ class BlockGraphs:
             current.forward()
         return [t.clone() for t in current.outputs]
 
-    def backward(self, x: Tensor, cos: Tensor, sin: Tensor, view: StepView, kwargs: dict,
+    def backward(self, x: Tensor, cos: Tensor, sin: Tensor, view: HistoryView, kwargs: dict,
                  grads: list[Tensor | None]) -> tuple[Tensor, list[Tensor] | None]:
         """The input's gradient, and, at the last block of the pass, the weights'."""
         current = self._copy_in(x, cos, sin, view)
@@ -264,7 +267,7 @@ class _GraphedBlock(torch.autograd.Function):
     last block hands out)."""
 
     @staticmethod
-    def forward(ctx: Any, graphs: BlockGraphs, kwargs: dict, view: StepView, x: Tensor,
+    def forward(ctx: Any, graphs: BlockGraphs, kwargs: dict, view: HistoryView, x: Tensor,
                 cos: Tensor, sin: Tensor, anchor: Tensor | None,
                 *weights: Tensor) -> tuple[Tensor, ...]:
         outs = graphs.forward(x, cos, sin, view, kwargs)

@@ -16,8 +16,8 @@ Instead:
   once per block (`_Publish`). The group of source m that a block reads is rows [0, start) of
   layer m (or the deep-token window's rows): a view, no copy, and never rewritten afterwards.
   Adjacent source layers that read the same rows are one view `[g, B, H_kv, rows, d_h]`, which
-  the backends attend to in one kernel call (`BufferedView.batches`).
-- Attention. A `BufferedView` is what the backends read (`attention.backend.StoredHistory`):
+  the backends attend to in one kernel call (`HistoryView.batches`).
+- Attention. A `HistoryView` is what the backends read (`attention.backend.StoredHistory`):
   the cpu backends attend to the groups and the block's own keys as parts merged by log-sum-exp;
   the triton backend reads the groups' rows straight from the buffers in one kernel.
 - Gradients. The history is read from detached views, so autograd has no edge from readers to
@@ -36,10 +36,10 @@ Instead:
   (CUDA's caching allocator reuses its blocks already: no pool there). A pass gives them back
   when its first publish's gradients are handed out (nothing reads them after that) or, when
   no backward comes, once the history is gone.
-- The static block step (beta12 `compile_block_step`, CUDA graphs) reads a `StepView` instead:
-  the same buffers, allocated before block 0 (`allocate`), and the block's start as a 0-d
-  tensor, so that nothing a traced graph sees differs between blocks. Its readers cannot call
-  back into Python, so `release` does not check the order there (`check_order`).
+- The static block step (beta12 `compile_block_step`, CUDA graphs) reads the same type of view
+  (`step_view`): the buffers, allocated before block 0 (`allocate`), and the block's start as
+  a 0-d tensor only, so that nothing a traced graph sees differs between blocks. Its readers
+  cannot call back into Python, so `release` does not check the order there (`check_order`).
 """
 
 from __future__ import annotations
@@ -232,12 +232,15 @@ class BufferedHistory:
         """`arange(T)` on the buffers' device: a block's start as a 0-d tensor is a view of it."""
         self._anchor: Tensor | None = None
 
-    def view(self, block_start: int) -> "BufferedView":
+    def view(self, block_start: int) -> "HistoryView":
+        """What the block at `block_start` reads, eagerly (its start known to Python)."""
         reads = Reads(len(self.publishes))
         if self.check_order:
             self.reads.append(reads)
             self._checked = len(self.reads)
-        return BufferedView(self, block_start, self._anchor, reads)
+        start = None if self.positions is None else self.positions[block_start]
+        return HistoryView(self, self.keys, self.values, start, block_start, self._anchor,
+                           reads if self.check_order else None)
 
     def shape(self, batch: int, heads: int, width: int) -> tuple[int, ...]:
         """The buffers' shape for `batch` sequences of `heads` KV heads of `width`."""
@@ -264,16 +267,16 @@ class BufferedHistory:
         self._anchor = torch.zeros((), dtype=dtype, device=device,
                                    requires_grad=torch.is_grad_enabled())
 
-    def step_view(self, block_start: int, n: int) -> "StepView":
-        """What the block of `n` tokens at `block_start` reads, with its start as a tensor
-        (`allocate` first)."""
-        grad_keys, grad_values = (self.gradient_buffers() if self.grad_keys is not None
-                                  else (self.keys.new_empty(0), self.keys.new_empty(0)))
-        documents = (None if self.documents is None
-                     else self.documents.starts[:, block_start:block_start + n])
-        return StepView(self.keys, self.values, grad_keys, grad_values,
-                        self.positions[block_start], self._anchor, self.sources, self.window,
-                        documents)
+    def step_view(self, block_start: int, n: int) -> "HistoryView":
+        """What the block of `n` tokens at `block_start` reads in a static step, with its start
+        as a tensor only (`allocate` first)."""
+        lower = (None if self.documents is None
+                 else self.documents.starts[:, block_start:block_start + n])
+        # Without autograd `allocate` made no gradient buffers: empty stand-ins.
+        grads = (self.gradient_buffers() if self.grad_keys is not None
+                 else (self.keys.new_empty(0), self.keys.new_empty(0)))
+        return HistoryView(self, self.keys, self.values, self.positions[block_start], None,
+                           self._anchor, grads=grads, lower=lower)
 
     def publish(self, cells: list[Cell], fin_k: list[Tensor], fin_v: list[Tensor]) -> None:
         """Make the finished KVs of `cells` visible to every later reader (each layer's blocks
@@ -384,26 +387,56 @@ class Reads:
 
 
 @dataclass
-class BufferedView:
-    """What one block reads of a `BufferedHistory`."""
+class HistoryView:
+    """What one block (or one cell of a wave) reads of a `BufferedHistory`: the buffers, the
+    block's start as a 0-d tensor, the anchor its readers take and, where Python knows it, the
+    start as a number. The eager paths know it (`BufferedHistory.view`: groups are sliced at
+    it, `batches`); the static block step does not (`BufferedHistory.step_view`, and the
+    CUDA-graphed step's view of its fixed buffers): nothing a traced graph sees then differs
+    between blocks, and its readers take the start from device memory (`triton`, and
+    `cpu_fused` through `attention/merged_op.py`) and report nothing back (`reads` None)."""
 
     history: BufferedHistory
-    block_start: int
+    keys: Tensor | None
+    """The history's key buffer `[L, B, H_kv, T, d_h]`, held by the view: a recomputed block
+    reads it after the history has let its buffers go (None: nothing published yet, a first
+    block read eagerly, which reads no rows)."""
+    values: Tensor | None
+    start: Tensor | None
+    """The block's first position, 0-d int64 on the buffers' device (None with `keys`)."""
+    block_start: int | None
+    """The same as a Python number; None inside a static block step."""
     anchor: Tensor | None
-    reads: Reads
+    reads: Reads | None = None
+    """Who read this view, for the history's order check (None: not checked)."""
+    grads: tuple[Tensor, Tensor] | None = None
+    """A static step's gradient buffers (empty without autograd), held like `keys`; an eager
+    view asks the history, which allocates them on first use."""
+    lower: Tensor | None = None
+    """A static step's document bounds `[B, n]` (`DocumentBounds.lower`; an eager view takes
+    them from the history's documents at `block_start`); None: no mask."""
 
     def key_set(self, layer: int, k: Tensor, v: Tensor) -> KeySet:
+        """Keys for the queries of `layer` whose own construction KVs are `k, v`."""
+        if self.block_start is None:
+            # The first block too: it reads no rows (start 0), through the same graph.
+            documents = None if self.lower is None else DocumentBounds(self.lower, None)
+            return KeySet(k=k, v=v, stored=self, documents=documents)
         documents = block_bounds(self.history.documents, self.block_start, k.shape[2])
         if self.block_start == 0:
             return KeySet(k=k, v=v, documents=documents)
-        self.reads.layers.add(layer)
+        if self.reads is not None:
+            self.reads.layers.add(layer)
         return KeySet(k=k, v=v, stored=self, documents=documents)
 
     def batches(self, layer: int) -> list[GroupBatch]:
-        """The finished groups of `layer` as stacked batches: runs of adjacent
-        source layers that read the same rows, each one view of the buffers."""
+        """The finished groups of `layer` as stacked batches: runs of adjacent source layers
+        that read the same rows, each one view of the buffers."""
+        if self.block_start is None:
+            raise RuntimeError("a static block step has no Python start to slice groups at: its "
+                               "readers take the buffers and start_index()")
         history = self.history
-        return [GroupBatch(history.keys[sources, :, :, rows], history.values[sources, :, :, rows],
+        return [GroupBatch(self.keys[sources, :, :, rows], self.values[sources, :, :, rows],
                            offsets, lambda sources=sources, rows=rows: history.grads(sources, rows),
                            first=rows.start)
                 for sources, rows, offsets in group_runs(history.sources[layer], layer,
@@ -411,11 +444,11 @@ class BufferedView:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.history.keys.dtype
+        return self.keys.dtype
 
     @property
-    def done_reading(self) -> Callable[[], None]:
-        return self.reads.reader_done
+    def done_reading(self) -> Callable[[], None] | None:
+        return None if self.reads is None else self.reads.reader_done
 
     @property
     def window(self) -> int:
@@ -425,59 +458,10 @@ class BufferedView:
         return self.history.sources[layer]
 
     def buffers(self) -> tuple[Tensor, Tensor]:
-        return self.history.keys, self.history.values
-
-    def gradient_buffers(self) -> tuple[Tensor, Tensor]:
-        return self.history.gradient_buffers()
-
-    def start_index(self) -> Tensor:
-        return self.history.positions[self.block_start]
-
-
-@dataclass
-class StepView:
-    """What one block reads in the static block step (`Beta12Transformer.compile_block_step`):
-    the history's tensors and the block's start as a 0-d tensor, and no Python number that
-    differs between blocks, so that one traced graph serves every block. Readers that take
-    the start from device memory read it (the `triton` backend, and `cpu_fused` through
-    `attention/merged_op.py`); nobody reports back (`done_reading` is None)."""
-
-    keys: Tensor
-    values: Tensor
-    grad_keys: Tensor
-    """Float32 gradient buffers shaped like `keys` (empty outside autograd)."""
-    grad_values: Tensor
-    start: Tensor
-    anchor: Tensor | None
-    layer_sources: list[list[int]]
-    window: int
-    documents: Tensor | None = None
-    """The block's document bounds `[B, n]` (`DocumentBounds.lower`); None: no mask."""
-    block_start = None
-    """Not known to Python here (`StoredHistory.block_start`)."""
-    done_reading = None
-
-    def key_set(self, layer: int, k: Tensor, v: Tensor) -> KeySet:
-        # The first block too: it reads no rows (start 0), through the same graph.
-        documents = None if self.documents is None else DocumentBounds(self.documents, None)
-        return KeySet(k=k, v=v, stored=self, documents=documents)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.keys.dtype
-
-    def sources(self, layer: int) -> list[int]:
-        return self.layer_sources[layer]
-
-    def batches(self, layer: int) -> list[GroupBatch]:
-        raise RuntimeError("a static block step has no Python start to slice groups at: its "
-                           "readers take the buffers and start_index()")
-
-    def buffers(self) -> tuple[Tensor, Tensor]:
         return self.keys, self.values
 
     def gradient_buffers(self) -> tuple[Tensor, Tensor]:
-        return self.grad_keys, self.grad_values
+        return self.history.gradient_buffers() if self.grads is None else self.grads
 
     def start_index(self) -> Tensor:
         return self.start

@@ -498,9 +498,9 @@ class Attention(nn.Module):
 
 @dataclass(frozen=True)
 class BranchWeights:
-    """A layer's residual-branch weights for one pass: its views (`index`) of the pass's
-    stacks (`TransformerLayer.pass_weights` for one layer; beta12's PassWeights stacks every
-    layer's)."""
+    """The residual-branch weights of some layers for one pass: their entries `cells` in the
+    pass's stacks (`TransformerLayer.pass_weights` for one layer; beta12's PassWeights stacks
+    every layer's, and a wave's cells read a strided slice)."""
 
     out: StackedWeight
     """W_O."""
@@ -508,8 +508,31 @@ class BranchWeights:
     """`feed_forward.fused_weight(ffn_norm)`: gate and up with the norm's weight folded in."""
     down: StackedWeight
     """w2."""
-    index: int = 0
-    """The layer's entry in the stacks."""
+    cells: slice
+    """The layers' entries in the stacks, one per cell."""
+
+
+def residual_branches(x: Tensor, o: Tensor, weights: BranchWeights, *,
+                      kernels: ElementwiseKernels, eps: float,
+                      dropout: float) -> tuple[Tensor, Tensor]:
+    """The residual branches of n cells (spec §1), each at its own layer: the stream
+    `a = x + W_O·o` after the attention branch, and the SwiGLU branch `w2(silu(w1 n) * w3 n)`
+    of `n = rms_normalize(a)`, with residual `dropout`. `x [n, B, c, d]`, the attention's
+    output `o [n, B·c, H·d_h]` (heads concatenated). The SwiGLU branch comes back unadded: the
+    caller adds it where the next norm reads the sum (`add_rms_normalize`). One block of the
+    block schedule, a layer of the control arms and decoding are a stack of one cell
+    (`x[None]`), a wave of the wavefront schedule a stack of several."""
+    n, batch, c, d = x.shape
+    sel = weights.cells
+
+    def branch(delta: Tensor) -> Tensor:
+        delta = delta.view(n, batch, c, d)
+        # No dropout call at p = 0: in training it would still launch a kernel per branch.
+        return F.dropout(delta, dropout) if dropout else delta
+
+    a, normalized = kernels.add_rms_normalize(x, branch(stacked_linear(o, weights.out, sel)), eps)
+    gate_up = stacked_linear(normalized.flatten(1, 2), weights.gate_up, sel)
+    return a, branch(stacked_linear(kernels.swiglu(gate_up), weights.down, sel))
 
 
 def fused_input_rows(below: "TransformerLayer", above: "TransformerLayer") -> list[Rows]:
@@ -528,27 +551,10 @@ class TransformerLayer(nn.Module):
         self.attention = Attention(config, beta_extras)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.feed_forward = FeedForward(config.d_model, config.hidden_dim)
-        self.dropout = nn.Dropout(config.dropout)
 
     def pass_weights(self, *, accumulate: bool = True) -> "BranchWeights":
         """This layer's branch weights for one pass (fused, shared by the pass's calls;
         `accumulate` as in `StackedWeight`)."""
         return BranchWeights(*(StackedWeight.one(w, accumulate=accumulate) for w in (
             self.attention.wo.weight, self.feed_forward.fused_weight(self.ffn_norm),
-            self.feed_forward.w2.weight)))
-
-    def attention_delta(self, o: Tensor, weights: "BranchWeights") -> Tensor:
-        """The attention branch `W_O·o` (dropout applied) for per-head output `o [B, H, n, d_h]`
-        (the heads concatenated): what the residual stream adds."""
-        return self._dropped(linear(o.transpose(1, 2).flatten(2), weights.out,
-                                    index=weights.index))
-
-    def mlp_delta(self, normalized: Tensor, weights: "BranchWeights",
-                  kernels: ElementwiseKernels = TORCH_KERNELS) -> Tensor:
-        """The SwiGLU branch `w2(silu(w1 x) * w3 x)` of `normalized = rms_normalize(a)`."""
-        gate_up = linear(normalized, weights.gate_up, index=weights.index)
-        return self._dropped(linear(kernels.swiglu(gate_up), weights.down, index=weights.index))
-
-    def _dropped(self, x: Tensor) -> Tensor:
-        # No dropout call at p = 0: in training it would still launch a kernel per branch.
-        return self.dropout(x) if self.dropout.p else x
+            self.feed_forward.w2.weight)), cells=slice(0, 1))

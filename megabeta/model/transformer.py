@@ -37,6 +37,7 @@ from megabeta.model.layers import (
     Projection,
     RMSNorm,
     TransformerLayer,
+    residual_branches,
     rope_tables,
 )
 from megabeta.model.loss import IGNORE_INDEX, linear_cross_entropy
@@ -78,16 +79,24 @@ class DecoderLM(nn.Module):
         self._select_kernels()
 
     def parallel_plan(self) -> ParallelPlan:
-        """One FSDP unit per layer; compiled: every layer's residual branches, `attention_delta`
-        (output projection, dropout) and `mlp_delta` (SwiGLU, dropout), with dynamic shapes
-        (decoding feeds one token at a time); the fused input projections and attention stay
-        eager."""
+        """One FSDP unit per layer; compiled: the residual branches (`branches`: output
+        projection, norm, SwiGLU, dropout), with dynamic shapes (decoding feeds one token at a
+        time); the fused input projections and attention stay eager."""
         return ParallelPlan(tuple(self.layers), self._compile_branches)
 
     def _compile_branches(self) -> None:
-        for layer in self.layers:
-            layer.attention_delta = torch.compile(layer.attention_delta, dynamic=True)
-            layer.mlp_delta = torch.compile(layer.mlp_delta, dynamic=True)
+        self._residual_branches = torch.compile(residual_branches, dynamic=True)
+
+    _residual_branches: Callable[..., tuple[Tensor, Tensor]] = staticmethod(residual_branches)
+    """`layers.residual_branches`, compiled where the arm compiles its branches."""
+
+    def branches(self, x: Tensor, o: Tensor, weights: BranchWeights) -> tuple[Tensor, Tensor]:
+        """The residual branches of the cells `x [n, B, c, d]` (`layers.residual_branches`):
+        the stream after attention and the SwiGLU branch, with this model's kernels and, in
+        training, its dropout."""
+        return self._residual_branches(x, o, weights, kernels=self.elementwise_kernels,
+                                       eps=self.config.norm_eps,
+                                       dropout=self.config.dropout if self.training else 0.0)
 
     # ---- parameters -----------------------------------------------------------------------------
     def init_weights(self) -> None:
@@ -235,7 +244,7 @@ class StandardTransformer(DecoderLM):
                  layer.pass_weights())
                 for layer in self.layers]
 
-    def _layer(self, layer: TransformerLayer, weights: tuple[Projection, BranchWeights], x: Tensor,
+    def _layer(self, weights: tuple[Projection, BranchWeights], x: Tensor,
                cos: Tensor, sin: Tensor, cache: KVBuffer | None,
                documents: PassDocuments | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """One layer on tokens with RoPE tables `cos/sin`; earlier tokens' KVs come from `cache`;
@@ -249,13 +258,14 @@ class StandardTransformer(DecoderLM):
             keys.prefix_k, keys.prefix_v = cache.view()
         dropout = self.config.dropout if self.training else 0.0
         o = self.attention_backend.attend(q, keys, NO_BIAS, layer=0, dropout_p=dropout)
-        a, normalized = kernels.add_rms_normalize(x, layer.attention_delta(o, branches), eps)
-        return a + layer.mlp_delta(normalized, branches, kernels), k, v
+        # One cell: heads concatenated per token, `[1, B·n, H·d_h]`.
+        a, mlp = self.branches(
+            x[None], o.transpose(1, 2).reshape(1, -1, o.shape[1] * o.shape[3]), branches)
+        return (a + mlp)[0], k, v
 
-    def _applications(self) -> list[tuple[TransformerLayer,
-                                          tuple[Projection, BranchWeights]]]:
-        """(layer, its fused weights) in the order the layers are applied."""
-        return list(zip(self.layers, self._weights())) * self._repeats()
+    def _applications(self) -> list[tuple[Projection, BranchWeights]]:
+        """The layers' fused weights in the order the layers are applied."""
+        return self._weights() * self._repeats()
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None,
                 documents: Tensor | None = None) -> Tensor:
@@ -267,9 +277,9 @@ class StandardTransformer(DecoderLM):
         masked = None if starts is None else PassDocuments(starts, tokens.shape[1])
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope(0, tokens.shape[1], x)
-        for layer, weights in self._applications():
-            x = self._run(lambda h, layer=layer, weights=weights:
-                          self._layer(layer, weights, h, cos, sin, None, masked)[0], x)
+        for weights in self._applications():
+            x = self._run(lambda h, weights=weights:
+                          self._layer(weights, h, cos, sin, None, masked)[0], x)
         return self.head(x, targets)
 
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:
@@ -282,8 +292,8 @@ class StandardTransformer(DecoderLM):
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope(cache.position, tokens.shape[1], x)
         applications = self.decode_weights(cache, self._applications)
-        for (layer, weights), buffer in zip(applications, cache.construction):
-            x, k, v = self._layer(layer, weights, x, cos, sin, buffer)
+        for weights, buffer in zip(applications, cache.construction):
+            x, k, v = self._layer(weights, x, cos, sin, buffer)
             buffer.append(k, v)
         cache.position += tokens.shape[1]
         return self.logits(x)

@@ -154,15 +154,7 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
     sel = wave.stack()
     o = attention.attend_wave(q, k, v, keys, weights.pass_biases.wave(sel), layers=wave.layers,
                               dropout_p=dropout).reshape(n, batch * c, -1)
-    residual_dropout = model.config.dropout if model.training else 0.0
-
-    def branch(delta: Tensor) -> Tensor:
-        delta = delta.view(n, batch, c, d)
-        return F.dropout(delta, residual_dropout) if residual_dropout else delta
-
-    x, normalized = kernels.add_rms_normalize(x, branch(stacked_linear(o, weights.out, sel)), eps)
-    gate_up = stacked_linear(normalized.flatten(1, 2), weights.gate_up, sel)
-    mlp = branch(stacked_linear(kernels.swiglu(gate_up), weights.down, sel))
+    x, mlp = model.branches(x, o, weights.branches(sel))
     x, normalized = kernels.add_rms_normalize(x, mlp, eps)
     finished: list[tuple[Tensor, Tensor]] = []
     hidden = None

@@ -221,7 +221,7 @@ class GroupBatch:
 
 
 class StoredHistory(Protocol):
-    """A block's view of the history buffers (history.BufferedView), as backends read it."""
+    """A block's view of the history buffers (history.HistoryView), as backends read it."""
 
     anchor: Tensor | None
     """An input every reader takes so that its backward runs before the history hands the

@@ -2,7 +2,7 @@
 start held in a tensor: what the static block step (beta12.py, `block_step`) calls on CPU.
 
 The eager block loop hands `merged.fused_cells` its groups as views sliced at a Python int
-(`history.BufferedView.batches`), which a traced graph would bake in: one graph per block. These
+(`history.HistoryView.batches`), which a traced graph would bake in: one graph per block. These
 operators take the whole buffers `[L, B, H_kv, T, d_h]` and the block's first position as a 0-d
 tensor, and slice inside, where no tracer looks, so every block of a sequence has the same
 graph, as with the Triton kernels (`megabeta/kernels/triton_attention.py`, the same contract:

@@ -13,7 +13,7 @@ import torch
 from megabeta.kernels import finished_groups
 from megabeta.model import ConfigError, ExecutionConfig, build_model
 from megabeta.model.block_graphs import BlockGraphs, EagerCapture
-from megabeta.model.history import StepView
+from megabeta.model.history import BufferedHistory, HistoryView
 
 from support.model_helpers import assert_trains_like, tiny_config, tiny_model, tokens
 
@@ -103,7 +103,9 @@ def test_replayed_steps_keep_the_forwards_autocast() -> None:
     x = torch.randn(1, 3, 4, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         history = graphs.history_buffers((1, 1, 1, 3, 4), torch.bfloat16, x.device)
-        view = StepView(*history, torch.zeros((), dtype=torch.int64), None, [[]], 0)
+        keys, values, *grads = history
+        view = HistoryView(BufferedHistory([[]], 0, 3, dtype=torch.bfloat16), keys, values,
+                           torch.zeros((), dtype=torch.int64), None, None, grads=tuple(grads))
         graphs.begin_pass(_OneWeight(w), blocks=1)
         hidden = graphs.run(x, (torch.ones(3), torch.ones(3)), view)[0]
     assert hidden.dtype == torch.bfloat16

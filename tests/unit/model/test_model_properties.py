@@ -107,18 +107,17 @@ def test_checkpointing_recomputes_blocks_in_backward() -> None:
     """With block checkpointing, backward runs every block's layers again (T/c more calls)."""
     calls = {"n": 0}
     model = tiny_model(block_size=5, activation_checkpoint="block")
-    layer = model.layers[0]
-    mlp_delta = layer.mlp_delta
+    branches = model.branches
 
-    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+    def counted(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         calls["n"] += 1
-        return mlp_delta(*args, **kwargs)
+        return branches(*args, **kwargs)
 
-    layer.mlp_delta = counted
+    model.branches = counted
     loss = model(tokens(length=T), tokens(length=T, seed=2))
     forward_calls = calls["n"]
     loss.backward()
-    assert forward_calls == 4  # ceil(19 / 5) blocks
+    assert forward_calls == 4 * len(model.layers)  # ceil(19 / 5) blocks, every layer
     assert calls["n"] == 2 * forward_calls
 
 
