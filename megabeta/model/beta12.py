@@ -261,7 +261,8 @@ class Beta12Transformer(DecoderLM):
             o = attention.attend(q, history.key_set(l, k, v), weights.biases[l], layer=l,
                                  dropout_p=dropout)
             # One cell: heads concatenated per token, `[1, B·n, H·d_h]`.
-            x, mlp = (t[0] for t in self.branches(x[None], o.transpose(1, 2).reshape(
+            # Squeezed, not indexed: an index's backward fills a zero tensor.
+            x, mlp = (t.squeeze(0) for t in self.branches(x[None], o.transpose(1, 2).reshape(
                 1, -1, o.shape[1] * o.shape[3]), weights.branches(weights.layer_cells(l))))
             if construction:
                 con_k.append(k)

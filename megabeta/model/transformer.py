@@ -261,7 +261,7 @@ class StandardTransformer(DecoderLM):
         # One cell: heads concatenated per token, `[1, B·n, H·d_h]`.
         a, mlp = self.branches(
             x[None], o.transpose(1, 2).reshape(1, -1, o.shape[1] * o.shape[3]), branches)
-        return (a + mlp)[0], k, v
+        return (a + mlp).squeeze(0), k, v
 
     def _applications(self) -> list[tuple[Projection, BranchWeights]]:
         """The layers' fused weights in the order the layers are applied."""
