@@ -1,14 +1,16 @@
-"""The non-attention elementwise work of one Transformer cell as fused Triton kernels.
+"""The `triton` implementation of a cell's elementwise functions (`megabeta.kernels.elementwise`):
+fused Triton kernels.
 
 A beta_1.2 training step runs every layer once per block of c = 32 tokens: thousands of cells
 per sequence, each a few small tensors, so on a GPU the number of kernel launches, not the
-arithmetic, decides the time. The torch versions in `megabeta.model.layers` take several ATen
-operators per step (RMSNorm five forward and four back, RoPE four each way, SwiGLU two forward
-and two back, plus the copies that transposed head views cost wherever a contiguous layout is
-needed).
-Here each is one `torch.library` custom op (`megabeta::…`, registered through
-`megabeta.kernels.ops.custom_op`, launched through `ops.launch` so launches are counted) whose
-forward is ONE Triton launch and whose backward is ONE Triton launch:
+arithmetic, decides the time. The torch implementation (`megabeta.kernels.torch_elementwise`)
+takes several ATen operators per step (RMSNorm five forward and four back, RoPE four each way,
+SwiGLU two forward and four back, plus the copies that transposed head views cost wherever a
+contiguous layout is needed).
+Here each forward and each backward is one `torch.library` custom op (`megabeta::…`, registered
+through `megabeta.kernels.ops.custom_op`, launched through `ops.launch` so launches are counted)
+that makes ONE Triton launch; the gradients are registered once, for every implementation, in
+`megabeta.kernels.elementwise`:
 
 - `rms_normalize`: `x·rsqrt(mean(x²) + eps)` over the last dimension (RMSNorm without its
   weight, which the model folds into the next matmul), one program per row. Backward
@@ -17,9 +19,9 @@ forward is ONE Triton launch and whose backward is ONE Triton launch:
   backward works from the unrounded `y` for bfloat16.
 - `add_rms_normalize`: the same with the residual add fused in, `(a, rms_normalize(a))` for
   `a = x + delta`. Forward the residual's add (or addmm) becomes part of the norm's launch and
-  `W_O·o` a plain matmul; backward
-  the kernel adds the residual stream's own gradient to the norm's, so autograd's sum of the
-  stream's two gradients (one ATen add per residual, two per cell) disappears.
+  `W_O·o` a plain matmul; backward the kernel adds the residual stream's own gradient to the
+  norm's, so no separate sum of the stream's two gradients (one ATen add per residual, two per
+  cell) is launched.
 - `split_heads_rope`: the projection output `[B, n, W]` split into rotary heads, rotated
   (rotate-half RoPE), and plain heads, both written as contiguous `[B, heads, n, d_h]` by one
   launch (the torch path's transposed views would cost a copy wherever a contiguous layout is
@@ -142,30 +144,6 @@ def _(x: Tensor, eps: float) -> Tensor:
     return x.new_empty(x.shape)
 
 
-@custom_op("rms_normalize_backward")
-def _rms_normalize_backward_op(dy: Tensor, x: Tensor, eps: float) -> Tensor:
-    return _rms_backward_launch(dy, None, x, eps)
-
-
-@_rms_normalize_backward_op.register_fake
-def _(dy: Tensor, x: Tensor, eps: float) -> Tensor:
-    return x.new_empty(x.shape)
-
-
-def _rms_setup_context(ctx: Any, inputs: tuple[Tensor, float], output: Tensor) -> None:
-    x, eps = inputs
-    ctx.save_for_backward(x)
-    ctx.eps = eps
-
-
-def _rms_backward(ctx: Any, dy: Tensor) -> tuple[Tensor, None]:
-    (x,) = ctx.saved_tensors
-    return _rms_normalize_backward_op(dy, x, ctx.eps), None
-
-
-_rms_normalize_op.register_autograd(_rms_backward, setup_context=_rms_setup_context)
-
-
 def _check_add(x: Tensor, delta: Tensor) -> None:
     if x.shape != delta.shape:
         raise ValueError(f"add_rms_normalize: x {tuple(x.shape)} and delta "
@@ -191,45 +169,32 @@ def _(x: Tensor, delta: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape, dtype=dtype)
 
 
-@custom_op("add_rms_normalize_backward")
-def _add_rms_normalize_backward_op(da: Tensor, dy: Tensor, a: Tensor, eps: float) -> Tensor:
+@custom_op("rms_normalize_backward")
+def _rms_normalize_backward_op(dy: Tensor, da: Tensor | None, a: Tensor, eps: float) -> Tensor:
     return _rms_backward_launch(dy, da, a, eps)
 
 
-@_add_rms_normalize_backward_op.register_fake
-def _(da: Tensor, dy: Tensor, a: Tensor, eps: float) -> Tensor:
+@_rms_normalize_backward_op.register_fake
+def _(dy: Tensor, da: Tensor | None, a: Tensor, eps: float) -> Tensor:
     return a.new_empty(a.shape)
 
 
-def _add_rms_setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, float],
-                           output: tuple[Tensor, Tensor]) -> None:
-    x, delta, ctx.eps = inputs
-    ctx.save_for_backward(output[0])
-    ctx.dtypes = x.dtype, delta.dtype
+def rms_forward(x: Tensor, delta: Tensor | None,
+                eps: float) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+    """`(a, rms_normalize(a), (a,))` for the residual sum `a = x + delta` (one shape; the sum in
+    the dtype torch promotes the two to), or `(x, rms_normalize(x), (x,))` without delta: one
+    launch, the add fused into the norm. Results contiguous; statistics float32 (float64 for
+    float64 tensors)."""
+    if delta is None:
+        return x, _rms_normalize_op(x, eps), (x,)
+    a, y = _add_rms_normalize_op(x, delta, eps)
+    return a, y, (a,)
 
 
-def _add_rms_backward(ctx: Any, da: Tensor, dy: Tensor) -> tuple[Tensor, Tensor, None]:
-    (a,) = ctx.saved_tensors
-    grad = _add_rms_normalize_backward_op(da, dy, a, ctx.eps)
-    # x and delta enter only through their sum: one gradient serves both (in each one's dtype).
-    return grad.to(ctx.dtypes[0]), grad.to(ctx.dtypes[1]), None
-
-
-_add_rms_normalize_op.register_autograd(_add_rms_backward, setup_context=_add_rms_setup_context)
-
-
-def rms_normalize(x: Tensor, eps: float) -> Tensor:
-    """`x · rsqrt(mean(x²) + eps)` over the last dimension: RMSNorm without its weight, like
-    `layers.rms_normalize`. The result has `x`'s dtype and shape (contiguous); statistics are
-    float32 (float64 for float64 `x`). One launch forward, one backward."""
-    return _rms_normalize_op(x, eps)
-
-
-def add_rms_normalize(x: Tensor, delta: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """`(a, rms_normalize(a, eps))` for the residual sum `a = x + delta` (one shape; the sum in
-    the dtype torch promotes the two to): a residual add fused into the norm that reads it. One
-    launch forward, one backward, which also adds `a`'s own gradient to the norm's, the sum autograd would otherwise launch."""
-    return _add_rms_normalize_op(x, delta, eps)
+def rms_backward(dy: Tensor, da: Tensor | None, saved: tuple[Tensor, ...], eps: float) -> Tensor:
+    """The gradient of `a` from the saved `a` alone: one launch, which also adds `da`, the
+    residual stream's own gradient, in the same pass."""
+    return _rms_normalize_backward_op(dy, da, saved[0], eps)
 
 
 # ---- split into heads + RoPE -------------------------------------------------------------------
@@ -346,8 +311,13 @@ def _split_outputs(y: Tensor, cos: Tensor, sin: Tensor, rotary_heads: int,
 
 
 @custom_op("split_heads_rope")
-def _split_heads_rope_op(y: Tensor, cos: Tensor, sin: Tensor, rotary_heads: int,
-                         head_dim: int) -> tuple[Tensor, Tensor]:
+def split_heads_rope_forward(y: Tensor, cos: Tensor, sin: Tensor, rotary_heads: int,
+                             head_dim: int) -> tuple[Tensor, Tensor]:
+    """`(rotary, plain)` heads of `y [B, n, W]`, both contiguous, written by one launch.
+
+    The tables may have any floating dtype the device supports; pass them in `y`'s dtype (as
+    `DecoderLM.rope` does) or float32, not float64 on a GPU. The rotation is computed in float32
+    (float64 where `y` or the tables are) and both outputs have `y`'s dtype."""
     rot, plain = _split_outputs(y, cos, sin, rotary_heads, head_dim)
     batch, n, _ = y.shape
     grid, meta = _split_launch_args(batch, n, rotary_heads + plain.shape[1], head_dim,
@@ -357,19 +327,24 @@ def _split_heads_rope_op(y: Tensor, cos: Tensor, sin: Tensor, rotary_heads: int,
     return rot, plain
 
 
-@_split_heads_rope_op.register_fake
+@split_heads_rope_forward.register_fake
 def _(y: Tensor, cos: Tensor, sin: Tensor, rotary_heads: int,
       head_dim: int) -> tuple[Tensor, Tensor]:
     return _split_outputs(y, cos, sin, rotary_heads, head_dim)
 
 
-@custom_op("split_heads_rope_backward")
-def _split_heads_rope_backward_op(drot: Tensor, dplain: Tensor, cos: Tensor, sin: Tensor,
-                                  dtype: torch.dtype) -> Tensor:
+def _split_gradient(drot: Tensor, dplain: Tensor) -> Tensor:
+    """Empty contiguous `dy [B, n, W]` in the head gradients' dtype."""
     batch, rotary_heads, n, head_dim = drot.shape
-    heads = rotary_heads + dplain.shape[1]
-    dy = drot.new_empty((batch, n, heads * head_dim), dtype=dtype)
-    grid, meta = _split_launch_args(batch, n, heads, head_dim,
+    return drot.new_empty((batch, n, (rotary_heads + dplain.shape[1]) * head_dim))
+
+
+@custom_op("split_heads_rope_backward")
+def split_heads_rope_backward(drot: Tensor, dplain: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The gradient of `y`, one launch, reading the head gradients through their strides."""
+    dy = _split_gradient(drot, dplain)
+    batch, rotary_heads, n, head_dim = drot.shape
+    grid, meta = _split_launch_args(batch, n, rotary_heads + dplain.shape[1], head_dim,
                                     torch.promote_types(drot.dtype, cos.dtype))
     launch(_split_rope_backward_kernel, grid, drot, dplain, cos, sin, dy, n, rotary_heads,
            head_dim // 2, *drot.stride(), *dplain.stride(), *cos.stride(), *sin.stride(),
@@ -377,41 +352,9 @@ def _split_heads_rope_backward_op(drot: Tensor, dplain: Tensor, cos: Tensor, sin
     return dy
 
 
-@_split_heads_rope_backward_op.register_fake
-def _(drot: Tensor, dplain: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype) -> Tensor:
-    batch, rotary_heads, n, head_dim = drot.shape
-    return drot.new_empty((batch, n, (rotary_heads + dplain.shape[1]) * head_dim), dtype=dtype)
-
-
-def _split_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    y, cos, sin, _, _ = inputs
-    ctx.save_for_backward(cos, sin)
-    ctx.dtype = y.dtype
-
-
-def _split_backward(ctx: Any, drot: Tensor, dplain: Tensor) -> tuple[Tensor | None, ...]:
-    cos, sin = ctx.saved_tensors
-    return _split_heads_rope_backward_op(drot, dplain, cos, sin, ctx.dtype), None, None, None, None
-
-
-_split_heads_rope_op.register_autograd(_split_backward, setup_context=_split_setup_context)
-
-
-def split_heads_rope(y: Tensor, cos: Tensor, sin: Tensor, *, rotary_heads: int,
-                     head_dim: int) -> tuple[Tensor, Tensor]:
-    """The projection output `y [B, n, W]` split into heads: `(rotary, plain)`, the first
-    `rotary_heads·head_dim` columns as `[B, rotary_heads, n, head_dim]` rotated by RoPE at the
-    positions of `cos/sin`, the rest as `[B, plain_heads, n, head_dim]` unrotated; both
-    contiguous, written by one launch (one back).
-
-    What `layers.Projection` does after its matmul (without the per-head norm of qk_norm) with
-    `layers.apply_rope`: rotate-half, the tables `[n, head_dim]` with equal halves
-    (`layers.rope_tables` sliced to the block). The tables may have any floating dtype the
-    device supports; pass them in `y`'s dtype (as `DecoderLM.rope` does) or float32, not
-    float64 on a GPU. The rotation is computed in float32 (float64 where `y` or the tables are)
-    and both outputs have `y`'s dtype, as with `layers.apply_rope`. The tables get no
-    gradient."""
-    return _split_heads_rope_op(y, cos, sin, rotary_heads, head_dim)
+@split_heads_rope_backward.register_fake
+def _(drot: Tensor, dplain: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return _split_gradient(drot, dplain)
 
 
 # ---- SwiGLU ------------------------------------------------------------------------------------
@@ -489,20 +432,11 @@ def _(dout: Tensor, gate_up: Tensor) -> Tensor:
     return gate_up.new_empty(gate_up.shape)
 
 
-def _swiglu_setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:
-    ctx.save_for_backward(inputs[0])
+def swiglu_forward(gate_up: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """`silu(gate) · up` (contiguous, `gate_up`'s dtype) in one launch, and `(gate_up,)`."""
+    return _swiglu_op(gate_up), (gate_up,)
 
 
-def _swiglu_backward(ctx: Any, dout: Tensor) -> Tensor:
-    (gate_up,) = ctx.saved_tensors
-    return _swiglu_backward_op(dout, gate_up)
-
-
-_swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
-
-
-def swiglu(gate_up: Tensor) -> Tensor:
-    """`silu(gate) · up` for `gate, up = gate_up.chunk(2, dim=-1)`: `[..., 2h] → [..., h]`
-    (contiguous, `gate_up`'s dtype), the elementwise part of `TransformerLayer.mlp_delta`. One
-    launch forward, one backward (`d gate_up`, from the saved `gate_up`)."""
-    return _swiglu_op(gate_up)
+def swiglu_backward(dout: Tensor, saved: tuple[Tensor, ...]) -> Tensor:
+    """`d gate_up` from the saved `gate_up`, one launch."""
+    return _swiglu_backward_op(dout, saved[0])

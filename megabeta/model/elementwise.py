@@ -35,15 +35,12 @@ def require_triton(device: torch.device, setting: str) -> None:
 
 
 def select_elementwise_kernels(name: str, *, device: torch.device) -> ElementwiseKernels:
-    """`torch` (megabeta.model.layers), `triton` (megabeta.kernels.triton_elementwise), or for
-    `auto` triton on a CUDA device where it is installed, else torch."""
+    """The implementation `torch` (megabeta.kernels.torch_elementwise), `triton`
+    (megabeta.kernels.triton_elementwise), or for `auto` triton on a CUDA device where it is
+    installed, else torch."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and triton_runs_on(device) else "torch"
     if name == "torch":
         return TORCH_KERNELS
     require_triton(device, f"execution.elementwise_kernels = {name!r}")
-    from megabeta.kernels import triton_elementwise  # imports triton: only when chosen
-
-    return ElementwiseKernels("triton", triton_elementwise.rms_normalize,
-                              triton_elementwise.add_rms_normalize,
-                              triton_elementwise.split_heads_rope, triton_elementwise.swiglu)
+    return ElementwiseKernels.named(name)

@@ -8,46 +8,17 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from megabeta.kernels import elementwise
+from megabeta.kernels.elementwise import (add_rms_normalize, rms_normalize, split_heads_rope,
+                                          swiglu)
 from megabeta.model.config import ModelConfig
-
-
-def rms_normalize(x: Tensor, eps: float) -> Tensor:
-    """`x · rsqrt(mean(x²) + eps)` over the last dimension: RMSNorm without its weight."""
-    return _RMSNormalize.apply(x, eps)
-
-
-class _RMSNormalize(torch.autograd.Function):
-    """`y = x·r`, `r = rsqrt(mean(x²) + eps)`, with the backward written out:
-    `dx = r·(dy - y·mean(dy·y))`. Autograd through the five elementwise steps took 1.6x (c = 32
-    blocks, [8, 32, 192]) and 2.4-3.2x ([8, 512, 192]) as long forward+backward (float32, 2
-    threads)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, eps: float) -> Tensor:
-        r = torch.linalg.vecdot(x, x).unsqueeze(-1).div_(x.shape[-1]).add_(eps).rsqrt_()
-        y = x * r
-        ctx.save_for_backward(y, r)
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor, None]:
-        y, r = ctx.saved_tensors
-        mean = torch.linalg.vecdot(dy, y).unsqueeze(-1).div_(y.shape[-1])
-        return torch.addcmul(dy, y, mean, value=-1).mul_(r), None
-
-
-def add_rms_normalize(x: Tensor, delta: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """`(a, rms_normalize(a))` for the residual sum `a = x + delta`."""
-    a = x + delta
-    return a, rms_normalize(a, eps)
 
 
 class RMSNorm(nn.Module):
@@ -76,72 +47,19 @@ def rope_tables(head_dim: int, start: int, length: int, theta: float) -> tuple[T
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate `x [B, heads, n, d_h]` by the positions whose tables `cos/sin [n, d_h]` were sliced
-    (rotate-half: `x·cos + (-x₂, x₁)·sin`)."""
-    return _Rope.apply(x, cos, sin)
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
-    """Halves `(x₁c - sign·x₂s, x₂c + sign·x₁s)`: RoPE's rotation (sign 1) or its transpose (-1).
-    The tables' halves are equal (`rope_tables`). Computed in the dtype promoted with the
-    tables', returned in `x`'s: under autocast the projections are bf16 and the tables float32,
-    and the queries and keys stay bf16 (rounded once, after the rotation) for the attention
-    kernels, which would otherwise run in float32."""
-    half = x.shape[-1] // 2
-    x1, x2 = x.split(half, dim=-1)
-    c, s = cos[..., :half], sin[..., :half]
-    if torch.compiler.is_compiling():
-        # Traced (the compiled block step): the compiler fuses the elementwise work, and
-        # writing into the halves (`out=`) does not trace.
-        return torch.cat([x1 * c - sign * x2 * s, x2 * c + sign * x1 * s], dim=-1).to(x.dtype)
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
-    out1, out2 = out.split(half, dim=-1)
-    torch.mul(x1, c, out=out1).addcmul_(x2, s, value=-sign)
-    torch.mul(x2, c, out=out2).addcmul_(x1, s, value=sign)
-    return out.to(x.dtype)
-
-
-class _Rope(torch.autograd.Function):
-    """RoPE with its backward written out (the rotation's transpose): four elementwise passes
-    each way instead of autograd through negation, concatenation, two products and a sum.
-    Forward+backward 0.6x the time for a c = 32 block's 9 heads ([8, 9, 32, 64]), 0.45-0.5x for
-    [8, 6, 512, 64] (float32, 2 threads). The tables are constants."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin, 1.0)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        cos, sin = ctx.saved_tensors
-        # The gradient comes in the output's dtype, which is x's.
-        return _rotate(grad, cos, sin, -1.0), None, None
-
-
-def split_heads_rope(y: Tensor, cos: Tensor, sin: Tensor, *, rotary_heads: int,
-                     head_dim: int) -> tuple[Tensor, Tensor]:
-    """A projection's output `y [B, n, W]` as heads `(rotary, plain)`, `[B, heads, n, d_h]`:
-    the first `rotary_heads` heads rotated by RoPE at the positions of `cos/sin`, the rest as
-    they are. (Split, not sliced: a slice's backward fills a zero tensor of the whole input per
-    slice, split's is one concatenation.)"""
-    width = rotary_heads * head_dim
-    rot, plain = y.split([width, y.shape[-1] - width], dim=-1)
-    rot = apply_rope(rot.unflatten(-1, (rotary_heads, head_dim)).transpose(1, 2), cos, sin)
-    return rot, plain.unflatten(-1, (-1, head_dim)).transpose(1, 2)
-
-
-def swiglu(gate_up: Tensor) -> Tensor:
-    """`silu(gate) · up` for `gate, up = gate_up.chunk(2, dim=-1)`."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    (rotate-half: `x·cos + (-x₂, x₁)·sin`), in x's dtype: `split_heads_rope` with every head
+    rotary, reading x as `[B, n, heads·d_h]`, a view where x is laid out so (the heads of a
+    projection, and elementwise results of them), else a copy."""
+    heads, head_dim = x.shape[1], x.shape[-1]
+    return split_heads_rope(x.transpose(1, 2).flatten(2), cos, sin, rotary_heads=heads,
+                            head_dim=head_dim)[0]
 
 
 @dataclass(frozen=True)
 class ElementwiseKernels:
-    """Implementations of a cell's elementwise work (`model.elementwise_kernels`, chosen once per
-    model by `elementwise.select_elementwise_kernels`): these torch functions, or the fused Triton
-    kernels of `megabeta.kernels.triton_elementwise`, which have the same signatures."""
+    """The elementwise functions of `megabeta.kernels.elementwise` a model runs, bound to one
+    implementation, `name`: `torch` or `triton` (`model.elementwise_kernels`, chosen once per
+    model by `megabeta.model.elementwise.select_elementwise_kernels`)."""
 
     name: str
     rms_normalize: Callable[[Tensor, float], Tensor]
@@ -149,9 +67,15 @@ class ElementwiseKernels:
     split_heads_rope: Callable[..., tuple[Tensor, Tensor]]
     swiglu: Callable[[Tensor], Tensor]
 
+    @classmethod
+    def named(cls, name: str) -> "ElementwiseKernels":
+        """The implementation `name` (loaded: triton's imports triton)."""
+        elementwise.load(name)
+        return cls(name, *(partial(fn, implementation=name) for fn in (
+            rms_normalize, add_rms_normalize, split_heads_rope, swiglu)))
 
-TORCH_KERNELS = ElementwiseKernels("torch", rms_normalize, add_rms_normalize, split_heads_rope,
-                                   swiglu)
+
+TORCH_KERNELS = ElementwiseKernels.named("torch")
 
 
 class Collector(Protocol):

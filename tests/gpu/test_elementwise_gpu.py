@@ -1,7 +1,7 @@
 """The fused Triton elementwise kernels (megabeta/kernels/triton_elementwise.py) on the GPU,
-forward and backward, fp32 and bf16, against megabeta.model.layers' torch functions run in
-float64: every output and gradient within KERNEL_TOL of the reference's scale, at small and
-t19_flash sizes."""
+forward and backward, fp32 and bf16, against the torch implementation of
+megabeta.kernels.elementwise run in float64: every output and gradient within KERNEL_TOL of the
+reference's scale, at small and t19_flash sizes."""
 
 from __future__ import annotations
 

@@ -65,8 +65,9 @@ def test_cell_kernel_checks_pass_and_fail_a_wrong_swiglu(
     for kernel in checks.ELEMENTWISE_KERNELS:
         errors = checks.cell_kernel_errors(kernel, "small", FP32, CPU)
         assert within(errors, KERNEL_TOL["fp32"]), (kernel, errors)
-    monkeypatch.setattr(triton_elementwise, "swiglu", lambda gate_up: torch.nn.functional.gelu(
-        gate_up.chunk(2, dim=-1)[0]) * gate_up.chunk(2, dim=-1)[1])
+    monkeypatch.setattr(triton_elementwise, "swiglu_forward", lambda gate_up: (
+        torch.nn.functional.gelu(gate_up.chunk(2, dim=-1)[0]) * gate_up.chunk(2, dim=-1)[1],
+        (gate_up,)))
     assert not within(checks.cell_kernel_errors("swiglu", "small", FP32, CPU),
                       KERNEL_TOL["fp32"])
 

@@ -250,9 +250,10 @@ EPS = 1e-6
 
 def cell_kernel_errors(kernel: str, size: str, dtype: torch.dtype,
                        device: torch.device) -> dict[str, float]:
-    """Triton cell kernel `kernel` against the torch function of megabeta.model.layers run in
-    float64, forward and backward, at CELL_SHAPES[size]."""
-    from megabeta.kernels import triton_elementwise
+    """The Triton implementation of the elementwise function `kernel`
+    (megabeta.kernels.elementwise) against the torch one run in float64, forward and backward,
+    at CELL_SHAPES[size]."""
+    from megabeta.kernels import elementwise
     from megabeta.model import layers
 
     shapes = CELL_SHAPES[size]
@@ -262,17 +263,19 @@ def cell_kernel_errors(kernel: str, size: str, dtype: torch.dtype,
     # the kernel gets them in the inputs' dtype, as DecoderLM.rope gives them.
     cos, sin = (round_to(t, torch.bfloat16) for t in layers.rope_tables(head_dim, 100, n, 1e4))
     rope = dict(rotary_heads=rotary, head_dim=head_dim)
+    triton = dict(implementation="triton")
     kernels: dict[str, tuple[list[tuple[int, ...]], Callable[..., Any], Callable[..., Any]]] = {
-        "rms_normalize": ([shapes["rows"]], lambda x: triton_elementwise.rms_normalize(x, EPS),
-                          lambda x: layers.rms_normalize(x, EPS)),
+        "rms_normalize": ([shapes["rows"]], lambda x: elementwise.rms_normalize(x, EPS, **triton),
+                          lambda x: elementwise.rms_normalize(x, EPS)),
         "add_rms_normalize": ([shapes["rows"]] * 2,
-                              lambda x, d: triton_elementwise.add_rms_normalize(x, d, EPS),
-                              lambda x, d: layers.add_rms_normalize(x, d, EPS)),
+                              lambda x, d: elementwise.add_rms_normalize(x, d, EPS, **triton),
+                              lambda x, d: elementwise.add_rms_normalize(x, d, EPS)),
         "split_heads_rope": ([(batch, n, (rotary + plain) * head_dim)],
-                             lambda y: triton_elementwise.split_heads_rope(y, cos.to(y), sin.to(y),
-                                                                    **rope),
-                             lambda y: layers.split_heads_rope(y, cos, sin, **rope)),
-        "swiglu": ([shapes["gate_up"]], lambda x: triton_elementwise.swiglu(x), layers.swiglu),
+                             lambda y: elementwise.split_heads_rope(y, cos.to(y), sin.to(y),
+                                                                    **rope, **triton),
+                             lambda y: elementwise.split_heads_rope(y, cos, sin, **rope)),
+        "swiglu": ([shapes["gate_up"]], lambda x: elementwise.swiglu(x, **triton),
+                   elementwise.swiglu),
     }
     input_shapes, fn, reference = kernels[kernel]
     inputs = {f"x{i}": round_to(torch.randn(*shape, generator=gen, dtype=torch.float64),

@@ -1,9 +1,10 @@
-"""The Triton elementwise kernels (megabeta/kernels/triton_elementwise.py) against the torch versions in
-megabeta.model.layers and against float64 formulas written out here, forward and backward
-(autograd through the custom ops), on widths that are not powers of two (masked tiles), ragged
-token counts and strided inputs and gradients. Each op is also checked with
-`torch.library.opcheck` (schema, fake impl, autograd registration, AOT dispatch), for one launch
-each way, and against a perturbed reference that must NOT match (so the tolerances can fail).
+"""The Triton implementation of the elementwise functions (megabeta/kernels/triton_elementwise.py,
+through megabeta.kernels.elementwise) against the torch implementation and against float64
+formulas written out here, forward and backward, on widths that are not powers of two (masked
+tiles), ragged token counts and strided inputs and gradients. Each op is also checked with
+`torch.library.opcheck` (schema, fake impl, AOT dispatch; the ops have no gradients of their
+own), for one launch each way, and against a perturbed reference that must NOT match (so the
+tolerances can fail).
 
 Without a GPU the kernels run under Triton's CPU interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1), in float32 and float64; bfloat16 only for the dtype rules."""
@@ -14,16 +15,16 @@ from typing import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton elementwise kernels "
                                      "(megabeta/kernels/triton_elementwise.py) cannot run")
 
-from megabeta.kernels import ops, triton_elementwise as tc  # noqa: E402
+from megabeta.kernels import elementwise, ops, triton_elementwise as tc  # noqa: E402
 from megabeta.model import layers  # noqa: E402
 
 EPS = 1e-5
+TRITON = dict(implementation="triton")
 THETA = 10_000.0
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 
@@ -90,8 +91,8 @@ def _rms_input(dtype: torch.dtype, strided: bool) -> Tensor:
 def test_rms_normalize_matches_torch_and_float64(dtype: torch.dtype, strided: bool) -> None:
     x = _rms_input(dtype, strided)
     dy = _rand(*x.shape, seed=3, dtype=dtype)
-    got = _value_and_grads(lambda t: tc.rms_normalize(t, EPS), [x], [dy])
-    torch_ref = _value_and_grads(lambda t: layers.rms_normalize(t, EPS), [x], [dy])
+    got = _value_and_grads(lambda t: elementwise.rms_normalize(t, EPS, **TRITON), [x], [dy])
+    torch_ref = _value_and_grads(lambda t: elementwise.rms_normalize(t, EPS), [x], [dy])
     exact = _value_and_grads(_rms64, [x], [dy.double()])
     assert got[0][0].dtype == dtype and got[0][0].is_contiguous()
     mutated = _value_and_grads(lambda t: _rms64(t, mutated=True), [x], [dy.double()])
@@ -104,15 +105,13 @@ def test_add_rms_normalize_matches_torch_and_float64(dtype: torch.dtype) -> None
     x, delta = _rand(2, 3, 40, seed=20, dtype=dtype), _rand(2, 3, 40, seed=21, dtype=dtype)
     weights = [_rand(2, 3, 40, seed=22, dtype=dtype), _rand(2, 3, 40, seed=23, dtype=dtype)]
 
-    def torch_ref(x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
-        a = x + delta
-        return a, layers.rms_normalize(a, EPS)
-
     def exact(x: Tensor, delta: Tensor, mutated: bool = False) -> tuple[Tensor, Tensor]:
         return x + delta, _rms64(x + delta, mutated)
 
-    got = _value_and_grads(lambda t, u: tc.add_rms_normalize(t, u, EPS), [x, delta], weights)
-    want = _value_and_grads(torch_ref, [x, delta], weights)
+    got = _value_and_grads(lambda t, u: elementwise.add_rms_normalize(t, u, EPS, **TRITON),
+                           [x, delta], weights)
+    want = _value_and_grads(lambda t, u: elementwise.add_rms_normalize(t, u, EPS), [x, delta],
+                            weights)
     want64 = _value_and_grads(exact, [x, delta], [w.double() for w in weights])
     assert all(o.dtype == dtype and o.is_contiguous() for o in got[0])
     mutated = _value_and_grads(lambda t, u: exact(t, u, mutated=True), [x, delta],
@@ -126,10 +125,9 @@ def test_add_rms_normalize_promotes_like_torch() -> None:
     x = _rand(2, 3, 40, seed=24).requires_grad_()
     delta = _rand(2, 3, 40, seed=25).bfloat16().requires_grad_()
     weights = [_rand(2, 3, 40, seed=26), _rand(2, 3, 40, seed=27)]
-    outs = tc.add_rms_normalize(x, delta, EPS)
+    outs = elementwise.add_rms_normalize(x, delta, EPS, **TRITON)
     x_ref, delta_ref = (t.detach().clone().requires_grad_() for t in (x, delta))
-    a = x_ref + delta_ref
-    want = a, layers.rms_normalize(a, EPS)
+    want = elementwise.add_rms_normalize(x_ref, delta_ref, EPS)
     for got, ref in zip(outs, want):
         assert got.dtype == ref.dtype == torch.float32
         torch.testing.assert_close(got, ref)
@@ -146,11 +144,7 @@ HEAD_DIM = 12  # half = 6: masked tiles
 
 
 def _torch_split(y: Tensor, cos: Tensor, sin: Tensor, rotary: int) -> tuple[Tensor, Tensor]:
-    """What layers.Projection does after its matmul (no head norm)."""
-    width = rotary * HEAD_DIM
-    rot, plain = y.split([width, y.shape[-1] - width], dim=-1)
-    rot = layers.apply_rope(rot.unflatten(-1, (rotary, HEAD_DIM)).transpose(1, 2), cos, sin)
-    return rot, plain.unflatten(-1, (-1, HEAD_DIM)).transpose(1, 2)
+    return elementwise.split_heads_rope(y, cos, sin, rotary_heads=rotary, head_dim=HEAD_DIM)
 
 
 def _split64(y: Tensor, start: int, rotary: int) -> tuple[Tensor, Tensor]:
@@ -186,8 +180,8 @@ def test_split_heads_rope_matches_torch_and_float64(dtype: torch.dtype, n: int, 
     w_plain = _rand(batch, plain, n, HEAD_DIM, seed=6, dtype=dtype)
     weights = [w_rot, w_plain]
 
-    got = _value_and_grads(lambda t: tc.split_heads_rope(t, cos, sin, rotary_heads=rotary,
-                                                         head_dim=HEAD_DIM), [y], weights)
+    got = _value_and_grads(lambda t: elementwise.split_heads_rope(
+        t, cos, sin, rotary_heads=rotary, head_dim=HEAD_DIM, **TRITON), [y], weights)
     torch_ref = _value_and_grads(lambda t: _torch_split(t, cos, sin, rotary), [y], weights)
     exact = _value_and_grads(lambda t: _split64(t, start, rotary), [y],
                              [w.double() for w in weights])
@@ -201,10 +195,11 @@ def test_split_heads_rope_matches_torch_and_float64(dtype: torch.dtype, n: int, 
 
 def test_split_heads_rope_dtypes_follow_torch() -> None:
     # bfloat16 projection with float32 tables (autocast): both kinds of heads stay bfloat16,
-    # the rotation computed in float32 and rounded once, as `layers.apply_rope` does.
+    # the rotation computed in float32 and rounded once, as the torch implementation does.
     y = _rand(1, 4, 3 * HEAD_DIM, seed=7).bfloat16().requires_grad_()
     cos, sin = _tables(0, 4, torch.float32)
-    rot, plain = tc.split_heads_rope(y, cos, sin, rotary_heads=2, head_dim=HEAD_DIM)
+    rot, plain = elementwise.split_heads_rope(y, cos, sin, rotary_heads=2, head_dim=HEAD_DIM,
+                                              **TRITON)
     want_rot, want_plain = _torch_split(y, cos, sin, 2)
     assert rot.dtype == plain.dtype == want_rot.dtype == want_plain.dtype == torch.bfloat16
     torch.testing.assert_close(rot, want_rot)
@@ -217,9 +212,10 @@ def test_split_heads_rope_rejects_bad_shapes() -> None:
     y = torch.zeros(1, 4, 3 * HEAD_DIM)
     cos, sin = _tables(0, 4, torch.float32)
     with pytest.raises(ValueError, match="rotary heads"):
-        tc.split_heads_rope(y, cos, sin, rotary_heads=4, head_dim=HEAD_DIM)
+        elementwise.split_heads_rope(y, cos, sin, rotary_heads=4, head_dim=HEAD_DIM, **TRITON)
     with pytest.raises(ValueError, match="cos/sin"):
-        tc.split_heads_rope(y, cos[:3], sin[:3], rotary_heads=2, head_dim=HEAD_DIM)
+        elementwise.split_heads_rope(y, cos[:3], sin[:3], rotary_heads=2, head_dim=HEAD_DIM,
+                                     **TRITON)
 
 
 # ---- swiglu ------------------------------------------------------------------------------------
@@ -239,9 +235,8 @@ def test_swiglu_matches_torch_and_float64(dtype: torch.dtype, shape: tuple[int, 
     # h = 20: a masked tile; h = 1100: two column tiles of 1024, the second ragged.
     gate_up = 3 * _rand(*shape, seed=8, dtype=dtype)
     dout = _rand(*shape[:-1], shape[-1] // 2, seed=9, dtype=dtype)
-    got = _value_and_grads(tc.swiglu, [gate_up], [dout])
-    torch_ref = _value_and_grads(lambda t: (lambda g, u: F.silu(g) * u)(*t.chunk(2, dim=-1)),
-                                 [gate_up], [dout])
+    got = _value_and_grads(lambda t: elementwise.swiglu(t, **TRITON), [gate_up], [dout])
+    torch_ref = _value_and_grads(elementwise.swiglu, [gate_up], [dout])
     exact = _value_and_grads(_swiglu64, [gate_up], [dout.double()])
     assert got[0][0].dtype == dtype and got[0][0].is_contiguous()
     mutated = _value_and_grads(lambda t: _swiglu64(t, mutated=True), [gate_up], [dout.double()])
@@ -251,26 +246,25 @@ def test_swiglu_matches_torch_and_float64(dtype: torch.dtype, shape: tuple[int, 
 # ---- every op ----------------------------------------------------------------------------------
 
 def _cases() -> dict[str, tuple[Callable[..., object], tuple]]:
-    """(op, sample arguments) per custom op, forward and backward."""
+    """(op, sample arguments) per custom op (the ops have no gradients of their own:
+    megabeta.kernels.elementwise registers them)."""
     cos, sin = _tables(3, 5, torch.float32)
     return {
-        "rms_normalize": (tc._rms_normalize_op, (_rand(2, 3, 40, seed=10).requires_grad_(), EPS)),
-        "rms_normalize_backward": (tc._rms_normalize_backward_op,
-                                   (_rand(2, 3, 40, seed=11), _rand(2, 3, 40, seed=12), EPS)),
+        "rms_normalize": (tc._rms_normalize_op, (_rand(2, 3, 40, seed=10), EPS)),
         "add_rms_normalize": (tc._add_rms_normalize_op,
-                              (_rand(2, 3, 40, seed=24).requires_grad_(),
-                               _rand(2, 3, 40, seed=25).requires_grad_(), EPS)),
-        "add_rms_normalize_backward": (tc._add_rms_normalize_backward_op,
+                              (_rand(2, 3, 40, seed=24), _rand(2, 3, 40, seed=25), EPS)),
+        "rms_normalize_backward": (tc._rms_normalize_backward_op,
+                                   (_rand(2, 3, 40, seed=11), None, _rand(2, 3, 40, seed=12),
+                                    EPS)),
+        "rms_normalize_backward_add": (tc._rms_normalize_backward_op,
                                        (_rand(2, 3, 40, seed=26), _rand(2, 3, 40, seed=27),
                                         _rand(2, 3, 40, seed=28), EPS)),
-        "split_heads_rope": (tc._split_heads_rope_op,
-                             (_rand(2, 5, 5 * HEAD_DIM, seed=13).requires_grad_(), cos, sin, 3,
-                              HEAD_DIM)),
-        "split_heads_rope_backward": (tc._split_heads_rope_backward_op,
+        "split_heads_rope": (tc.split_heads_rope_forward,
+                             (_rand(2, 5, 5 * HEAD_DIM, seed=13), cos, sin, 3, HEAD_DIM)),
+        "split_heads_rope_backward": (tc.split_heads_rope_backward,
                                       (_rand(2, 3, 5, HEAD_DIM, seed=14),
-                                       _rand(2, 2, 5, HEAD_DIM, seed=15), cos, sin,
-                                       torch.float32)),
-        "swiglu": (tc._swiglu_op, (_rand(2, 3, 40, seed=16).requires_grad_(),)),
+                                       _rand(2, 2, 5, HEAD_DIM, seed=15), cos, sin)),
+        "swiglu": (tc._swiglu_op, (_rand(2, 3, 40, seed=16),)),
         "swiglu_backward": (tc._swiglu_backward_op,
                             (_rand(2, 3, 20, seed=17), _rand(2, 3, 40, seed=18))),
     }
@@ -279,25 +273,43 @@ def _cases() -> dict[str, tuple[Callable[..., object], tuple]]:
 @pytest.mark.parametrize("name", list(_cases()))
 def test_opcheck(name: str) -> None:
     op, args = _cases()[name]
-    torch.library.opcheck(op, args)
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor",
+                                                "test_aot_dispatch_dynamic"))
 
 
-@pytest.mark.parametrize("name", ["rms_normalize", "add_rms_normalize", "split_heads_rope",
-                                  "swiglu"])
+def _functions() -> dict[str, Callable[[], Tensor | tuple[Tensor, ...]]]:
+    """Each elementwise function on the Triton implementation, on inputs that require grad."""
+    cos, sin = _tables(3, 5, torch.float32)
+    x, delta = (_rand(2, 3, 40, seed=seed).requires_grad_() for seed in (30, 31))
+    y = _rand(2, 5, 5 * HEAD_DIM, seed=32).requires_grad_()
+    return {
+        "rms_normalize": lambda: elementwise.rms_normalize(x, EPS, **TRITON),
+        "add_rms_normalize": lambda: elementwise.add_rms_normalize(x, delta, EPS, **TRITON),
+        "split_heads_rope": lambda: elementwise.split_heads_rope(y, cos, sin, rotary_heads=3,
+                                                                 head_dim=HEAD_DIM, **TRITON),
+        "swiglu": lambda: elementwise.swiglu(x, **TRITON),
+    }
+
+
+@pytest.mark.parametrize("name", list(_functions()))
 def test_one_launch_each_way(name: str) -> None:
-    op, args = _cases()[name]
-    assert _launches(lambda: op(*args)) == (1, 1)
+    assert _launches(_functions()[name]) == (1, 1)
 
 
-def test_entry_points_are_the_ops() -> None:
-    # The model calls the plain functions; they must reach the registered ops (one launch each).
+def test_the_model_reaches_the_ops() -> None:
+    # The model calls ElementwiseKernels' functions; they must reach the registered ops (one
+    # launch each).
+    kernels = layers.ElementwiseKernels.named("triton")
     x = _rand(2, 40, seed=19)
     with ops.LaunchCount() as count:
-        tc.rms_normalize(x, EPS)
-        tc.add_rms_normalize(x, x, EPS)
-        tc.swiglu(x)
-        tc.split_heads_rope(x[None, :, :36], *_tables(0, 2, torch.float32), rotary_heads=1,
-                            head_dim=HEAD_DIM)
-    assert count.total == 4
+        kernels.rms_normalize(x, EPS)
+        kernels.add_rms_normalize(x, x, EPS)
+        kernels.swiglu(x)
+        kernels.split_heads_rope(x[None, :, :36], *_tables(0, 2, torch.float32), rotary_heads=1,
+                                 head_dim=HEAD_DIM)
+    assert count.by_kernel == {"_rms_forward_kernel": 2, "_swiglu_forward_kernel": 1,
+                               "_split_rope_forward_kernel": 1}
     # The dispatch counter (megabeta.bench.dispatch) runs each op's Python implementation.
-    assert all(ops.implementation(f"megabeta::{name}") is not None for name in _cases())
+    assert all(ops.implementation(f"megabeta::{name}") is not None for name in (
+        "rms_normalize", "add_rms_normalize", "rms_normalize_backward", "split_heads_rope",
+        "split_heads_rope_backward", "swiglu", "swiglu_backward"))

@@ -28,7 +28,8 @@ def _graphs() -> int:
 @pytest.mark.parametrize("dtype,checkpoint,flags,traced_at", [
     (torch.float64, "block", dict(num_kv_heads=2), 0),
     (torch.float32, "none", dict(deep_token_window=6, depth_window=1), 4),
-], ids=["float64-block-gqa", "float32-none-window-traced-later"])
+    (torch.float64, "block", dict(qk_norm=True), 0),
+], ids=["float64-block-gqa", "float32-none-window-traced-later", "float64-block-qk-norm"])
 def test_one_graph_for_every_block(dtype: torch.dtype, checkpoint: str, flags: dict,
                                    traced_at: int) -> None:
     """Five full blocks (history 0, 4, … 16 tokens) and a ragged one, two training steps: one
