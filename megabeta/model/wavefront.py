@@ -25,8 +25,9 @@ cells' tokens laid end to end. The wave's attention is one `attend_wave` call of
 backend on the cells' stacked queries and construction K/V `[n, B, H, c, d_h]`, each cell
 reading its layer's key set at its block's start and its layer's biases (strided views of the
 pass's stacks, beta12.PassBiases): on `cpu_fused` one own-keys kernel and one finished-groups
-kernel for the whole wave (attention/merged.py, `fused_cells`), on `triton` one launch each
-way (attention/triton_backend.py); the other backends attend cell by cell.
+kernel for the whole wave (attention/merged.py, `merged_cells`; on `cpu_flash` the same own-keys
+kernel, and ATen's per stack of each cell for the groups), on `triton` one launch each way
+(attention/triton_backend.py); `explicit` attends cell by cell.
 
 Finished KVs are published per wave, one cell per layer (history.py), except the last block's,
 which nobody reads. With `activation_checkpoint = wave` one wave is the recompute unit: backward

@@ -1,15 +1,15 @@
 """`cpu_fused`'s merged attention as `torch.library` operators that read the history buffers at a
 start held in a tensor: what the static block step (beta12.py, `block_step`) calls on CPU.
 
-The eager block loop hands `merged.fused_cells` its groups as views sliced at a Python int
+The eager block loop hands `merged.merged_cells` its groups as views sliced at a Python int
 (`history.HistoryView.batches`), which a traced graph would bake in: one graph per block. These
 operators take the whole buffers `[L, B, H_kv, T, d_h]` and the block's first position as a 0-d
 tensor, and slice inside, where no tracer looks, so every block of a sequence has the same
 graph, as with the Triton kernels (`megabeta/kernels/triton_attention.py`, the same contract:
 the gradient buffers are held and added to in backward, not saved; this one also takes the
 document bounds, spec §7). The work
-itself is `merged.fused_cells_forward` / `fused_cells_backward` (one cell), so the result is
-the eager path's, bit for bit.
+itself is `merged.cells_forward` / `cells_backward` (one cell, on `CPU_FUSED`), so the result
+is the eager path's, bit for bit.
 
 `torch.ops.megabeta.merged_attention(q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start,
 lower, self_bias, slope, anchor, sources, layer, window, scale)` returns `(out, lse)`: the output
@@ -36,9 +36,10 @@ from torch import Tensor
 from megabeta.kernels.ops import anchor_gradient, custom_op
 from megabeta.model.attention.backend import DocumentBounds, GroupBatch, group_runs
 from megabeta.model.attention.merged import (
+    CPU_FUSED,
     CellStacks,
-    fused_cells_backward,
-    fused_cells_forward,
+    cells_backward,
+    cells_forward,
     one_cell,
 )
 
@@ -80,8 +81,8 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tenso
                   scale: float) -> tuple[Tensor, Tensor]:
     batches = _batches(hist_k, hist_v, None, None, start, sources, layer, window)
     groups = _stacks(batches, slope, q, start, lower)
-    out, lse = fused_cells_forward(q[None], k[None], v[None], self_bias, one_cell(slope), groups,
-                                   scale=scale)
+    out, lse, _ = cells_forward(q[None], k[None], v[None], self_bias, one_cell(slope), groups,
+                                scale=scale, kernels=CPU_FUSED)
     # The layouts the fake implementation promises (ATen's CPU flash kernel makes these
     # already: out `[B, n, H, d]` storage, lse `[B, n, H]`).
     return _heads_last(out[0]), lse[0].contiguous()
@@ -112,10 +113,11 @@ def _backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, 
                  grad_hist_v: Tensor, sources: list[int], layer: int, window: int,
                  scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     batches = _batches(hist_k, hist_v, grad_hist_k, grad_hist_v, start, sources, layer, window)
-    dq, dk, dv, d_bias, d_slope = fused_cells_backward(
+    # The fused kernels keep nothing from the forward (`kept` is empty).
+    dq, dk, dv, d_bias, d_slope = cells_backward(
         grad[None], q[None], k[None], v[None], out[None], lse[None], self_bias,
-        one_cell(slope), _stacks(batches, slope, q, start, lower), scale=scale,
-        bias_grad=self_bias is not None)
+        one_cell(slope), [], _stacks(batches, slope, q, start, lower), scale=scale,
+        kernels=CPU_FUSED, bias_grad=self_bias is not None)
     if slope is not None:  # no group shifted by a non-zero offset: no gradient
         d_slope = torch.zeros_like(slope) if d_slope is None else d_slope[0]
     return (_like(dq[0], q), _like(dk[0], k), _like(dv[0], v),
