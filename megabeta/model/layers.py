@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
