@@ -225,7 +225,8 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="c (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=d.rounds, help="timed rounds (median)")
     parser.add_argument("--attention", default=d.attention, help="execution.attention")
-    parser.add_argument("--cell-kernels", default=d.elementwise_kernels,
+    parser.add_argument("--elementwise-kernels", "--cell-kernels", dest="elementwise_kernels",
+                        default=d.elementwise_kernels,
                         help="execution.elementwise_kernels (%(default)s)")
     parser.add_argument("--checkpoint", action="store_true",
                         help="time each schedule with its activation checkpointing (block / wave)")
@@ -234,7 +235,7 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--dispatches-only", action="store_true",
                         help="only count the dispatches (e.g. the GPU path on a CPU, its "
                              "Triton launches counted, not run: TRITON_INTERPRET=1 ... "
-                             "--attention triton --cell-kernels triton)")
+                             "--attention triton --elementwise-kernels triton)")
     return Settings(**vars(parser.parse_args(argv)))
 
 
