@@ -20,6 +20,11 @@ os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.envir
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test-fast` runs `-n 2`) the workers share the cores: one intra-op
+# thread each, so that two workers' OpenMP pools do not spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> tuple:
