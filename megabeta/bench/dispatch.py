@@ -110,7 +110,9 @@ def per_cell(attention: str, *, elementwise_kernels: str = "torch",
              documents: bool = False, **overrides: Any) -> dict[str, Any]:
     """Launches per (block, layer) cell of a training step: the difference between steps of
     `blocks[1]` and `blocks[0]` blocks, per extra cell; plus the operators of the longer step.
-    `documents`: with a document mask (`document_ids`)."""
+    `documents`: with a document mask (`document_ids`). Triton launches run only on a GPU;
+    elsewhere they are counted, not run (under the interpreter they would take minutes, and
+    the count does not depend on the numbers)."""
     config = counting_config(**overrides)
     execution = ExecutionConfig(attention=attention, elementwise_kernels=elementwise_kernels,
                                 activation_checkpoint=activation_checkpoint)
@@ -120,7 +122,8 @@ def per_cell(attention: str, *, elementwise_kernels: str = "torch",
     for n in blocks:
         tokens = torch.randint(0, config.vocab_size, (1, n * config.block_size))
         ids = document_ids(tokens.shape[1]) if documents else None
-        counts.append(count_step(model, tokens, documents=ids))
+        counts.append(count_step(model, tokens, documents=ids,
+                                 run_kernels=model.kernels_device.type == "cuda"))
     cells = (blocks[1] - blocks[0]) * config.num_layers
     return {"attention": attention, "elementwise_kernels": elementwise_kernels,
             "per_cell": (counts[1].total - counts[0].total) / cells,
