@@ -45,12 +45,11 @@ Head widths need not be powers of two (t19_flash: 200): tiles are padded to the 
 with masks. Inputs float32, bfloat16 or float16, accumulation in float32; float32 products are
 exact IEEE ones (no TF32).
 
-Operators (`ops.custom_op`, fake implementations for tracing), all over stacked cells:
-`megabeta::block_attention_forward`, `megabeta::block_attention_backward` (adds into the gradient
-buffers in place) and `megabeta::block_attention`, the forward with autograd registered, taking
-the gradient buffers as inputs. Typed wrappers: `forward`, `backward`, `block_attention` for one
-block, `wave_attention` for a wave's cells. (No `from __future__ import annotations` here:
-`custom_op` infers the schemas from the annotations.)
+Operators: these kernels are the "triton" implementation of `megabeta::history_attention` and
+its `_forward`/`_backward` (`megabeta/kernels/history_attention.py`, all over stacked cells: the
+gradient protocol and fake implementations live there, once for every implementation),
+registered on import (`_forward_impl`, `_backward_impl`). Typed wrappers: `forward`, `backward`
+(no autograd) and `block_attention` for one block, `wave_attention` for a wave's cells.
 """
 
 import functools
@@ -59,7 +58,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megabeta.kernels.ops import anchor_gradient, custom_op, launch, target_device_type
+from megabeta.kernels import history_attention
+from megabeta.kernels.history_attention import (
+    block_top,
+    empty_outputs,
+    gradient_like,
+    one,
+    row_major,
+)
+from megabeta.kernels.ops import launch, target_device_type
 
 try:
     import triton
@@ -178,16 +185,6 @@ class Cells:
         layer_step)."""
         return (self.count, self.groups, self.first, self.step, self.top, self.layer,
                 self.layer_step)
-
-
-def _rows(t: Tensor) -> Tensor:
-    """`t` with a contiguous last dimension (the kernels read rows of d numbers)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _like(t: Tensor) -> Tensor:
-    """A new tensor laid out like `_rows(t)` (the gradients of q, k, v; shared with the fakes)."""
-    return torch.empty_like(_rows(t))
 
 
 def _per_cell(t: Tensor) -> Tensor:
@@ -701,13 +698,11 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tenso
                   scale: float) -> tuple[Tensor, Tensor]:
     cells = Cells.of(sources, layers, top)
     _check(q, k, v, hist_k, hist_v, shift, self_bias, cells)
-    q, k, v = _rows(q), _rows(k), _rows(v)
+    q, k, v = row_major(q), row_major(k), row_major(v)
     if cells.groups:
-        hist_k, hist_v = _rows(hist_k), _rows(hist_v)
+        hist_k, hist_v = row_major(hist_k), row_major(hist_v)
     count, batch, heads, n, width = q.shape
-    # [cells, B, n, H, d] storage: the caller merges the heads with a view.
-    out = q.new_empty(count, batch, n, heads, width).transpose(2, 3)
-    lse = q.new_empty(count, batch, heads, n, dtype=torch.float32)
+    out, lse = empty_outputs(q)
     shift, sb, s_shift, s_sb = _bias_entries(shift, self_bias)
     docs = _documents(lower, start, q)
     meta = _meta(q, backward=False)
@@ -737,13 +732,13 @@ def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor
                          f"{tuple(hist_k.shape)} with contiguous rows (got "
                          f"{tuple(grad_hist_k.shape)}, {tuple(grad_hist_v.shape)})")
     # The kernels' products take one dtype (autograd hands the gradient in out's, q's, anyway).
-    grad = _rows(grad.to(q.dtype))
-    q, k, v, out = _rows(q), _rows(k), _rows(v), _rows(out)
+    grad = row_major(grad.to(q.dtype))
+    q, k, v, out = row_major(q), row_major(k), row_major(v), row_major(out)
     if groups:
-        hist_k, hist_v = _rows(hist_k), _rows(hist_v)
+        hist_k, hist_v = row_major(hist_k), row_major(hist_v)
     lse = lse.contiguous()
     count, batch, heads, n, width = q.shape
-    dq, dk, dv = _like(q), _like(k), _like(v)
+    dq, dk, dv = gradient_like(q), gradient_like(k), gradient_like(v)
     # Per-row partial sums of the score gradient, reduced below in a fixed order, or left in
     # the pass's buffers (`shift_rows [cells, G, B, H, T]`, `diag_rows [cells, B, H, T]`, each
     # cell's entries contiguous) at the block's positions, for the pass to reduce once.
@@ -786,121 +781,10 @@ def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor
     return dq, dk, dv, d_shift, d_self_bias
 
 
-# ---- operators ---------------------------------------------------------------------------------
-# Registered only with triton: without it `available()` is False and nothing calls them. Every
-# tensor is stacked over cells (module doc); `sources` are the last cell's source layers,
-# `layers` every cell's layer, `top` the deepest source layer.
+# ---- the "triton" implementation of megabeta::history_attention ------------------------------
+# Registered only with triton: without it `available()` is False and nothing calls it.
 if triton is not None:
-
-    @custom_op("block_attention_forward")
-    def _forward_op(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
-                    start: Tensor, shift: Tensor, self_bias: Tensor | None, lower: Tensor | None,
-                    sources: list[int], layers: list[int], top: int, window: int,
-                    scale: float) -> tuple[Tensor, Tensor]:
-        return _forward_impl(q, k, v, hist_k, hist_v, start, shift, self_bias, lower, sources,
-                             layers, top, window, scale)
-
-    @_forward_op.register_fake
-    def _(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, start: Tensor,
-          shift: Tensor, self_bias: Tensor | None, lower: Tensor | None, sources: list[int],
-          layers: list[int], top: int, window: int, scale: float) -> tuple[Tensor, Tensor]:
-        return _forward_fake(q)
-
-    # No defaults (ops.custom_op says why).
-    @custom_op("block_attention_backward",
-               mutates_args=("grad_hist_k", "grad_hist_v", "shift_rows", "diag_rows"))
-    def _backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor,
-                     hist_v: Tensor, out: Tensor, lse: Tensor, start: Tensor, shift: Tensor,
-                     self_bias: Tensor | None, lower: Tensor | None, grad_hist_k: Tensor,
-                     grad_hist_v: Tensor, sources: list[int], layers: list[int], top: int,
-                     window: int, scale: float, shift_rows: Tensor | None,
-                     diag_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        return _backward_impl(grad, q, k, v, hist_k, hist_v, out, lse, start, shift, self_bias,
-                              lower, grad_hist_k, grad_hist_v, sources, layers, top, window,
-                              scale, shift_rows, diag_rows)
-
-    @_backward_op.register_fake
-    def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
-          out: Tensor, lse: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
-          lower: Tensor | None, grad_hist_k: Tensor, grad_hist_v: Tensor, sources: list[int],
-          layers: list[int],
-          top: int, window: int, scale: float, shift_rows: Tensor | None,
-          diag_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        if shift_rows is not None:
-            return _like(q), _like(k), _like(v), lse.new_empty(0), lse.new_empty(0)
-        cells = len(layers)
-        return (_like(q), _like(k), _like(v),
-                lse.new_empty(shift.shape),
-                lse.new_empty(cells if self_bias is not None else (cells, 0)))
-
-    @custom_op("block_attention")
-    def _attention_op(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
-                      grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor, shift: Tensor,
-                      self_bias: Tensor | None, lower: Tensor | None, anchor: Tensor | None,
-                      sources: list[int], layers: list[int], top: int, window: int,
-                      scale: float, shift_rows: Tensor | None,
-                      diag_rows: Tensor | None) -> tuple[Tensor, Tensor]:
-        return _forward_impl(q, k, v, hist_k, hist_v, start, shift, self_bias, lower, sources,
-                             layers, top, window, scale)
-
-    @_attention_op.register_fake
-    def _(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, grad_hist_k: Tensor,
-          grad_hist_v: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
-          lower: Tensor | None, anchor: Tensor | None, sources: list[int], layers: list[int],
-          top: int, window: int, scale: float, shift_rows: Tensor | None,
-          diag_rows: Tensor | None) -> tuple[Tensor, Tensor]:
-        return _forward_fake(q)
-
-    def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-        (q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, shift, self_bias, lower,
-         anchor, sources, layers, top, window, scale, shift_rows, diag_rows) = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, start, shift, self_bias, lower, out, lse)
-        # Not saved tensors on purpose: later blocks write their rows of the history (rows
-        # >= start, which this call never reads), which would trip the saved-tensor version
-        # check; and the gradient buffers are written by this very backward.
-        ctx.history = (hist_k, hist_v, grad_hist_k, grad_hist_v)
-        ctx.rows = (shift_rows, diag_rows)
-        ctx.args = (list(sources), list(layers), top, window, scale)
-        ctx.anchor = None if anchor is None else (anchor.dtype, anchor.device)
-        ctx.mark_non_differentiable(lse)
-        # No zero-filled gradient for lse (nobody differentiates it): a launch per call.
-        ctx.set_materialize_grads(False)
-
-    def _attention_backward(ctx, grad: Tensor, _grad_lse: Tensor | None) -> tuple:
-        if grad is None:  # the output took no part in the loss
-            return (None,) * 19
-        q, k, v, start, shift, self_bias, lower, out, lse = ctx.saved_tensors
-        hist_k, hist_v, grad_hist_k, grad_hist_v = ctx.history
-        dq, dk, dv, d_shift, d_self_bias = torch.ops.megabeta.block_attention_backward(
-            grad, q, k, v, hist_k, hist_v, out, lse, start, shift, self_bias, lower, grad_hist_k,
-            grad_hist_v, *ctx.args, *ctx.rows)
-        if ctx.rows[0] is not None:  # the biases' partial sums went to the pass's buffers
-            d_shift = d_self_bias = None
-        return (dq, dk, dv, None, None, None, None, None,
-                None if d_shift is None else d_shift.to(shift.dtype),
-                None if self_bias is None or d_self_bias is None
-                else d_self_bias.to(self_bias.dtype),
-                None, anchor_gradient(ctx.anchor), None, None, None, None, None, None, None)
-
-    _attention_op.register_autograd(_attention_backward, setup_context=_setup_context)
-
-
-def _forward_fake(q: Tensor) -> tuple[Tensor, Tensor]:
-    cells, batch, heads, n, width = q.shape
-    return (q.new_empty(cells, batch, n, heads, width).transpose(2, 3),
-            q.new_empty(cells, batch, heads, n, dtype=torch.float32))
-
-
-def _one(x: Tensor | None) -> Tensor | None:
-    """One block's tensor as a stack of one cell (and `squeeze(0)` back: a view whose
-    gradient is one too, where indexing's would be a zero-filled copy)."""
-    return None if x is None else x[None]
-
-
-def _block_top(sources: list[int], layer: int) -> int:
-    """The deepest source layer of one block (its layer when it has none)."""
-    return sources[-1] if sources else layer
+    history_attention.register("triton", forward=_forward_impl, backward=_backward_impl)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, start: Tensor,
@@ -923,9 +807,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, sta
     in q's dtype (a transposed view of a contiguous `[B, n, H, d]`) and `lse [B, H, n]`
     float32, natural log.
     """
-    out, lse = torch.ops.megabeta.block_attention_forward(
-        q[None], k[None], v[None], hist_k, hist_v, start, shift[None], self_bias, _one(lower),
-        sources, [layer], _block_top(sources, layer), window, scale)
+    out, lse = torch.ops.megabeta.history_attention_forward(
+        q[None], k[None], v[None], hist_k, hist_v, start, shift[None], self_bias, one(lower),
+        sources, [layer], block_top(sources, layer), window, scale, "triton")
     return out[0], lse[0]
 
 
@@ -942,10 +826,10 @@ def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist
     groups' key/value gradients into `grad_hist_k, grad_hist_v` (float32, shaped like hist_k) at
     rows [lo_g, start) of layer `sources[g]`; nothing else of them is touched.
     """
-    dq, dk, dv, d_shift, d_self_bias = torch.ops.megabeta.block_attention_backward(
+    dq, dk, dv, d_shift, d_self_bias = torch.ops.megabeta.history_attention_backward(
         grad[None], q[None], k[None], v[None], hist_k, hist_v, out[None], lse[None], start,
-        shift[None], self_bias, _one(lower), grad_hist_k, grad_hist_v, sources, [layer],
-        _block_top(sources, layer), window, scale, None, None)
+        shift[None], self_bias, one(lower), grad_hist_k, grad_hist_v, sources, [layer],
+        block_top(sources, layer), window, scale, None, None, "triton")
     return dq[0], dk[0], dv[0], d_shift[0], d_self_bias.reshape(-1)
 
 
@@ -967,10 +851,10 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Ten
     the self bias. Given, backward writes this block's rows there (at positions start …) and
     returns no gradient for shift and self_bias: the pass reduces the rows of all its blocks
     once, instead of a reduction and a sum per block."""
-    return torch.ops.megabeta.block_attention(
-        q[None], k[None], v[None], hist_k, hist_v, grad_hist_k, grad_hist_v, start,
-        shift[None], self_bias, _one(lower), anchor, sources, [layer],
-        _block_top(sources, layer), window, scale, _one(shift_rows), _one(diag_rows))[0].squeeze(0)
+    return history_attention.block(
+        q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, shift, self_bias,
+        sources=sources, layer=layer, window=window, scale=scale, implementation="triton",
+        anchor=anchor, shift_rows=shift_rows, diag_rows=diag_rows, lower=lower)
 
 
 def wave_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
@@ -989,6 +873,8 @@ def wave_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tens
     (strided views of a pass's buffers will do); `lower [cells, B, n]` the cells' document
     bounds (a strided view of the pass's: cell i's rows n apart). Returns `[cells, B, H, n, d]`
     (a transposed view of a contiguous `[cells, B, n, H, d]`)."""
-    return torch.ops.megabeta.block_attention(
-        q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, shift, self_bias, lower,
-        anchor, sources, layers, top, window, scale, shift_rows, diag_rows)[0]
+    return history_attention.attention(
+        q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, shift, self_bias,
+        sources=sources, layers=layers, top=top, window=window, scale=scale,
+        implementation="triton", anchor=anchor, shift_rows=shift_rows, diag_rows=diag_rows,
+        lower=lower)

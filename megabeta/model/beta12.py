@@ -146,10 +146,11 @@ class PassBiases:
     wavefront's weights are (a wave's cells are one strided view): λ per head `[L, H]` (None
     without a depth bias, or with depth_window 0, where every group is the layer's own, offset
     0), b_σ `[L]` (None without a self slot), and the groups' score shifts λ_h·(m - l)
-    `[L, G, H]` that the fused kernels take (zero past a layer's groups), with the pass's
-    gradient rows (`BiasRows`, of `length` tokens) unless `collect_rows` is off (a compiled
-    block step: plain autograd). `stacks`: the wavefront reads the stacks whole (their
-    gradient rows reduced once); otherwise each layer reads its own (`layer`)."""
+    `[L, G, H]` that the fused kernels take (zero past a layer's groups; float32, float64 for a
+    float64 λ), with the pass's gradient rows (`BiasRows`, of `length` tokens) unless
+    `collect_rows` is off (a compiled block step: plain autograd). `stacks`: the wavefront
+    reads the stacks whole (their gradient rows reduced once); otherwise each layer reads its
+    own (`layer`)."""
 
     def __init__(self, model: "Beta12Transformer", length: int, *, collect_rows: bool,
                  stacks: bool) -> None:
@@ -161,10 +162,14 @@ class PassBiases:
         device = attentions[0].wq.weight.device
         self.slope = (torch.stack([a.depth_slope() for a in attentions])
                       if config.depth_window > 0 and config.depth_bias else None)
+        # In λ's precision, at least float32: a float64 model's shifts then equal the eager
+        # merge's λ·(m - l) bit for bit (the static step's `cpu_fused` operator reads them).
+        dtype = (torch.float32 if self.slope is None
+                 else torch.promote_types(self.slope.dtype, torch.float32))
         offsets = torch.tensor([[m - l for m in sources[l]] + [0] * (width - len(sources[l]))
                                 for l in range(len(attentions) - 1, -1, -1)],
-                               dtype=torch.float32, device=device)
-        self.shift = (offsets[:, :, None] * self.slope.float()[:, None, :]
+                               dtype=dtype, device=device)
+        self.shift = (offsets[:, :, None] * self.slope.to(dtype)[:, None, :]
                       if self.slope is not None
                       else offsets.new_zeros(*offsets.shape, config.num_heads))
         self.self_bias = (torch.cat([a.self_bias for a in attentions])
@@ -417,9 +422,9 @@ class Beta12Transformer(DecoderLM):
 
         Nothing the graph sees differs between blocks but tensor contents: the history is read
         from fixed-size buffers, the block's start from a tensor (`history.HistoryView`), and the
-        attention backend must read both (`triton`, or `cpu_fused` through
-        attention/merged_op.py). The history's publish stays outside, between blocks; a ragged
-        last block runs eagerly (it would be a second graph)."""
+        attention backend must read both (`megabeta::history_attention`: `triton`, or
+        `cpu_fused` through attention/merged_op.py). The history's publish stays outside,
+        between blocks; a ragged last block runs eagerly (it would be a second graph)."""
         self._check_static("execution.compile = true")
         self.block_step = torch.compile(self._block, fullgraph=True)
 

@@ -393,8 +393,9 @@ class HistoryView:
     start as a number. The eager paths know it (`BufferedHistory.view`: groups are sliced at
     it, `batches`); the static block step does not (`BufferedHistory.step_view`, and the
     CUDA-graphed step's view of its fixed buffers): nothing a traced graph sees then differs
-    between blocks, and its readers take the start from device memory (`triton`, and
-    `cpu_fused` through `attention/merged_op.py`) and report nothing back (`reads` None)."""
+    between blocks, and its readers take the start from device memory (the operator
+    `megabeta::history_attention`, kernels/history_attention.py: `triton`, and `cpu_fused`
+    through `attention/merged_op.py`) and report nothing back (`reads` None)."""
 
     history: BufferedHistory
     keys: Tensor | None

@@ -135,8 +135,9 @@ class AttentionBias:
     self_bias: Tensor | None = None
     """b_σ `[1]`; None: the self slot has no bias (and no column)."""
     group_shift: Tensor | None = None
-    """`[G, H]` float32: λ_h·(m - l) per source m ∈ M(l), what the fused kernels subtract from
-    each finished group's scores (built once per pass with the other weights); None: no groups."""
+    """`[G, H]` float32 (float64 for a float64 λ): λ_h·(m - l) per source m ∈ M(l), what the
+    fused kernels subtract from each finished group's scores (built once per pass with the other
+    weights, `PassBiases`); None: no groups."""
     rows: BiasRows | None = None
     """Where the fused kernels may leave the biases' gradient rows for the pass to reduce."""
 
@@ -156,8 +157,8 @@ class WaveBias:
     self_bias: Tensor | None
     """b_σ per cell `[n]`; None: no self-slot bias."""
     group_shift: Tensor
-    """`[n, G, H]` float32: λ_h·(m - l) per group of each cell's layer (G the most groups any
-    layer reads; entries past a cell's groups are not read)."""
+    """`[n, G, H]` float32 (float64 for a float64 λ): λ_h·(m - l) per group of each cell's
+    layer (G the most groups any layer reads; entries past a cell's groups are not read)."""
     rows: BiasRows | None
     """The pass's gradient rows (None: no kernel leaves rows)."""
     cells: slice

@@ -62,7 +62,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from megabeta.kernels import finished_groups
+from megabeta.kernels import finished_groups, history_attention
 from megabeta.model.attention.backend import (
     AttentionBias,
     Capabilities,
@@ -113,6 +113,9 @@ class CpuKernels:
         groups, and what `groups_backward` reads: two entries per cell (flat, as
         `save_for_backward` takes them), its groups' weighted outputs and merge weights where a
         depth bias's gradient will need them, else None and None."""
+        if groups.given_shift is not None:
+            raise NotImplementedError("merged attention: a given shift table (CellStacks.of's "
+                                      "`shift`) is for the fused kernels only")
         shift = None if groups.offsets is None else groups.per_stack(groups.shift(slope, lse))
         outs, lses, kept = [], [], []
         for i, stacks in enumerate(groups.by_cell):
@@ -141,7 +144,8 @@ class CpuKernels:
                         groups: CellStacks, dq: Tensor, *, scale: float) -> Tensor | None:
         """Add the groups' share of the queries' gradient into `dq` and their key and value
         gradients into their `GroupBatch.grads()` buffers; λ's gradient `[n, H]` in the
-        merge's precision (None: no group's depth offset is non-zero). `kept`: what
+        merge's precision (None: no group's depth offset is non-zero; the fused kernels: the
+        gradient of whatever shifts the groups, `CellStacks.shift_grad`). `kept`: what
         `merge_groups` returned."""
         shifted = groups.per_stack(groups.shifted_lse(lse, slope))
         dtype = _precision(q.dtype)
@@ -208,7 +212,7 @@ class FusedKernels(CpuKernels):
         shifted = groups.shifted_lse(lse, slope)
         # The groups' row sums of their score gradients, summed by the kernel, where a depth
         # bias's gradient reads them.
-        rows = lse.new_zeros(shifted.shape) if groups.offsets is not None else None
+        rows = lse.new_zeros(shifted.shape) if groups.shifted else None
         empty = q.new_empty(0)
         # No key/value gradient wanted (decoding): the kernel forms dq only.
         grads = [b.grads() if b.grads is not None else (empty, empty) for b in groups.stacks]
@@ -218,7 +222,7 @@ class FusedKernels(CpuKernels):
             groups.cells, scale, list(dq.unbind()), [g for g, _ in grads], [g for _, g in grads],
             [empty] * len(grads) if rows is None else groups.per_stack(rows),
             lower=groups.lower(), first=groups.first())
-        return None if rows is None else _slope_grad(rows, groups.offsets)
+        return None if rows is None else groups.shift_grad(rows)
 
 
 CPU_FLASH = CpuKernels()
@@ -288,17 +292,23 @@ class _MergedAttention(CellByCell):
     def _static(self, q: Tensor, k: Tensor, v: Tensor, stored: StoredHistory,
                 bias: AttentionBias, documents: DocumentBounds | None, *, layer: int,
                 scale: float) -> Tensor:
-        """A static block step's read (its start is a tensor): the operator of merged_op.py,
-        on the fused kernels; the document bounds (spec §7) as a tensor input, so that every
-        block still runs the same graph."""
+        """A static block step's read (its start is a tensor): `megabeta::history_attention`
+        with the fused kernels' implementation ("cpu_fused", merged_op.py), shifted by the
+        groups' `bias.group_shift` (λ's gradient comes through it by autograd); the document
+        bounds (spec §7) as a tensor input, so that every block still runs the same graph."""
         if not self.kernels.for_dtype(q.dtype).fused:
             raise RuntimeError(f"{self.name} attention in a static block step needs the fused "
                                f"kernels (cpu_fused, float32 or float64), not {q.dtype}")
+        sources = stored.sources(layer)
+        shift = bias.group_shift
+        if shift is None:  # no depth bias: no group's scores are shifted
+            shift = q.new_zeros(len(sources), q.shape[1])
         grad_k, grad_v = stored.gradient_buffers()
-        return torch.ops.megabeta.merged_attention(
-            q, k, v, *stored.buffers(), grad_k, grad_v, stored.start_index(),
-            None if documents is None else documents.lower, bias.self_bias, bias.slope,
-            stored.anchor, stored.sources(layer), layer, stored.window, scale)[0]
+        return history_attention.block(
+            q, k, v, *stored.buffers(), grad_k, grad_v, stored.start_index(), shift,
+            bias.self_bias, sources=sources, layer=layer, window=stored.window, scale=scale,
+            implementation="cpu_fused", anchor=stored.anchor,
+            lower=None if documents is None else documents.lower)
 
 
 class CpuMergedAttention(_MergedAttention):
@@ -307,7 +317,7 @@ class CpuMergedAttention(_MergedAttention):
     def __init__(self, head_dim: int, *, fused_kernels: bool) -> None:
         super().__init__(head_dim, kernels=CPU_FUSED if fused_kernels else CPU_FLASH)
         self.name = "cpu_fused" if fused_kernels else "cpu_flash"
-        # The static step's operator (merged_op.py) needs the fused kernels.
+        # The static step's operator ("cpu_fused", merged_op.py) needs the fused kernels.
         self.capabilities = Capabilities(devices=frozenset({"cpu"}), dropout=False,
                                          static_step=fused_kernels, batched_waves=True,
                                          documents=True)
@@ -435,8 +445,10 @@ def cells_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    groups: CellStacks, *, scale: float, kernels: CpuKernels, bias_grad: bool
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """dq, dk, dv (the own keys), d_self_bias `[n]` (when `bias_grad`) and d_slope `[n, H]`
-    (None: no group's depth offset is non-zero) of `cells_forward`'s `out, lse, kept`; the
-    groups' key and value gradients are added into their `GroupBatch.grads()` buffers."""
+    (None: no group's depth offset is non-zero; stacks built with a given shift table: that
+    table's gradient, `CellStacks.shift_grad`, None without groups) of `cells_forward`'s
+    `out, lse, kept`; the groups' key and value gradients are added into their
+    `GroupBatch.grads()` buffers."""
     n, batch, c = q.shape[0], q.shape[1], q.shape[3]
     mask = _own_masks(c, self_bias, groups.own_masks, q.shape[2], _precision(q.dtype))
     grad = _fold_cells(grad)
@@ -458,7 +470,7 @@ def cells_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             None if delta is None else _unfold_cells(delta, n, batch), slope, kept, groups, dq,
             scale=scale)
     return (dq, _unfold_cells(dk, n, batch), _unfold_cells(dv, n, batch), d_bias,
-            None if d_slope is None else d_slope.to(slope.dtype))
+            d_slope if d_slope is None or slope is None else d_slope.to(slope.dtype))
 
 
 def _fold_cells(x: Tensor) -> Tensor:
@@ -500,10 +512,20 @@ class CellStacks:
     own_masks: Tensor | None = None
     """The cells' masks over their own keys `[n, B, c, c]` (`DocumentBounds.own_mask`, what
     `_own_masks` reads)."""
+    given_shift: Tensor | None = None
+    """The groups' score shifts `[n, G', H]` (G' ≥ G, entries past a cell's groups unused) in
+    the merge's precision, given instead of λ and the depth offsets (the static step's
+    operator, merged_op.py): `shift` returns them, and the fused backward their gradient
+    (`shift_grad`). The fused kernels only."""
 
     @staticmethod
     def of(batches: list[list[GroupBatch]], slope: Tensor | None, like: Tensor,
-           documents: list[DocumentBounds] | None = None) -> "CellStacks":
+           documents: list[DocumentBounds] | None = None, *,
+           shift: Tensor | None = None) -> "CellStacks":
+        """The stacks of each cell's `batches`, its groups shifted by λ `slope [n, H]` times
+        their depth offsets, or by the table `shift [n, G', H]` (not both)."""
+        if slope is not None and shift is not None:
+            raise ValueError("CellStacks.of: a slope or a shift table, not both")
         stacks, cells, by_cell, rows, offsets = [], [], [], [], []
         for i, cell in enumerate(batches):
             row: list[int] = []
@@ -520,10 +542,15 @@ class CellStacks:
         if slope is not None and any(o for row in offsets for o in row):
             table = torch.tensor([row + [0] * (width - len(row)) for row in offsets],
                                  dtype=dtype, device=like.device)
-        if documents is None:
-            return CellStacks(stacks, cells, by_cell, rows, width, table)
-        return CellStacks(stacks, cells, by_cell, rows, width, table, documents,
-                          consecutive([d.own_mask(dtype) for d in documents]))
+        if shift is not None:
+            if shift.dim() != 3 or shift.shape[0] != len(batches) or shift.shape[1] < width:
+                raise ValueError(f"CellStacks.of: the shift table must be [cells, G', H] with "
+                                 f"{len(batches)} cells and G' >= {width}, got "
+                                 f"{tuple(shift.shape)}")
+            shift = shift.to(dtype)
+        masks = None if documents is None else consecutive([d.own_mask(dtype)
+                                                            for d in documents])
+        return CellStacks(stacks, cells, by_cell, rows, width, table, documents, masks, shift)
 
     def cell_documents(self, cell: int) -> DocumentBounds | None:
         """Cell `cell`'s document bounds (None: no mask)."""
@@ -537,9 +564,17 @@ class CellStacks:
         """Each stack's first row's position, where the kernels read document bounds."""
         return None if self.documents is None else [b.first for b in self.stacks]
 
+    @property
+    def shifted(self) -> bool:
+        """Whether a bias may shift some group's scores (so that its gradient is wanted)."""
+        return self.offsets is not None or self.given_shift is not None
+
     def shift(self, slope: Tensor | None, like: Tensor) -> Tensor:
         """λ_h·(m - l) per cell, group and head `[n, G, H]` (what the kernels subtract; zeros
-        without a depth offset, in `like`'s dtype, `like` `[n, B, H, …]`)."""
+        without a depth offset, in `like`'s dtype, `like` `[n, B, H, …]`), or the given shift
+        table's first G groups."""
+        if self.given_shift is not None:
+            return self.given_shift[:, :self.width]
         if self.offsets is None:
             return like.new_zeros(like.shape[0], self.width, like.shape[2])
         return self.offsets[:, :, None] * slope.to(self.offsets.dtype)[:, None, :]
@@ -549,9 +584,21 @@ class CellStacks:
         plus its shift (a broadcast view when no bias shifts one; either way each group's rows
         contiguous, as the kernels read them)."""
         table = (lse.shape[0], self.width, *lse.shape[1:])
-        if self.offsets is None:
+        if not self.shifted:
             return lse[:, None].expand(table)
         return lse[:, None] + self.shift(slope, lse)[:, :, None, :, None]
+
+    def shift_grad(self, rows: Tensor) -> Tensor:
+        """The gradient of what shifts the groups, from their row sums of their score gradients
+        `rows [n, G, B, H, c]`: λ's `[n, H]`, or the given shift table's `[n, G', H]` (the
+        shift is subtracted from the scores: minus the row sums over batch and query rows;
+        zero past a cell's groups)."""
+        if self.given_shift is None:
+            return _slope_grad(rows, self.offsets)
+        grad = -rows.sum((-3, -1))
+        missing = self.given_shift.shape[1] - self.width
+        return grad if not missing else torch.cat(
+            [grad, grad.new_zeros(grad.shape[0], missing, grad.shape[2])], 1)
 
     def per_stack(self, table: Tensor) -> list[Tensor]:
         """A `[n, G, …]` table's rows of each stack."""

@@ -14,7 +14,7 @@ from megabeta.kernels import finished_groups
 from megabeta.model.attention.backend import AttentionBackend
 from megabeta.model.attention.explicit import ExplicitAttention
 from megabeta.model.attention.merged import CpuMergedAttention
-import megabeta.model.attention.merged_op  # noqa: F401  (registers megabeta::merged_attention)
+import megabeta.model.attention.merged_op  # noqa: F401  (registers history attention's "cpu_fused")
 from megabeta.model.elementwise import require_triton, triton_runs_on
 from megabeta.model.config import ConfigError
 

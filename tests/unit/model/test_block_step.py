@@ -11,7 +11,7 @@ import torch
 import torch._dynamo
 
 from megabeta.model import ConfigError, build_model, ExecutionConfig
-from megabeta.model.attention import merged_op  # noqa: F401  (registers the operators)
+from megabeta.model.attention import merged_op  # noqa: F401  (registers "cpu_fused")
 from megabeta.kernels import finished_groups
 from megabeta.parallel.wrap import apply_compile
 
@@ -111,27 +111,31 @@ def test_other_arms_compile_their_residual_branches() -> None:
 
 @pytest.mark.parametrize("documents", [False, True], ids=["unmasked", "documents"])
 @pytest.mark.parametrize("start", [0, 5])
-def test_merged_attention_operator_is_well_registered(start: int, documents: bool) -> None:
-    """Schema, fake implementation (shapes and strides) and autograd registration agree with
-    the real operator (torch.library.opcheck), with and without history rows, with and without
-    document bounds (spec §7: a view of the pass's starts, as the static step passes them)."""
+def test_history_attention_operator_is_well_registered_for_cpu_fused(start: int,
+                                                                     documents: bool) -> None:
+    """Schema, fake implementation (shapes and strides) and autograd registration of
+    `megabeta::history_attention` agree with its "cpu_fused" implementation
+    (torch.library.opcheck), with and without history rows, with and without document bounds
+    (spec §7: a view of the pass's starts, as the static step passes them)."""
     gen = torch.Generator().manual_seed(start)
 
     def rand(*shape: int, grad: bool = False) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(grad)
 
     layers, batch, heads, kv, n, length, d = 3, 2, 4, 2, 3, 12, 8
-    q = rand(batch, n, heads, d, grad=True).transpose(1, 2)
-    k, v = rand(batch, kv, n, d, grad=True), rand(batch, kv, n, d, grad=True)
+    q = rand(1, batch, n, heads, d, grad=True).transpose(2, 3)
+    k, v = rand(1, batch, kv, n, d, grad=True), rand(1, batch, kv, n, d, grad=True)
     hist = [rand(layers, batch, kv, length, d) for _ in range(2)]
     grads = [torch.zeros(layers, batch, kv, length, d, dtype=torch.float64) for _ in range(2)]
     # Documents from 0, 2 and start + 1 (sample 0), from 0 and 4 (sample 1).
     starts = torch.tensor([[0, 0, 2, 2, 2, 2, 7, 7, 7, 7, 7, 7],
                            [0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4]])
     starts[0, start + 1:] = start + 1
-    lower = starts[:, start:start + n] if documents else None
-    args = (q, k, v, *hist, *grads, torch.arange(length)[start], lower, rand(1, grad=True),
-            rand(heads, grad=True), None, [1, 2], 1, 0, d ** -0.5)
-    torch.library.opcheck(torch.ops.megabeta.merged_attention.default, args,
+    lower = starts[None, :, start:start + n] if documents else None
+    # Sources 1 and 2 of layer 1; the shift has a third, unused group (a wave's width).
+    args = (q, k, v, *hist, *grads, torch.arange(length)[start], rand(1, 3, heads, grad=True),
+            rand(1, grad=True), lower, None, [1, 2], [1], 2, 0, d ** -0.5, None, None,
+            "cpu_fused")
+    torch.library.opcheck(torch.ops.megabeta.history_attention.default, args,
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor"))
