@@ -480,11 +480,13 @@ class _Publish(torch.autograd.Function):
         history.write_finished(cells, kv[:len(cells)], kv[len(cells):])
         ctx.history, ctx.epoch, ctx.n = history, len(history.publishes) - 1, kv[0].shape[2]
         ctx.dtypes = [t.dtype for t in kv]
-        # The anchor's gradient is never read: not zero-filled either (readers return none);
-        # nor is its value (readers take it for the edge alone): no kernel writes it. In the
-        # buffers' dtype, as `allocate`'s first anchor (a compiled step sees one dtype).
+        # The anchor's gradient is never read: not zero-filled either (readers return none).
+        # Its value is read by nobody but a compiled step's guards: dynamo takes a 0-d CPU
+        # float input as a number and guards that it is not NaN, which uninitialized memory
+        # sometimes is (a recompile). So zero, as `allocate`'s first anchor, in the buffers'
+        # dtype (a compiled step sees one dtype).
         ctx.set_materialize_grads(False)
-        return history.keys.new_empty(())
+        return history.keys.new_zeros(())
 
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:

@@ -22,6 +22,7 @@ from torch import Tensor
 from megabeta.bench.gpu import count_graph_captures
 from megabeta.model import DecoderLM, ExecutionConfig, ModelConfig, build_model
 from megabeta.parallel.wrap import apply_compile
+from support.compile_counts import fresh_dynamo, graphs_compiled
 from support.model_helpers import randomise
 from support.reference_attention import block_attention_grads
 
@@ -461,8 +462,7 @@ def static_step_errors(backend: str, dtype: torch.dtype, device: torch.device,
     execution = dict(attention=backend, activation_checkpoint="block")
     eager = on_device(reference, device, dtype, **execution)
     model = on_device(reference, device, dtype, cuda_graphs=mode == "graphed", **execution)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    fresh_dynamo()
     if mode == "compiled":
         apply_compile(model)
     captures = (count_graph_captures() if device.type == "cuda"
@@ -470,7 +470,7 @@ def static_step_errors(backend: str, dtype: torch.dtype, device: torch.device,
     with captures as count:
         errors = _paired_steps([eager, model], config, length, device, dtype, steps=2,
                                documents=documents)
-    graphs = (torch._dynamo.utils.counters["stats"]["unique_graphs"] if mode == "compiled"
+    graphs = (graphs_compiled() if mode == "compiled"
               else count[0])
     return errors, graphs
 

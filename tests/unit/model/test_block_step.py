@@ -15,14 +15,11 @@ from megabeta.model.attention import merged_op  # noqa: F401  (registers "cpu_fu
 from megabeta.kernels import finished_groups
 from megabeta.parallel.wrap import apply_compile
 
+from support.compile_counts import assert_graphs, fresh_dynamo
 from support.model_helpers import assert_trains_like, randomise, tiny_config, tiny_model, tokens
 
 pytestmark = pytest.mark.skipif(not finished_groups.build(),
                                 reason="the fused C++ kernels do not build on this machine")
-
-
-def _graphs() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 @pytest.mark.parametrize("dtype,checkpoint,flags,traced_at", [
@@ -39,8 +36,7 @@ def test_one_graph_for_every_block(dtype: torch.dtype, checkpoint: str, flags: d
     model = tiny_model(dtype, attention="cpu_fused", activation_checkpoint=checkpoint,
                        block_size=4, **flags)
     eager = copy.deepcopy(model)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    fresh_dynamo()
     apply_compile(model)
     assert model.block_step is not None
     calls, steps = [], []
@@ -58,7 +54,7 @@ def test_one_graph_for_every_block(dtype: torch.dtype, checkpoint: str, flags: d
                                                                                  atol=1e-6)
     assert_trains_like(model, eager, steps=2, length=22, tolerance=tolerance,
                        before_step=steps.append)
-    assert _graphs() == 1
+    assert_graphs(1)
     # The full blocks through the graph (again in backward, recomputed under checkpointing);
     # the ragged last one (2 tokens) eagerly.
     assert sorted(set(calls)) == [0, 4, 8, 12, 16]
@@ -77,8 +73,7 @@ def test_one_graph_under_bf16_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
         dtypes.append(self.dtype), allocate(self, *args, **kwargs))[1])
     model = tiny_model(torch.float32, attention="cpu_fused", block_size=4)
     eager = copy.deepcopy(model)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    fresh_dynamo()
     apply_compile(model)
     x, y = tokens(2, 14), tokens(2, 14, seed=10)
     for m in (model, eager):
@@ -89,7 +84,8 @@ def test_one_graph_under_bf16_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(model.loss, eager.loss, rtol=1e-2, atol=1e-2)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3, msg=name)
-    assert _graphs() == 1 and dtypes == [torch.float32]
+    assert_graphs(1)
+    assert dtypes == [torch.float32]
 
 
 def test_compile_needs_a_backend_that_reads_the_start_from_a_tensor() -> None:
@@ -139,3 +135,22 @@ def test_history_attention_operator_is_well_registered_for_cpu_fused(start: int,
     torch.library.opcheck(torch.ops.megabeta.history_attention.default, args,
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor"))
+
+
+def test_every_anchor_is_zero() -> None:
+    """A compiled step guards the value of its anchor input (dynamo takes a 0-d CPU float tensor
+    as a number, guarded not NaN): every anchor a publish returns is 0, never reused memory that
+    may hold a NaN, which would recompile the step (history.py, `_Publish`)."""
+    from megabeta.model.history import BufferedHistory, block_cells
+
+    history = BufferedHistory([[0, 1], [1]], 0, 64, dtype=torch.float64)
+    history.allocate(1, 1, 8, device=torch.device("cpu"))
+    fin = [torch.randn(1, 1, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    anchors = []
+    for start in range(0, 60, 4):
+        # Freed NaN scalars: the allocator hands their memory to the next small tensor.
+        for _ in range(8):
+            torch.full((), float("nan"), dtype=torch.float64)
+        history.publish(block_cells(start, 2), fin, fin)
+        anchors.append(history.step_view(start + 4, 4).anchor.item())
+    assert anchors == [0.0] * len(anchors)

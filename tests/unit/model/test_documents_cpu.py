@@ -11,11 +11,11 @@ import functools
 
 import pytest
 import torch
-import torch._dynamo
 
 from megabeta.kernels import finished_groups
 from megabeta.parallel.wrap import apply_compile
 from reference_beta12 import reference_logits
+from support.compile_counts import assert_graphs, fresh_dynamo
 from support.model_helpers import ATTENTION, tiny_model, tokens
 
 from test_model_exactness import CASES, T
@@ -103,8 +103,7 @@ def test_static_step_with_documents_is_one_graph(flags: dict) -> None:
     gradients are the eager loop's."""
     model = tiny_model(attention="cpu_fused", block_size=4, **flags)
     eager = copy.deepcopy(model)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    fresh_dynamo()
     apply_compile(model)
     compiled, calls = model.block_step, []
 
@@ -124,7 +123,7 @@ def test_static_step_with_documents_is_one_graph(flags: dict) -> None:
         torch.testing.assert_close(loss, want, rtol=1e-11, atol=1e-13)
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-11, atol=1e-13, msg=name)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert_graphs(1)
     # Every full block, each pass, through that graph (the ragged last one runs eagerly).
     assert calls == [0, 4, 8, 12, 16] * 2
     # The logits too: the reference's.
