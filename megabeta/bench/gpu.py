@@ -79,7 +79,9 @@ TITLES = {"versions": "Versions and features",
 MODES = {"eager": dict(activation_checkpoint="block"),
          "compiled": dict(activation_checkpoint="block", compile=True),
          "graphed": dict(activation_checkpoint="block", cuda_graphs=True),
-         "wavefront": dict(schedule="wavefront", activation_checkpoint="wave")}
+         "wavefront": dict(schedule="wavefront", activation_checkpoint="wave"),
+         "wavefront_compiled": dict(schedule="wavefront", activation_checkpoint="wave",
+                                    compile=True)}
 """The speed section's modes: the beta arm's execution settings."""
 SETTINGS = {"attention=triton": dict(attention="triton"),
             "elementwise_kernels=triton": dict(elementwise_kernels="triton")}
@@ -436,6 +438,12 @@ def section_checks(run: Run) -> None:
                      f"failures, {report.checks['skipped']} skipped")
 
 
+def _on_wavefront(mode: str) -> bool:
+    """Whether speed mode `mode` runs the wavefront schedule (its rows compare with the eager
+    block schedule's: time_vs_block)."""
+    return MODES[mode].get("schedule") == "wavefront"
+
+
 # ---- sections 3-5: wavefront, speed, article -----------------------------------------------------
 
 @contextlib.contextmanager
@@ -488,7 +496,7 @@ def measure(run: Run, config: ModelConfig, execution: ExecutionConfig, batch: in
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     model = _build(config, run.device, execution)
-    if mode == "compiled":
+    if execution.compile:
         apply_compile(model)  # what TorchEngine does for execution.compile = true
     static = torch.cuda.memory_allocated() / 2**30 if run.cuda else 0.0
     tokens = torch.randint(0, config.vocab_size, (batch, length + 1), device=run.device)
@@ -598,9 +606,10 @@ def section_speed(run: Run) -> None:
     if why:
         report.note(key, why)
     report.note(key, "the standard arm (arch = standard, same shape) runs attention = auto, its "
-                     "fastest path, at the same batch, mode and precision (mode wavefront: "
-                     "execution.schedule = wavefront with activation_checkpoint = wave for the "
-                     "beta arm, compared with the eager rows: time_vs_block)")
+                     "fastest path, at the same batch, mode and precision (modes wavefront and "
+                     "wavefront_compiled: execution.schedule = wavefront with "
+                     "activation_checkpoint = wave, and compile = true, for the beta arm, "
+                     "compared with the eager rows: time_vs_block)")
     lengths = [int(s) for s in args.speed_lengths.split(",")]
     reserve = run.reserve(key)
     known: dict[tuple[int, str], float] = {}
@@ -616,7 +625,9 @@ def section_speed(run: Run) -> None:
             # measure() trims its repeats to the budget after the first step: a guess will do.
             base = max(shorter, default=3.0 if run.cuda else 2.0)
         steps = args.warmup + 1 + args.repeats
-        extra = {"compiled": args.compile_estimate_s, "graphed": 3 * base}.get(mode, 0.0)
+        # The compiled wavefront compiles a graph per kind of wave (`WavePlan.kinds`): a few.
+        extra = {"compiled": args.compile_estimate_s, "graphed": 3 * base,
+                 "wavefront_compiled": 4 * args.compile_estimate_s}.get(mode, 0.0)
         return 2 * (steps * base * batch + extra)  # two arms
 
     standard: dict[tuple[int, int], Timing] = {}
@@ -627,7 +638,7 @@ def section_speed(run: Run) -> None:
     def arms(length: int, mode: str, batch: int) -> None:
         """Beta, then the standard arm, at one setting: a row each (the wavefront mode reuses
         the eager standard arm's timing: its schedule is beta12's alone)."""
-        base = standard.get((length, batch)) if mode == "wavefront" else None
+        base = standard.get((length, batch)) if _on_wavefront(mode) else None
         for arm, arch, backend in (("standard", "standard", "auto"),
                                    ("beta_1.2 t19_flash", "beta12", attention)):
             if arch == "standard" and base is not None:
@@ -644,7 +655,7 @@ def section_speed(run: Run) -> None:
                     continue
                 row = _speed_row(run, arm, config, batch, length, mode, timing, peak,
                                  base if arch == "beta12" else None)
-                if mode == "wavefront" and (length, batch) in block:
+                if _on_wavefront(mode) and (length, batch) in block:
                     row["time_vs_block"] = timing.seconds / block[(length, batch)].seconds
                 report.add(key, row)
                 if arch == "standard":
@@ -744,12 +755,12 @@ def section_speed(run: Run) -> None:
                        "CUDA graphs need a CUDA device")
     tasks: list[tuple[str, int, str]] = [("b1", n, "eager") for n in lengths]
     tasks += [("compare", lengths[0], "eager"), ("profile", lengths[0], "eager")]
-    if "wavefront" in modes:
-        tasks += [("b1", n, "wavefront") for n in lengths]
-    tasks += [("b1", lengths[0], mode) for mode in modes if mode != "wavefront"]
+    for mode in filter(_on_wavefront, modes):
+        tasks += [("b1", n, mode) for n in lengths]
+    tasks += [("b1", lengths[0], mode) for mode in modes if not _on_wavefront(mode)]
     tasks += [("max", n, "eager") for n in lengths]
     for mode in modes:
-        tasks += [("b1", n, mode) for n in lengths[1:] if mode != "wavefront"]
+        tasks += [("b1", n, mode) for n in lengths[1:] if not _on_wavefront(mode)]
         tasks += [("max", n, mode) for n in lengths]
     for mode in MODES:
         if mode != "eager" and mode not in args.modes.split(","):

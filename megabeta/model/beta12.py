@@ -15,7 +15,6 @@ history (spec §4.6). The LM head and loss run after the block loop, in chunks (
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from megabeta.model.history import (
     PieceHistory,
     PieceView,
     block_cells,
+    saved_unchecked,
 )
 from megabeta.model.layers import (
     BranchWeights,
@@ -45,7 +45,7 @@ from megabeta.model.layers import (
     fused_input_rows,
 )
 from megabeta.model.transformer import DecoderLM, ParallelPlan
-from megabeta.model.wavefront import run_wavefront
+from megabeta.model.wavefront import WaveOutput, run_wave, run_wavefront
 
 
 class PassWeights:
@@ -194,18 +194,6 @@ class PassBiases:
                         self.shift[cells], self.rows, cells)
 
 
-def _saved_unchecked() -> contextlib.AbstractContextManager:
-    """Save tensors for backward as they are, without autograd's version check. A compiled
-    block step saves its inputs, the history buffers among them, which later blocks then write
-    (publish; their backward adds into the gradient buffers) at rows this block never reads:
-    the check would refuse what is correct. (The eager readers hold the buffers unsaved.)"""
-    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
-
-
-def _same(t: Tensor) -> Tensor:
-    return t
-
-
 @dataclass
 class BlockOutput:
     """What one block through all layers produces (`Beta12Transformer._block`)."""
@@ -298,13 +286,19 @@ class Beta12Transformer(DecoderLM):
         if self.execution.schedule == "wavefront" and length > c:
             # Padded to whole blocks (wavefront.py); the tables of the whole padded sequence.
             padded = -(-length // c) * c
-            weights = PassWeights(self, finished=True, length=padded, wavefront=True)
+            static = self.wave_step is not None
+            weights = PassWeights(self, finished=True, length=padded, traced=static,
+                                  wavefront=True)
             cos, sin = self.rope(0, padded, x)
             documents = (None if starts is None
                          else PassDocuments(padded_starts(starts, padded), c))
-            history = self._history(x, static=False, documents=documents)
+            history = self._history(x, static=static, documents=documents)
+            if static:
+                history.allocate(x.shape[0], self.config.num_kv_heads, self.config.head_dim,
+                                 device=x.device)
             try:
-                hidden = run_wavefront(self, x, cos, sin, weights, history, dropout=dropout)
+                hidden = run_wavefront(self, x, cos, sin, weights, history, dropout=dropout,
+                                       step=self.wave_step)
             finally:
                 history.close()
             return self.head(hidden, targets)
@@ -360,7 +354,7 @@ class Beta12Transformer(DecoderLM):
         if full and self.block_graphs is not None:
             return BlockOutput(*self.block_graphs.run(x, rope, view, **kwargs))
         step = (self.block_step or self._block) if full else self._block
-        with _saved_unchecked():
+        with saved_unchecked():
             return self._run(step, x, rope, view, weights, **kwargs)
 
     def _history(self, x: Tensor, *, static: bool,
@@ -383,7 +377,10 @@ class Beta12Transformer(DecoderLM):
 
     # ---- the static block step ------------------------------------------------------------------
     block_step: Callable[..., BlockOutput] | None = None
-    """`_block` compiled once for every full block (`compile_block_step`); None: eager."""
+    """`_block` compiled once for every full block (`compile_steps`); None: eager."""
+    wave_step: Callable[..., WaveOutput] | None = None
+    """`wavefront.run_wave` compiled, one graph per kind of wave (`compile_steps`); None:
+    eager."""
     block_graphs: BlockGraphs | None = None
     """The block step captured in CUDA graphs (`execution.cuda_graphs`, on CUDA); None: not."""
 
@@ -405,28 +402,42 @@ class Beta12Transformer(DecoderLM):
 
     def _check_static(self, setting: str) -> None:
         backend = self.attention_backend
-        if not backend.capabilities.static_step:
+        if self.execution.schedule == "wavefront":
+            if not backend.capabilities.static_waves:
+                raise ConfigError(f"{setting} on the wavefront schedule runs each kind of wave "
+                                  f"through one graph, which needs an attention backend that "
+                                  f"reads a wave's cells in one call at starts held in a tensor "
+                                  f"(triton), not execution.attention = {backend.name!r}; or "
+                                  f"set execution.schedule = block")
+        elif not backend.capabilities.static_step:
             raise ConfigError(f"{setting} runs the beta12 block step from fixed buffers, which "
                               f"needs an attention backend that reads the history at a start "
                               f"held in a tensor (cpu_fused or triton), not "
                               f"execution.attention = {backend.name!r}")
 
     def parallel_plan(self) -> ParallelPlan:
-        """One FSDP unit per layer; compiled: the block step (`compile_block_step`)."""
-        return ParallelPlan(tuple(self.layers), self.compile_block_step)
+        """One FSDP unit per layer; compiled: the block or wave step (`compile_steps`)."""
+        return ParallelPlan(tuple(self.layers), self.compile_steps)
 
-    def compile_block_step(self) -> None:
-        """Run every full block of a sequence through ONE compiled graph of `_block`
-        (`torch.compile(fullgraph=True)`): forward, and backward (under block checkpointing,
-        recompute and backward).
+    def compile_steps(self) -> None:
+        """`torch.compile(fullgraph=True)` the schedule's step: forward, and backward (under
+        activation checkpointing, recompute and backward).
 
-        Nothing the graph sees differs between blocks but tensor contents: the history is read
-        from fixed-size buffers, the block's start from a tensor (`history.HistoryView`), and the
+        Block schedule: every full block of a sequence through ONE graph of `_block`. Nothing
+        the graph sees differs between blocks but tensor contents: the history is read from
+        fixed-size buffers, the block's start from a tensor (`history.HistoryView`), and the
         attention backend must read both (`megabeta::history_attention`: `triton`, or
         `cpu_fused` through attention/merged_op.py). The history's publish stays outside,
-        between blocks; a ragged last block runs eagerly (it would be a second graph)."""
+        between blocks; a ragged last block runs eagerly (it would be a second graph).
+
+        Wavefront: every wave through `run_wave` compiled, read the same way: one graph per
+        kind of wave (its layers, whether a block leaves or enters; `WavePlan.kinds`), shared by
+        every wave of that kind, the steady state's p kinds by most of them."""
         self._check_static("execution.compile = true")
-        self.block_step = torch.compile(self._block, fullgraph=True)
+        if self.execution.schedule == "wavefront":
+            self.wave_step = torch.compile(run_wave, fullgraph=True, dynamic=False)
+        else:
+            self.block_step = torch.compile(self._block, fullgraph=True)
 
     # ---- decoding (spec §4.5) -------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:

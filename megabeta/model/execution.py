@@ -38,7 +38,7 @@ class ExecutionConfig:
     elementwise_kernels: str = "auto"
     """RMSNorm, RoPE and SwiGLU: `torch`, `triton` (fused kernels, megabeta[gpu]) or `auto` (triton on CUDA where installed)."""
     compile: bool = False
-    """torch.compile: beta12's block step, one graph for every block (`cpu_fused` or `triton` attention); the other arms' residual branches (applied by the engine)."""
+    """torch.compile: beta12's block step, one graph for every block (`cpu_fused` or `triton` attention), or its wave step on the wavefront, one graph per kind of wave (`triton`); the other arms' residual branches (applied by the engine)."""
     cuda_graphs: bool = False
     """Capture the beta12 block step in CUDA graphs, replayed per block (CUDA only; needs activation_checkpoint = block and triton or cpu_fused attention)."""
 
@@ -69,10 +69,10 @@ class ExecutionConfig:
             raise ConfigError("execution.activation_checkpoint = wave needs the wavefront "
                               "schedule: set execution.schedule = wavefront, or "
                               "activation_checkpoint = block")
-        if wavefront and (self.compile or self.cuda_graphs):
-            raise ConfigError("execution.schedule = wavefront runs eagerly: the compiled and "
-                              "CUDA-graphed step is the block schedule's; set "
-                              "execution.compile = false and execution.cuda_graphs = false, or "
+        if wavefront and self.cuda_graphs:
+            raise ConfigError("execution.cuda_graphs = true captures the block schedule's "
+                              "step; the wavefront schedule is compiled (execution.compile = "
+                              "true) or eager: set execution.cuda_graphs = false, or "
                               "execution.schedule = block")
         if self.cuda_graphs and self.activation_checkpoint != "block":
             raise ConfigError("execution.cuda_graphs = true replays the forward, and the "

@@ -36,14 +36,16 @@ Instead:
   (CUDA's caching allocator reuses its blocks already: no pool there). A pass gives them back
   when its first publish's gradients are handed out (nothing reads them after that) or, when
   no backward comes, once the history is gone.
-- The static block step (beta12 `compile_block_step`, CUDA graphs) reads the same type of view
-  (`step_view`): the buffers, allocated before block 0 (`allocate`), and the block's start as
-  a 0-d tensor only, so that nothing a traced graph sees differs between blocks. Its readers
-  cannot call back into Python, so `release` does not check the order there (`check_order`).
+- The static steps (beta12 `compile_steps`: the compiled block or wave step; CUDA graphs) read
+  the same type of view (`step_view`): the buffers, allocated before block 0 (`allocate`), and
+  the block's start as a 0-d tensor only, so that nothing a traced graph sees differs between
+  blocks. Their readers cannot call back into Python, so `release` does not check the order
+  there (`check_order`), and what they save for backward is saved unchecked (`saved_unchecked`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -491,3 +493,15 @@ class _Publish(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:
         return (None, None, None, *ctx.history.release(ctx.epoch, ctx.n, ctx.dtypes))
+
+
+def saved_unchecked() -> contextlib.AbstractContextManager:
+    """Save tensors for backward as they are, without autograd's version check. A static step
+    saves its inputs, the history buffers among them, which later blocks then write (publish;
+    their backward adds into the gradient buffers) at rows this step never reads: the check
+    would refuse what is correct. (The eager readers hold the buffers unsaved.)"""
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+def _same(t: Tensor) -> Tensor:
+    return t

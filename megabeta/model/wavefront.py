@@ -32,6 +32,8 @@ kernel, and ATen's per stack of each cell for the groups), on `triton` one launc
 Finished KVs are published per wave, one cell per layer (history.py), except the last block's,
 which nobody reads. With `activation_checkpoint = wave` one wave is the recompute unit: backward
 keeps each wave's inputs (the cells' residual streams and next queries and construction KVs).
+With `execution.compile` (beta12 `compile_steps`) each wave runs `run_wave` compiled, reading
+static history views: one graph per kind of wave (`WavePlan.kinds`).
 
 A ragged last block is padded to c tokens with zero embeddings: causality keeps the padding out
 of every real token (it follows them in the block, and the last block publishes nothing) and its
@@ -40,14 +42,16 @@ outputs are dropped, so its gradients are zero.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from torch import Tensor
 
-from megabeta.model.history import BufferedHistory, PieceHistory
+from megabeta.model.history import BufferedHistory, PieceHistory, saved_unchecked
 from megabeta.model.layers import stacked_linear
 
 if TYPE_CHECKING:  # only for annotations: beta12 imports this module
@@ -69,6 +73,13 @@ class WavePlan:
     @property
     def waves(self) -> int:
         return (self.blocks - 1) * self.period + self.layers
+
+    def kinds(self) -> int:
+        """How many kinds of wave the plan has: a compiled `run_wave` has one graph per kind,
+        the wave's layers, whether a block leaves after it and whether one enters the next."""
+        waves = [self.wave(t) for t in range(self.waves)]
+        entering_next = [w.entering for w in waves[1:]] + [False]
+        return len({(tuple(w.layers), w.exits, e) for w, e in zip(waves, entering_next)})
 
     def wave(self, t: int) -> "Wave":
         p, top = self.period, self.layers - 1
@@ -145,8 +156,10 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
              dropout: float) -> WaveOutput:
     """One wave's cells (module doc). `x`, `qkv`: the cells' residual streams and queries and
     construction KVs (stacked, oldest cell first); `views`: each cell's history view;
-    `cos/sin [blocks, c, d_h]`: RoPE tables per block; `entering`: the block that enters the
-    next wave, whose layer-0 projection is laid next to the continuing cells' here."""
+    `cos/sin [n, c, d_h]`: the cells' RoPE tables; `entering`: the block that enters the next
+    wave, whose layer-0 projection is laid next to the continuing cells' here. Nothing here
+    reads which blocks the cells are on (`wave.first`): a compiled step serves every wave of
+    its kind."""
     kernels, eps = model.elementwise_kernels, model.config.norm_eps
     attention = model.attention_backend
     n, batch, c, d = x.shape
@@ -164,15 +177,13 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
         # per part and their sum.
         (hidden, x), (leaving, normalized) = (t.split([1, n - 1]) for t in (x, normalized))
         hidden = hidden.squeeze(0)
-        fk, fv = weights.last_finished(leaving.squeeze(0), cos[wave.first], sin[wave.first])
+        fk, fv = weights.last_finished(leaving.squeeze(0), cos[0], sin[0])
         finished.append((fk, fv))
     continuing = None
     if len(x):
-        first = wave.first + int(wave.exits)
-        below = wave.layers[int(wave.exits):]
-        continuing, fin = _next_inputs(normalized, weights, wave.next_stack(),
-                                       cos[first:first + len(below)],
-                                       sin[first:first + len(below)])
+        below = int(wave.exits)
+        continuing, fin = _next_inputs(normalized, weights, wave.next_stack(), cos[below:],
+                                       sin[below:])
         finished += fin
     block = None
     if entering is not None:
@@ -234,9 +245,11 @@ def _next_inputs(normalized: Tensor, weights: "PassWeights", sel: slice, cos: Te
 
 def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tensor,
                   weights: "PassWeights", history: BufferedHistory | PieceHistory, *,
-                  dropout: float) -> Tensor:
+                  dropout: float, step: Callable[..., WaveOutput] | None = None) -> Tensor:
     """The final hidden states `[B, T, d]` of the embeddings `x [B, T, d]` (T > c), wave by
-    wave; `cos/sin [T', d_h]` cover the padded length T' = ⌈T/c⌉·c."""
+    wave; `cos/sin [T', d_h]` cover the padded length T' = ⌈T/c⌉·c. `step`: `run_wave`
+    compiled (beta12 `compile_steps`), which reads the history's static views (`step_view`,
+    allocated before) and `weights` built for tracing; None: `run_wave`, eagerly."""
     c, length = model.config.block_size, x.shape[1]
     blocks = -(-length // c)
     if blocks * c > length:
@@ -258,16 +271,26 @@ def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tenso
     # the one it enters.
     state, qkv = embeddings[0][None], tuple(t[None] for t in _enter(model, weights,
                                                                       entering(0)))
-    for t in range(plan.waves):
-        wave = plan.wave(t)
-        views = [history.view(b * c) for b, _ in wave.cells]
-        out = model._run(run_wave, model, state, qkv, views, wave, weights, cos, sin,
-                         entering(t + 1), dropout=dropout)
-        cells = [(b * c, l) for b, l in wave.cells if b < blocks - 1]
-        if cells:
-            history.publish(cells, [k for k, _ in out.finished[:len(cells)]],
-                            [v for _, v in out.finished[:len(cells)]])
-        if out.hidden is not None:
-            hidden.append(out.hidden)
-        state, qkv = out.x, out.qkv
+    static = step is not None
+    with contextlib.ExitStack() as scope:
+        if static:
+            scope.enter_context(saved_unchecked())
+            # One graph per kind of wave (and per grad mode): more than dynamo's default limit
+            # of recompiles of one function where the plan has many kinds.
+            limit = max(torch._dynamo.config.recompile_limit, 2 * plan.kinds())
+            scope.enter_context(torch._dynamo.config.patch(recompile_limit=limit))
+        for t in range(plan.waves):
+            wave = plan.wave(t)
+            views = [history.step_view(b * c, c) if static else history.view(b * c)
+                     for b, _ in wave.cells]
+            cells = slice(wave.first, wave.first + len(wave.layers))
+            out = model._run(step or run_wave, model, state, qkv, views, wave, weights,
+                             cos[cells], sin[cells], entering(t + 1), dropout=dropout)
+            published = [(b * c, l) for b, l in wave.cells if b < blocks - 1]
+            if published:
+                history.publish(published, [k for k, _ in out.finished[:len(published)]],
+                                [v for _, v in out.finished[:len(published)]])
+            if out.hidden is not None:
+                hidden.append(out.hidden)
+            state, qkv = out.x, out.qkv
     return torch.cat(hidden, dim=1)[:, :length]

@@ -1,9 +1,10 @@
 """beta_1.2 on the GPU with `execution.attention = "triton"`, against float64 CPU references
 (the explicit backend) and against itself on other schedules: c = T equals the standard arm,
 prefill + steps equal the forward, logits, loss and every parameter gradient equal the explicit
-backend's, the wavefront schedule equals the block schedule, and the compiled and CUDA-graphed
-static block step equal the eager loop (in one compiled graph; two CUDA graphs); with document
-masks (spec §7) as well."""
+backend's, the wavefront schedule equals the block schedule, the compiled and CUDA-graphed
+static block step equal the eager loop (in one compiled graph; two CUDA graphs), and the
+compiled wavefront the eager one (one graph per kind of wave); with document masks (spec §7) as
+well."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Callable
 import pytest
 import torch
 
+from megabeta.model import ModelConfig
 from support.device_checks import (DTYPES, FULL_SIZE, GPU_ONLY, GRAD_TOL, MODEL_CASES,
                                    MODEL_SHAPES, MODEL_TOL, decoding_errors, explicit_errors,
                                    model_shape, one_block_errors, static_step_errors,
@@ -87,3 +89,21 @@ def test_static_block_step_equals_eager(mode: str, graphs: int, documents: bool,
                                      documents)
     within(errors, GRAD_TOL["fp32"])
     assert got == graphs, f"{got} graphs, expected {graphs}"
+
+
+@shapes
+@pytest.mark.parametrize("documents", [False, True], ids=["", "documents"])
+def test_compiled_wavefront_equals_eager(documents: bool, shape: str, within) -> None:
+    """fp32, MHA, wave checkpointing: one graph per kind of wave (`WavePlan.kinds`) over two
+    steps; loss and gradients the eager wavefront's."""
+    from megabeta.model.wavefront import WavePlan
+
+    fields, length, _ = model_shape(shape, "mha")
+    errors, got = static_step_errors(BACKEND, torch.float32, CUDA, fields, length, "compiled",
+                                     documents, schedule="wavefront")
+    within(errors, GRAD_TOL["fp32"])
+    config = ModelConfig(**fields)
+    layers = config.num_layers
+    kinds = WavePlan(-(-length // config.block_size), layers,
+                     min(config.depth_window, layers - 1) + 1).kinds()
+    assert got == kinds, f"{got} graphs, expected {kinds} (the kinds of wave)"

@@ -165,3 +165,40 @@ def test_triton_document_masks_match_reference_and_explicit_gradients(
             assert p.grad is None or not p.grad.any(), name
             continue
         torch.testing.assert_close(p.grad.double(), q.grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("case,checkpoint", [("c2_k1_gqa_window", "wave")])
+def test_triton_wavefront_compiles_once_per_kind_of_wave(case: str, checkpoint: str) -> None:
+    """`execution.compile` on the wavefront schedule: over two training steps, each kind of
+    wave (`WavePlan.kinds`: its layers, whether a block leaves or enters) compiles one graph,
+    and loss and gradients are the eager wavefront's."""
+    import copy
+
+    from megabeta.model.wavefront import WavePlan
+    from megabeta.parallel.wrap import apply_compile
+    from support.compile_counts import assert_graphs, fresh_dynamo
+
+    model, _ = _pair(case, activation_checkpoint=checkpoint, schedule="wavefront")
+    eager = copy.deepcopy(model)
+    fresh_dynamo()
+    apply_compile(model)
+    assert model.wave_step is not None
+    for step in range(2):
+        x = tokens(batch=1, length=T, seed=step)
+        results = []
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+            loss = m(x, x)
+            loss.backward()
+            results.append((loss, [p.grad for p in m.parameters()]))
+        (loss, grads), (want, want_grads) = results
+        torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
+        for (name, _), got, expected in zip(model.named_parameters(), grads, want_grads):
+            if expected is None:
+                assert got is None or not got.any(), name
+                continue
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-4, msg=name)
+    config = model.config
+    layers = config.num_layers
+    assert_graphs(WavePlan(-(-T // config.block_size), layers,
+                           min(config.depth_window, layers - 1) + 1).kinds())

@@ -451,15 +451,17 @@ def _paired_steps(models: list[DecoderLM], config: ModelConfig, length: int,
 
 
 def static_step_errors(backend: str, dtype: torch.dtype, device: torch.device,
-                       fields: dict[str, Any], length: int, mode: str, documents: bool = False
-                       ) -> tuple[dict[str, float], int]:
-    """The static block step, compiled (`mode` "compiled": execution.compile) or captured in
-    CUDA graphs ("graphed": execution.cuda_graphs), against the eager block loop on the same
-    device and weights over two training steps with block checkpointing: (the errors, how many
-    graphs it took: compiled graphs, or CUDA graphs captured)."""
+                       fields: dict[str, Any], length: int, mode: str, documents: bool = False,
+                       schedule: str = "block") -> tuple[dict[str, float], int]:
+    """The static step, compiled (`mode` "compiled": execution.compile) or captured in CUDA
+    graphs ("graphed": execution.cuda_graphs, the block schedule's), against the eager loop of
+    `schedule` on the same device and weights over two training steps with block (wavefront:
+    wave) checkpointing: (the errors, how many graphs it took: compiled graphs, or CUDA graphs
+    captured)."""
     config = ModelConfig(**fields)
     reference = reference_model(config)
-    execution = dict(attention=backend, activation_checkpoint="block")
+    execution = dict(attention=backend, schedule=schedule,
+                     activation_checkpoint="wave" if schedule == "wavefront" else "block")
     eager = on_device(reference, device, dtype, **execution)
     model = on_device(reference, device, dtype, cuda_graphs=mode == "graphed", **execution)
     fresh_dynamo()

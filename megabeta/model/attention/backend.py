@@ -402,6 +402,10 @@ class Capabilities:
     """A wave's cells in one call (`attend_wave`), rather than cell by cell."""
     documents: bool = False
     """Document masks (spec §7, `KeySet.documents`) in every path it serves."""
+    static_waves: bool = False
+    """A wave's cells in one call of `megabeta::history_attention`, their starts read from a
+    tensor, so that one compiled wave step serves every wave of a kind (`execution.compile`
+    on the wavefront schedule)."""
 
 
 class AttentionBackend(Protocol):

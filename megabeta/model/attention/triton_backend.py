@@ -55,7 +55,8 @@ class TritonAttention(CellByCell):
     reads_buffers = True
     # CUDA (or a CPU under Triton's interpreter: select.py asks elementwise.require_triton).
     capabilities = Capabilities(devices=frozenset({"cuda", "cpu"}), dropout=False,
-                                static_step=True, batched_waves=True, documents=True)
+                                static_step=True, batched_waves=True, documents=True,
+                                static_waves=True)
 
     def __init__(self, head_dim: int) -> None:
         self.layout = KeyLayout(head_dim)
@@ -111,11 +112,14 @@ class TritonAttention(CellByCell):
             return super().attend_wave(q, k, v, keys, bias, layers=layers, dropout_p=dropout_p)
         hist_k, hist_v = last.buffers()
         cells = triton_attention.Cells.of(last.sources(layers[-1]), layers, hist_k.shape[0] - 1)
-        _check_wave(stored, layers, cells, q.shape[3])
+        if last.block_start is not None:  # a static step's views know no Python start
+            _check_wave(stored, layers, cells, q.shape[3])
         dtype = last.dtype
-        # Each cell's reader reports when its backward is done (history.py's order check).
-        readers = [s.done_reading for s in stored if s is not None]
-        q = after_backward(q.to(dtype), lambda: [done() for done in readers])
+        # Each cell's reader reports when its backward is done (history.py's order check; a
+        # static step's report nothing).
+        readers = [s.done_reading for s in stored if s is not None and s.done_reading]
+        q = after_backward(q.to(dtype),
+                           (lambda: [done() for done in readers]) if readers else None)
         grad_k, grad_v = _gradient_buffers(last)
         row_buffers = bias.row_buffers(q.shape[1], q.shape[2], q)
         rows = {} if row_buffers is None else dict(zip(("shift_rows", "diag_rows"), row_buffers))

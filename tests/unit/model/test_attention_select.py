@@ -45,10 +45,10 @@ def test_what_a_backend_declares_is_what_the_model_enforces() -> None:
     for name, cap in caps.items():
         model = tiny_model(attention=name)
         if cap.static_step:
-            model.compile_block_step()
+            model.compile_steps()
         else:
             with pytest.raises(ConfigError, match=f"execution.attention = '{name}'"):
-                model.compile_block_step()
+                model.compile_steps()
 
 
 @pytest.mark.parametrize("name,kw,message", [

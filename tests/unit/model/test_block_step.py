@@ -1,4 +1,4 @@
-"""The static block step (`Beta12Transformer.compile_block_step`): one compiled graph serves
+"""The static block step (`Beta12Transformer.compile_steps`): one compiled graph serves
 every full block of a sequence, and computes what the eager block loop computes (which the
 exactness tests hold to the naive reference), gradients included."""
 

@@ -125,11 +125,24 @@ def test_decoding_and_a_single_block_are_unchanged() -> None:
     (dict(schedule="diagonal"), "execution.schedule = 'diagonal'"),
     (dict(schedule="wavefront", activation_checkpoint="block"), "activation_checkpoint = wave"),
     (dict(activation_checkpoint="wave"), "execution.schedule = wavefront"),
-    (dict(schedule="wavefront", compile=True), "runs eagerly"),
+    (dict(schedule="wavefront", cuda_graphs=True, activation_checkpoint="wave"),
+     "cuda_graphs = false"),
 ])
 def test_schedule_settings_are_checked(settings: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ExecutionConfig(**settings)
+
+
+def test_a_compiled_wavefront_needs_a_backend_that_reads_waves_from_tensors() -> None:
+    """`execution.compile` on the wavefront schedule runs a wave's cells through one operator
+    call (triton, tests/integration/test_model_triton.py); cpu_fused's static operator takes
+    one cell: a clear error that names the way out, at compile time."""
+    from megabeta.parallel.wrap import apply_compile
+
+    model = tiny_model(attention="cpu_fused", schedule="wavefront")
+    with pytest.raises(ConfigError, match="wavefront schedule .* \\(triton\\).*cpu_fused"):
+        apply_compile(model)
+    assert model.wave_step is None
 
 
 def test_wavefront_under_bf16_autocast_trains_like_the_block_schedule() -> None:
