@@ -6,6 +6,7 @@ Prints one JSON line (rank 0) with the counts of steps 2 and 3 (step 1 may warm 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -60,8 +61,12 @@ def main() -> None:
         per_step.append({"total": dict(counts), "fwd_bwd": after_forward_backward})
     if env.is_rank0:
         print(json.dumps({"steps": per_step, "layers": config.model.num_layers,
-                          "blocks": 32 // config.model.block_size}))
-    dist.destroy_process_group()
+                          "blocks": 32 // config.model.block_size}), flush=True)
+    # The counts are out: leave without tearing down. A ZeRO-3 process on gloo has aborted in
+    # its teardown ("terminate called without an active exception", a background thread
+    # destroyed at exit), failing a count that had been printed.
+    dist.barrier()
+    os._exit(0)
 
 
 if __name__ == "__main__":
