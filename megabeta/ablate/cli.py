@@ -402,7 +402,10 @@ def execute(settings: Settings, arms, reference: str, header: dict[str, Any], *,
         results, trained, status = [], 0, 0
         started = time.perf_counter()
 
+        stopped: list[int] = []
+
         def stop(signum: int, frame: Any) -> None:  # between runs (the runner handles its own)
+            stopped.append(signum)
             raise Interrupted(f"stopped by signal {signal.Signals(signum).name}")
 
         previous = signal.signal(signal.SIGTERM, stop)
@@ -415,6 +418,8 @@ def execute(settings: Settings, arms, reference: str, header: dict[str, Any], *,
                 say(f"[{index}/{len(runs)}] {arm.name} seed {seed} "
                     f"-> {out / 'runs' / run_name(arm.name, seed)}")
                 result, done_before = run_one(settings, arm, seed, evaluator, say=say)
+                if stopped:  # raised where Python ignores exceptions (a finaliser): stop here
+                    raise Interrupted(f"stopped by signal {signal.Signals(stopped[0]).name}")
                 trained += not done_before
                 results.append(result)
                 say(f"  {'done before' if done_before else 'done'}: test loss "

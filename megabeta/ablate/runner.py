@@ -254,17 +254,22 @@ def launch_trainer(settings: Settings, args: list[str], run_dir: Path) -> float:
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
         log.flush()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True,
-                                   preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        process: subprocess.Popen | None = None
 
         def forward(signum: int, frame: Any) -> None:
             received.append(signum)
-            # First signal: ask the trainer to save and stop; a second one kills it.
-            process.send_signal(signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
+            if process is not None:
+                _pass_on(process, received)
 
+        # Installed before the fork: a signal raised as an exception during it would land in
+        # an at-fork callback, where Python ignores exceptions, and the trainer would run on.
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
+            process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            if received:  # signalled while it started
+                _pass_on(process, received)
             code = process.wait()
         finally:
             for sig, handler in previous.items():
@@ -281,6 +286,11 @@ def launch_trainer(settings: Settings, args: list[str], run_dir: Path) -> float:
         raise AblationError(f"{run_dir.name}: the trainer exited with status {code}; the end of "
                             f"{log_path}:\n{tail}")
     return wall
+
+
+def _pass_on(process: subprocess.Popen, received: list[int]) -> None:
+    """The first signal asks the trainer to save and stop; a second one kills it."""
+    process.send_signal(signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
 
 
 def _final_checkpoint(run_dir: Path, steps: int) -> Path | None:
