@@ -294,8 +294,7 @@ class Beta12Transformer(DecoderLM):
                          else PassDocuments(padded_starts(starts, padded), c))
             history = self._history(x, static=static, documents=documents)
             if static:
-                history.allocate(x.shape[0], self.config.num_kv_heads, self.config.head_dim,
-                                 device=x.device)
+                self._prepare_static(history, weights, x)
             try:
                 hidden = run_wavefront(self, x, cos, sin, weights, history, dropout=dropout,
                                        step=self.wave_step)
