@@ -81,7 +81,9 @@ MODES = {"eager": dict(activation_checkpoint="block"),
          "graphed": dict(activation_checkpoint="block", cuda_graphs=True),
          "wavefront": dict(schedule="wavefront", activation_checkpoint="wave"),
          "wavefront_compiled": dict(schedule="wavefront", activation_checkpoint="wave",
-                                    compile=True)}
+                                    compile=True),
+         "wavefront_graphed": dict(schedule="wavefront", activation_checkpoint="wave",
+                                   cuda_graphs=True)}
 """The speed section's modes: the beta arm's execution settings."""
 SETTINGS = {"attention=triton": dict(attention="triton"),
             "elementwise_kernels=triton": dict(elementwise_kernels="triton")}
@@ -444,6 +446,11 @@ def _on_wavefront(mode: str) -> bool:
     return MODES[mode].get("schedule") == "wavefront"
 
 
+def _graphed(mode: str) -> bool:
+    """Whether speed mode `mode` captures CUDA graphs (a CUDA device only)."""
+    return MODES[mode].get("cuda_graphs", False)
+
+
 # ---- sections 3-5: wavefront, speed, article -----------------------------------------------------
 
 @contextlib.contextmanager
@@ -582,7 +589,7 @@ def _speed_row(run: Run, arm: str, config: ModelConfig, batch: int, length: int,
     bound = _roofline_s(run, config, batch, length, mode)
     if bound is not None:
         row["of_bound"] = bound / timing.seconds
-    if mode == "graphed":
+    if _graphed(mode):
         row["graphs_captured"] = timing.captures
     if base is not None:
         row["time_vs_standard"] = timing.seconds / base.seconds
@@ -607,8 +614,9 @@ def section_speed(run: Run) -> None:
         report.note(key, why)
     report.note(key, "the standard arm (arch = standard, same shape) runs attention = auto, its "
                      "fastest path, at the same batch, mode and precision (modes wavefront and "
-                     "wavefront_compiled: execution.schedule = wavefront with "
-                     "activation_checkpoint = wave, and compile = true, for the beta arm, "
+                     "wavefront_compiled, wavefront_graphed: execution.schedule = "
+                     "wavefront with activation_checkpoint = wave, and compile = true or "
+                     "cuda_graphs = true, for the beta arm, "
                      "compared with the eager rows: time_vs_block)")
     lengths = [int(s) for s in args.speed_lengths.split(",")]
     reserve = run.reserve(key)
@@ -627,7 +635,8 @@ def section_speed(run: Run) -> None:
         steps = args.warmup + 1 + args.repeats
         # The compiled wavefront compiles a graph per kind of wave (`WavePlan.kinds`): a few.
         extra = {"compiled": args.compile_estimate_s, "graphed": 3 * base,
-                 "wavefront_compiled": 4 * args.compile_estimate_s}.get(mode, 0.0)
+                 "wavefront_compiled": 4 * args.compile_estimate_s,
+                 "wavefront_graphed": 3 * base}.get(mode, 0.0)
         return 2 * (steps * base * batch + extra)  # two arms
 
     standard: dict[tuple[int, int], Timing] = {}
@@ -667,7 +676,7 @@ def section_speed(run: Run) -> None:
                         block[(length, batch)] = timing
                     if batch == 1:
                         known[(length, mode)] = timing.seconds
-                if mode == "graphed" and not timing.captures:
+                if _graphed(mode) and not timing.captures:
                     report.note(key, f"{label}: cuda_graphs = true was accepted but no CUDA "
                                      "graph was captured: this ran eagerly")
 
@@ -749,9 +758,9 @@ def section_speed(run: Run) -> None:
 
     # By priority: batch 1 eager, each mode at the first length, the batch searches, the rest.
     modes = [m for m in MODES if m != "eager" and m in args.modes.split(",")]
-    if "graphed" in modes and not run.cuda:
-        modes.remove("graphed")
-        report.not_run(key, "mode graphed (execution.cuda_graphs = true)",
+    for mode in [m for m in modes if _graphed(m) and not run.cuda]:
+        modes.remove(mode)
+        report.not_run(key, f"mode {mode} (execution.cuda_graphs = true)",
                        "CUDA graphs need a CUDA device")
     tasks: list[tuple[str, int, str]] = [("b1", n, "eager") for n in lengths]
     tasks += [("compare", lengths[0], "eager"), ("profile", lengths[0], "eager")]

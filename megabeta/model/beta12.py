@@ -18,13 +18,13 @@ from __future__ import annotations
 import copy
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from megabeta.model.attention import AttentionBias, BiasRows, PassDocuments, WaveBias
-from megabeta.model.block_graphs import BlockGraphs, CudaCapture
+from megabeta.model.step_graphs import CudaCapture, StepGraphs, Unit
 from megabeta.model.cache import DecodeCache
 from megabeta.model.config import ConfigError
 from megabeta.model.documents import padded_starts
@@ -45,7 +45,7 @@ from megabeta.model.layers import (
     fused_input_rows,
 )
 from megabeta.model.transformer import DecoderLM, ParallelPlan
-from megabeta.model.wavefront import WaveOutput, run_wave, run_wavefront
+from megabeta.model.wavefront import WaveOutput, run_wave, run_wavefront, wave_plan
 
 
 class PassWeights:
@@ -118,14 +118,12 @@ class PassWeights:
     def tensors(self) -> list[Tensor]:
         """Every tensor the block step reads of these weights, in a fixed order."""
         projections = [*self.plain, *filter(None, [self.next, self.last_finished])]
-        biases = [t for b in self.biases for t in (b.slope, b.self_bias, b.group_shift)
-                  if t is not None]
         return [t for p in projections for t in p.tensors()] + [
-            w.tensor for w in (self.out, self.gate_up, self.down)] + biases
+            w.tensor for w in (self.out, self.gate_up, self.down)] + self.pass_biases.tensors()
 
     def with_tensors(self, tensors: list[Tensor]) -> "PassWeights":
         """These weights reading `tensors` (in `tensors()`'s order) instead, by plain autograd:
-        what a captured block step reads from fixed addresses (model/block_graphs.py)."""
+        what a captured step reads from fixed addresses (model/step_graphs.py)."""
         it = iter(tensors)
         other = copy.copy(self)
         other.plain = [p.with_tensors(it) for p in self.plain]
@@ -133,9 +131,8 @@ class PassWeights:
                                            for p in (self.next, self.last_finished))
         other.out, other.gate_up, other.down = (StackedWeight(next(it), accumulate=False)
                                                 for _ in range(3))
-        other.biases = [AttentionBias(*(None if t is None else next(it)
-                                        for t in (b.slope, b.self_bias, b.group_shift)))
-                        for b in self.biases]
+        other.pass_biases = self.pass_biases.with_tensors(it)
+        other.biases = [other.pass_biases.layer(l) for l in range(len(self.biases))]
         if next(it, None) is not None:
             raise ValueError("PassWeights.with_tensors: more tensors than the weights read")
         return other
@@ -186,6 +183,22 @@ class PassBiases:
                              None if self.self_bias is None else self.self_bias[i:i + 1],
                              self.shift[i, :self.groups[layer]])
         return bias if self.rows is None else self.rows.hand_out(bias, layer)
+
+    def tensors(self) -> list[Tensor]:
+        """The stacks every layer's biases are views of (λ, b_σ where present; the shifts)."""
+        return [t for t in (self.slope, self.self_bias, self.shift) if t is not None]
+
+    def with_tensors(self, tensors: Iterator[Tensor]) -> "PassBiases":
+        """These biases reading the next of `tensors` (in `tensors()`'s order), by plain
+        autograd (a captured step's: it collects no gradient rows)."""
+        if self.rows is not None:
+            raise ValueError("PassBiases.with_tensors: biases that collect gradient rows are "
+                             "read by an eager pass, not a captured one")
+        other = copy.copy(self)
+        other.slope, other.self_bias, other.shift = (None if t is None else next(tensors)
+                                                     for t in (self.slope, self.self_bias,
+                                                               self.shift))
+        return other
 
     def wave(self, cells: slice) -> WaveBias:
         """The biases of a wave's cells, `cells` of the stacks (wavefront.Wave.stack)."""
@@ -279,14 +292,14 @@ class Beta12Transformer(DecoderLM):
         starts = self._document_starts(documents, tokens)
         c = self.config.block_size
         x = self.tok_embeddings(tokens)
-        if self.execution.cuda_graphs and self.block_graphs is None:
+        if self.execution.cuda_graphs and self.step_graphs is None:
             raise ConfigError(f"execution.cuda_graphs = true needs a CUDA device; this model is "
                               f"on {x.device}")
         dropout = self.config.dropout if self.training else 0.0
         if self.execution.schedule == "wavefront" and length > c:
             # Padded to whole blocks (wavefront.py); the tables of the whole padded sequence.
             padded = -(-length // c) * c
-            static = self.wave_step is not None
+            static = self.wave_step is not None or self.step_graphs is not None
             weights = PassWeights(self, finished=True, length=padded, traced=static,
                                   wavefront=True)
             cos, sin = self.rope(0, padded, x)
@@ -294,14 +307,15 @@ class Beta12Transformer(DecoderLM):
                          else PassDocuments(padded_starts(starts, padded), c))
             history = self._history(x, static=static, documents=documents)
             if static:
-                self._prepare_static(history, weights, x)
+                self._prepare_static(history, weights, x,
+                                     units=wave_plan(self, length).waves)
             try:
                 hidden = run_wavefront(self, x, cos, sin, weights, history, dropout=dropout,
-                                       step=self.wave_step)
+                                       step=self.wave_step, graphs=self.step_graphs)
             finally:
                 history.close()
             return self.head(hidden, targets)
-        static = (self.block_step is not None or self.block_graphs is not None) and length > c
+        static = (self.block_step is not None or self.step_graphs is not None) and length > c
         # Built once per pass, outside the checkpointed blocks (which only read them).
         weights = PassWeights(self, finished=length > c, length=length, traced=static)
         # The tables of the whole sequence, once per pass; each block reads a slice (no copy).
@@ -309,7 +323,7 @@ class Beta12Transformer(DecoderLM):
         documents = None if starts is None else PassDocuments(starts, c)
         history = self._history(x, static=static, documents=documents)
         if static:
-            self._prepare_static(history, weights, x)
+            self._prepare_static(history, weights, x, units=length // c)
         hidden = []
         try:
             # Split, not sliced per block: one concatenation in backward instead of a zero-filled
@@ -331,16 +345,18 @@ class Beta12Transformer(DecoderLM):
             history.close()
         return self.head(torch.cat(hidden, dim=1), targets)
 
-    def _prepare_static(self, history: BufferedHistory, weights: PassWeights, x: Tensor) -> None:
-        """Allocate the history before block 0 (the captured step's own buffers with CUDA
-        graphs, which also take this pass's weights)."""
-        c, graphs = self.config, self.block_graphs
+    def _prepare_static(self, history: BufferedHistory, weights: PassWeights, x: Tensor, *,
+                        units: int) -> None:
+        """Allocate the history before the first block (the captured steps' own buffers with
+        CUDA graphs, which also take this pass's weights for its `units` graphed blocks or
+        waves)."""
+        c, graphs = self.config, self.step_graphs
         heads, width = c.num_kv_heads, c.head_dim
         buffers = None
         if graphs is not None:
             buffers = graphs.history_buffers(history.shape(x.shape[0], heads, width),
                                              history.dtype, x.device)
-            graphs.begin_pass(weights, blocks=history.length // c.block_size)
+            graphs.begin_pass(weights, units=units)
         history.allocate(x.shape[0], heads, width, device=x.device, buffers=buffers)
 
     def _static_block(self, x: Tensor, rope: tuple[Tensor, Tensor], view: HistoryView,
@@ -350,8 +366,17 @@ class Beta12Transformer(DecoderLM):
         would be a second graph). Finished KVs always (the last block's are not read)."""
         kwargs = dict(dropout=dropout, finished=True, construction=False)
         full = x.shape[1] == self.config.block_size
-        if full and self.block_graphs is not None:
-            return BlockOutput(*self.block_graphs.run(x, rope, view, **kwargs))
+        if full and self.step_graphs is not None:
+            step = self.block_step or self._block
+
+            def unit(inputs: list[Tensor], constants: list[Tensor], views: list[HistoryView],
+                     weights: PassWeights) -> tuple:
+                out = step(inputs[0], tuple(constants), views[0], weights, **kwargs)
+                return out.hidden, out.finished_k, out.finished_v
+
+            return BlockOutput(*self.step_graphs.run(Unit(
+                kind=("block", dropout), fn=unit, inputs=[x], constants=list(rope),
+                views=[view])))
         step = (self.block_step or self._block) if full else self._block
         with saved_unchecked():
             return self._run(step, x, rope, view, weights, **kwargs)
@@ -380,8 +405,9 @@ class Beta12Transformer(DecoderLM):
     wave_step: Callable[..., WaveOutput] | None = None
     """`wavefront.run_wave` compiled, one graph per kind of wave (`compile_steps`); None:
     eager."""
-    block_graphs: BlockGraphs | None = None
-    """The block step captured in CUDA graphs (`execution.cuda_graphs`, on CUDA); None: not."""
+    step_graphs: StepGraphs | None = None
+    """The block or wave step captured in CUDA graphs (`execution.cuda_graphs`, on CUDA);
+    None: not."""
 
     history_pool: BufferPool | None = None
     """The history buffers kept from one pass for the next, on CPU (history.py, "Reuse")."""
@@ -390,14 +416,10 @@ class Beta12Transformer(DecoderLM):
         super()._select_kernels()
         cpu = self.tok_embeddings.weight.device.type == "cpu"
         self.history_pool = BufferPool() if cpu else None
-        self.block_graphs = None
+        self.step_graphs = None
         if self.execution.cuda_graphs and self.tok_embeddings.weight.device.type == "cuda":
             self._check_static("execution.cuda_graphs = true")
-            self.block_graphs = BlockGraphs(self._graphed_step, CudaCapture())
-
-    def _graphed_step(self, *args: Any, **kwargs: Any) -> BlockOutput:
-        """What the CUDA graphs capture: the compiled step where there is one."""
-        return (self.block_step or self._block)(*args, **kwargs)
+            self.step_graphs = StepGraphs(CudaCapture())
 
     def _check_static(self, setting: str) -> None:
         backend = self.attention_backend

@@ -40,7 +40,7 @@ class ExecutionConfig:
     compile: bool = False
     """torch.compile: beta12's block step, one graph for every block (`cpu_fused` or `triton` attention), or its wave step on the wavefront, one graph per kind of wave (`triton`); the other arms' residual branches (applied by the engine)."""
     cuda_graphs: bool = False
-    """Capture the beta12 block step in CUDA graphs, replayed per block (CUDA only; needs activation_checkpoint = block and triton or cpu_fused attention)."""
+    """Capture beta12's step in CUDA graphs, replayed per block (activation_checkpoint = block; triton or cpu_fused attention) or per wave (wavefront, activation_checkpoint = wave; triton); CUDA only."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -69,15 +69,12 @@ class ExecutionConfig:
             raise ConfigError("execution.activation_checkpoint = wave needs the wavefront "
                               "schedule: set execution.schedule = wavefront, or "
                               "activation_checkpoint = block")
-        if wavefront and self.cuda_graphs:
-            raise ConfigError("execution.cuda_graphs = true captures the block schedule's "
-                              "step; the wavefront schedule is compiled (execution.compile = "
-                              "true) or eager: set execution.cuda_graphs = false, or "
-                              "execution.schedule = block")
-        if self.cuda_graphs and self.activation_checkpoint != "block":
-            raise ConfigError("execution.cuda_graphs = true replays the forward, and the "
-                              "recompute and backward, of a checkpointed block: set "
-                              "execution.activation_checkpoint = block")
+        unit = "wave" if wavefront else "block"
+        if self.cuda_graphs and self.activation_checkpoint != unit:
+            raise ConfigError(f"execution.cuda_graphs = true replays the forward, and the "
+                              f"recompute and backward, of a checkpointed {unit} (the "
+                              f"{self.schedule} schedule's recompute unit): set "
+                              f"execution.activation_checkpoint = {unit}")
 
 
 __all__ = ["ExecutionConfig", "CHECKPOINT_MODES", "SCHEDULES", "ATTENTION_BACKENDS",

@@ -53,6 +53,7 @@ from torch import Tensor
 
 from megabeta.model.history import BufferedHistory, PieceHistory, saved_unchecked
 from megabeta.model.layers import stacked_linear
+from megabeta.model.step_graphs import StepGraphs, Unit
 
 if TYPE_CHECKING:  # only for annotations: beta12 imports this module
     from megabeta.model.beta12 import Beta12Transformer, PassWeights
@@ -243,20 +244,28 @@ def _next_inputs(normalized: Tensor, weights: "PassWeights", sel: slice, cos: Te
     return (q, k, v), list(zip(fk, fv))
 
 
+def wave_plan(model: "Beta12Transformer", length: int) -> WavePlan:
+    """The waves of a pass of `length` tokens (padded to whole blocks)."""
+    layers = len(model.layers)
+    return WavePlan(-(-length // model.config.block_size), layers,
+                    min(model.config.depth_window, layers - 1) + 1)
+
+
 def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tensor,
                   weights: "PassWeights", history: BufferedHistory | PieceHistory, *,
-                  dropout: float, step: Callable[..., WaveOutput] | None = None) -> Tensor:
+                  dropout: float, step: Callable[..., WaveOutput] | None = None,
+                  graphs: StepGraphs | None = None) -> Tensor:
     """The final hidden states `[B, T, d]` of the embeddings `x [B, T, d]` (T > c), wave by
     wave; `cos/sin [T', d_h]` cover the padded length T' = ⌈T/c⌉·c. `step`: `run_wave`
-    compiled (beta12 `compile_steps`), which reads the history's static views (`step_view`,
-    allocated before) and `weights` built for tracing; None: `run_wave`, eagerly."""
+    compiled (beta12 `compile_steps`); `graphs`: the waves replayed from CUDA graphs
+    (step_graphs.py, its pass begun). Either reads the history's static views (`step_view`,
+    allocated before) and `weights` built for tracing; neither: `run_wave`, eagerly."""
     c, length = model.config.block_size, x.shape[1]
-    blocks = -(-length // c)
+    plan = wave_plan(model, length)
+    blocks = plan.blocks
     if blocks * c > length:
         x = F.pad(x, (0, 0, 0, blocks * c - length))
     cos, sin = cos.unflatten(0, (blocks, c)), sin.unflatten(0, (blocks, c))
-    layers = len(model.layers)
-    plan = WavePlan(blocks, layers, min(model.config.depth_window, layers - 1) + 1)
     embeddings = x.split(c, dim=1)
 
     def entering(t: int) -> Entering | None:
@@ -271,10 +280,11 @@ def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tenso
     # the one it enters.
     state, qkv = embeddings[0][None], tuple(t[None] for t in _enter(model, weights,
                                                                       entering(0)))
-    static = step is not None
+    static = step is not None or graphs is not None
     with contextlib.ExitStack() as scope:
         if static:
             scope.enter_context(saved_unchecked())
+        if step is not None:
             # One graph per kind of wave (and per grad mode): more than dynamo's default limit
             # of recompiles of one function where the plan has many kinds.
             limit = max(torch._dynamo.config.recompile_limit, 2 * plan.kinds())
@@ -284,8 +294,12 @@ def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tenso
             views = [history.step_view(b * c, c) if static else history.view(b * c)
                      for b, _ in wave.cells]
             cells = slice(wave.first, wave.first + len(wave.layers))
-            out = model._run(step or run_wave, model, state, qkv, views, wave, weights,
-                             cos[cells], sin[cells], entering(t + 1), dropout=dropout)
+            if graphs is not None:
+                out = _replay_wave(graphs, step or run_wave, model, state, qkv, views, wave,
+                                   cos[cells], sin[cells], entering(t + 1), dropout=dropout)
+            else:
+                out = model._run(step or run_wave, model, state, qkv, views, wave, weights,
+                                 cos[cells], sin[cells], entering(t + 1), dropout=dropout)
             published = [(b * c, l) for b, l in wave.cells if b < blocks - 1]
             if published:
                 history.publish(published, [k for k, _ in out.finished[:len(published)]],
@@ -294,3 +308,26 @@ def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tenso
                 hidden.append(out.hidden)
             state, qkv = out.x, out.qkv
     return torch.cat(hidden, dim=1)[:, :length]
+
+
+def _replay_wave(graphs: StepGraphs, step: Callable[..., WaveOutput], model: "Beta12Transformer",
+                 x: Tensor, qkv: QKV, views: list[Any], wave: Wave, cos: Tensor, sin: Tensor,
+                 entering: Entering | None, *, dropout: float) -> WaveOutput:
+    """One wave through its kind's CUDA graphs (`run_wave`'s arguments; `step` the function
+    captured). Its kind: its layers (which fix whether a block leaves) and whether one
+    enters, as a compiled step's (`WavePlan.kinds`)."""
+
+    def unit(inputs: list[Tensor], constants: list[Tensor], views: list[Any],
+             weights: "PassWeights") -> tuple:
+        x, q, k, v, *block = inputs
+        cos, sin, *rope = constants
+        out = step(model, x, (q, k, v), views, wave, weights, cos, sin,
+                   Entering(block[0], *rope) if block else None, dropout=dropout)
+        return out.x, out.qkv, out.finished, out.hidden
+
+    block = [] if entering is None else [entering]
+    out = graphs.run(Unit(kind=("wave", tuple(wave.layers), bool(block), dropout), fn=unit,
+                          inputs=[x, *qkv, *(e.x for e in block)],
+                          constants=[cos, sin, *(t for e in block for t in (e.cos, e.sin))],
+                          views=views))
+    return WaveOutput(*out)

@@ -93,17 +93,20 @@ def test_static_block_step_equals_eager(mode: str, graphs: int, documents: bool,
 
 @shapes
 @pytest.mark.parametrize("documents", [False, True], ids=["", "documents"])
-def test_compiled_wavefront_equals_eager(documents: bool, shape: str, within) -> None:
-    """fp32, MHA, wave checkpointing: one graph per kind of wave (`WavePlan.kinds`) over two
-    steps; loss and gradients the eager wavefront's."""
+@pytest.mark.parametrize("mode,per_kind", [("compiled", 1), ("graphed", 2)])
+def test_static_wavefront_equals_eager(mode: str, per_kind: int, documents: bool, shape: str,
+                                       within) -> None:
+    """fp32, MHA, wave checkpointing: one compiled graph, or a forward and a backward CUDA
+    graph, per kind of wave (`WavePlan.kinds`) over two steps; loss and gradients the eager
+    wavefront's."""
     from megabeta.model.wavefront import WavePlan
 
     fields, length, _ = model_shape(shape, "mha")
-    errors, got = static_step_errors(BACKEND, torch.float32, CUDA, fields, length, "compiled",
+    errors, got = static_step_errors(BACKEND, torch.float32, CUDA, fields, length, mode,
                                      documents, schedule="wavefront")
     within(errors, GRAD_TOL["fp32"])
     config = ModelConfig(**fields)
     layers = config.num_layers
     kinds = WavePlan(-(-length // config.block_size), layers,
                      min(config.depth_window, layers - 1) + 1).kinds()
-    assert got == kinds, f"{got} graphs, expected {kinds} (the kinds of wave)"
+    assert got == per_kind * kinds, f"{got} graphs, expected {per_kind} per kind of wave ({kinds})"

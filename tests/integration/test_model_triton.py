@@ -167,22 +167,16 @@ def test_triton_document_masks_match_reference_and_explicit_gradients(
         torch.testing.assert_close(p.grad.double(), q.grad, atol=2e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("case,checkpoint", [("c2_k1_gqa_window", "wave")])
-def test_triton_wavefront_compiles_once_per_kind_of_wave(case: str, checkpoint: str) -> None:
-    """`execution.compile` on the wavefront schedule: over two training steps, each kind of
-    wave (`WavePlan.kinds`: its layers, whether a block leaves or enters) compiles one graph,
-    and loss and gradients are the eager wavefront's."""
-    import copy
-
+def _kinds_of_wave(config) -> int:
     from megabeta.model.wavefront import WavePlan
-    from megabeta.parallel.wrap import apply_compile
-    from support.compile_counts import assert_graphs, fresh_dynamo
 
-    model, _ = _pair(case, activation_checkpoint=checkpoint, schedule="wavefront")
-    eager = copy.deepcopy(model)
-    fresh_dynamo()
-    apply_compile(model)
-    assert model.wave_step is not None
+    layers = config.num_layers
+    return WavePlan(-(-T // config.block_size), layers,
+                    min(config.depth_window, layers - 1) + 1).kinds()
+
+
+def _assert_trains_like_eager(model: torch.nn.Module, eager: torch.nn.Module) -> None:
+    """Two training steps (batch 1 of T tokens): the same loss and parameter gradients."""
     for step in range(2):
         x = tokens(batch=1, length=T, seed=step)
         results = []
@@ -198,7 +192,41 @@ def test_triton_wavefront_compiles_once_per_kind_of_wave(case: str, checkpoint: 
                 assert got is None or not got.any(), name
                 continue
             torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-4, msg=name)
-    config = model.config
-    layers = config.num_layers
-    assert_graphs(WavePlan(-(-T // config.block_size), layers,
-                           min(config.depth_window, layers - 1) + 1).kinds())
+
+
+@pytest.mark.parametrize("case,checkpoint", [("c2_k1_gqa_window", "wave")])
+def test_triton_wavefront_compiles_once_per_kind_of_wave(case: str, checkpoint: str) -> None:
+    """`execution.compile` on the wavefront schedule: over two training steps, each kind of
+    wave (`WavePlan.kinds`: its layers, whether a block leaves or enters) compiles one graph,
+    and loss and gradients are the eager wavefront's."""
+    import copy
+
+    from megabeta.parallel.wrap import apply_compile
+    from support.compile_counts import assert_graphs, fresh_dynamo
+
+    model, _ = _pair(case, activation_checkpoint=checkpoint, schedule="wavefront")
+    eager = copy.deepcopy(model)
+    fresh_dynamo()
+    apply_compile(model)
+    assert model.wave_step is not None
+    _assert_trains_like_eager(model, eager)
+    assert_graphs(_kinds_of_wave(model.config))
+
+
+@pytest.mark.parametrize("case", ["c2_k1_gqa_window"])
+def test_triton_wavefront_replays_each_kind_of_wave(case: str) -> None:
+    """`execution.cuda_graphs` on the wavefront schedule, `EagerCapture` standing in for CUDA
+    graphs (model/step_graphs.py): each kind of wave captures a forward and a backward graph
+    at the first step and replays them since (the second step's weights copied in); loss and
+    gradients are the eager wavefront's, every wave's inputs, starts and outputs going through
+    the fixed tensors."""
+    import copy
+
+    from megabeta.model.step_graphs import EagerCapture, StepGraphs
+
+    model, _ = _pair(case, activation_checkpoint="wave", schedule="wavefront")
+    eager = copy.deepcopy(model)
+    capture = EagerCapture()
+    model.step_graphs = StepGraphs(capture)
+    _assert_trains_like_eager(model, eager)
+    assert capture.captured == 2 * _kinds_of_wave(model.config)

@@ -454,7 +454,7 @@ def static_step_errors(backend: str, dtype: torch.dtype, device: torch.device,
                        fields: dict[str, Any], length: int, mode: str, documents: bool = False,
                        schedule: str = "block") -> tuple[dict[str, float], int]:
     """The static step, compiled (`mode` "compiled": execution.compile) or captured in CUDA
-    graphs ("graphed": execution.cuda_graphs, the block schedule's), against the eager loop of
+    graphs ("graphed": execution.cuda_graphs), against the eager loop of
     `schedule` on the same device and weights over two training steps with block (wavefront:
     wave) checkpointing: (the errors, how many graphs it took: compiled graphs, or CUDA graphs
     captured)."""

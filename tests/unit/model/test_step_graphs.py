@@ -1,18 +1,18 @@
-"""The captured block step (`execution.cuda_graphs`, model/block_graphs.py), checked on a CPU
-with `EagerCapture` in place of CUDA graphs: the fixed tensors, the copies in and out and the
-hand-out of the weights' gradients give the eager loop's loss and gradients."""
+"""The captured steps (`execution.cuda_graphs`, model/step_graphs.py), checked on a CPU with
+`EagerCapture` in place of CUDA graphs: the fixed tensors, the copies in and out and the
+hand-out of the weights' gradients give the eager loop's loss and gradients (the wavefront's
+waves: tests/integration/test_model_triton.py, which has a backend that reads waves statically)."""
 
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megabeta.kernels import finished_groups
 from megabeta.model import ConfigError, ExecutionConfig, build_model
-from megabeta.model.block_graphs import BlockGraphs, EagerCapture
+from megabeta.model.step_graphs import EagerCapture, StepGraphs, Unit
 from megabeta.model.history import BufferedHistory, HistoryView
 
 from support.model_helpers import assert_trains_like, tiny_config, tiny_model, tokens
@@ -25,7 +25,7 @@ def test_replayed_steps_train_like_the_eager_loop() -> None:
                        block_size=4, num_kv_heads=2)
     eager = copy.deepcopy(model)
     capture = EagerCapture()
-    model.block_graphs = BlockGraphs(model._graphed_step, capture)
+    model.step_graphs = StepGraphs(capture)
     assert_trains_like(model, eager, steps=2, length=22,
                        tolerance=dict(rtol=1e-10, atol=1e-13))
     # One forward and one backward graph, captured at the first step and replayed since (the
@@ -49,7 +49,7 @@ def test_replayed_steps_with_documents_train_like_the_eager_loop() -> None:
                        block_size=4)
     eager = copy.deepcopy(model)
     capture = EagerCapture()
-    model.block_graphs = BlockGraphs(model._graphed_step, capture)
+    model.step_graphs = StepGraphs(capture)
     starts = torch.zeros(2, 22, dtype=torch.int64)
     starts[0, [3, 9, 10]] = 1
     starts[1, [13]] = 1
@@ -60,9 +60,11 @@ def test_replayed_steps_with_documents_train_like_the_eager_loop() -> None:
     assert capture.captured == 4
 
 
-def test_cuda_graphs_need_block_checkpointing() -> None:
-    with pytest.raises(ConfigError, match="activation_checkpoint = block"):
-        ExecutionConfig(cuda_graphs=True)
+@pytest.mark.parametrize("schedule,unit", [("block", "block"), ("wavefront", "wave")])
+def test_cuda_graphs_need_the_schedules_checkpointing(schedule: str, unit: str) -> None:
+    ExecutionConfig(cuda_graphs=True, schedule=schedule, activation_checkpoint=unit)
+    with pytest.raises(ConfigError, match=f"activation_checkpoint = {unit}"):
+        ExecutionConfig(cuda_graphs=True, schedule=schedule)
 
 
 def test_cuda_graphs_on_a_cpu_model_say_so() -> None:
@@ -93,12 +95,11 @@ def test_replayed_steps_keep_the_forwards_autocast() -> None:
     the forward ran in (on a GPU the recompute met a bf16 activation with a float32 weight)."""
     seen: list[tuple[bool, torch.dtype]] = []
 
-    def step(x, rope, view, weights):  # a one-matmul "block" that records what it ran under
+    def step(inputs, constants, views, weights):  # a one-matmul unit recording its autocast
         seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
-        hidden = x @ weights.w
-        return SimpleNamespace(hidden=hidden, finished_k=[hidden], finished_v=[hidden])
+        return inputs[0] @ weights.w
 
-    graphs = BlockGraphs(step, EagerCapture())
+    graphs = StepGraphs(EagerCapture())
     w = torch.randn(4, 4, requires_grad=True)
     x = torch.randn(1, 3, 4, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -106,8 +107,9 @@ def test_replayed_steps_keep_the_forwards_autocast() -> None:
         keys, values, *grads = history
         view = HistoryView(BufferedHistory([[]], 0, 3, dtype=torch.bfloat16), keys, values,
                            torch.zeros((), dtype=torch.int64), None, None, grads=tuple(grads))
-        graphs.begin_pass(_OneWeight(w), blocks=1)
-        hidden = graphs.run(x, (torch.ones(3), torch.ones(3)), view)[0]
+        graphs.begin_pass(_OneWeight(w), units=1)
+        hidden = graphs.run(Unit(kind="matmul", fn=step, inputs=[x], constants=[],
+                                 views=[view]))
     assert hidden.dtype == torch.bfloat16
     hidden.float().sum().backward()  # outside autocast, as autograd runs it
     assert seen and all(state == (True, torch.bfloat16) for state in seen), seen
@@ -121,11 +123,11 @@ def test_a_dtype_cast_keeps_the_runtime_state_a_device_change_renews() -> None:
     """`.to(dtype)` keeps what the model holds for its device (captured graphs, pooled history
     buffers: keyed by dtype); only another device chooses the kernels again."""
     model = tiny_model(torch.float64, attention="explicit", activation_checkpoint="block")
-    graphs = model.block_graphs = BlockGraphs(model._graphed_step, EagerCapture())
+    graphs = model.step_graphs = StepGraphs(EagerCapture())
     pool, backend = model.history_pool, model.attention_backend
     model.float()
-    assert model.block_graphs is graphs and model.history_pool is pool
+    assert model.step_graphs is graphs and model.history_pool is pool
     assert model.attention_backend is backend
     model.to("meta")
-    assert model.block_graphs is None and model.history_pool is None
+    assert model.step_graphs is None and model.history_pool is None
     assert model.kernels_device == torch.device("meta")
