@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from megabeta.model.attention import AttentionBias, BiasRows, PassDocuments, WaveBias
-from megabeta.model.step_graphs import CudaCapture, StepGraphs, Unit
+from megabeta.model.step_graphs import CudaCapture, StepGraphs
 from megabeta.model.cache import DecodeCache
 from megabeta.model.config import ConfigError
 from megabeta.model.documents import padded_starts
@@ -34,8 +33,6 @@ from megabeta.model.history import (
     HistoryView,
     PieceHistory,
     PieceView,
-    block_cells,
-    saved_unchecked,
 )
 from megabeta.model.layers import (
     BranchWeights,
@@ -45,7 +42,8 @@ from megabeta.model.layers import (
     fused_input_rows,
 )
 from megabeta.model.transformer import DecoderLM, ParallelPlan
-from megabeta.model.wavefront import WaveOutput, run_wave, run_wavefront, wave_plan
+from megabeta.model.block_schedule import BlockOutput
+from megabeta.model.schedule import SCHEDULES, Schedule
 
 
 class PassWeights:
@@ -207,20 +205,6 @@ class PassBiases:
                         self.shift[cells], self.rows, cells)
 
 
-@dataclass
-class BlockOutput:
-    """What one block through all layers produces (`Beta12Transformer._block`)."""
-
-    hidden: Tensor
-    """Final hidden states `[B, n, d]`."""
-    finished_k: list[Tensor] = field(default_factory=list)
-    """Per layer, the block's finished keys (when asked for)."""
-    finished_v: list[Tensor] = field(default_factory=list)
-    construction_k: list[Tensor] = field(default_factory=list)
-    """Per layer, the block's construction keys (decoding)."""
-    construction_v: list[Tensor] = field(default_factory=list)
-
-
 class Beta12Transformer(DecoderLM):
     """beta_1.2 (spec §1-§4): attention reads finished KVs of layers l … l+k of earlier blocks."""
 
@@ -296,54 +280,27 @@ class Beta12Transformer(DecoderLM):
             raise ConfigError(f"execution.cuda_graphs = true needs a CUDA device; this model is "
                               f"on {x.device}")
         dropout = self.config.dropout if self.training else 0.0
-        if self.execution.schedule == "wavefront" and length > c:
-            # Padded to whole blocks (wavefront.py); the tables of the whole padded sequence.
-            padded = -(-length // c) * c
-            static = self.wave_step is not None or self.step_graphs is not None
-            weights = PassWeights(self, finished=True, length=padded, traced=static,
-                                  wavefront=True)
-            cos, sin = self.rope(0, padded, x)
-            documents = (None if starts is None
-                         else PassDocuments(padded_starts(starts, padded), c))
-            history = self._history(x, static=static, documents=documents)
-            if static:
-                self._prepare_static(history, weights, x,
-                                     units=wave_plan(self, length).waves)
-            try:
-                hidden = run_wavefront(self, x, cos, sin, weights, history, dropout=dropout,
-                                       step=self.wave_step, graphs=self.step_graphs)
-            finally:
-                history.close()
-            return self.head(hidden, targets)
-        static = (self.block_step is not None or self.step_graphs is not None) and length > c
-        # Built once per pass, outside the checkpointed blocks (which only read them).
-        weights = PassWeights(self, finished=length > c, length=length, traced=static)
-        # The tables of the whole sequence, once per pass; each block reads a slice (no copy).
-        cos, sin = self.rope(0, length, x)
-        documents = None if starts is None else PassDocuments(starts, c)
+        # A single block reads no history: the block step, eagerly, whatever the schedule.
+        schedule = self.schedule if length > c else SCHEDULES["block"]
+        padded = -(-length // c) * c if schedule.batched else length
+        static = ((self.compiled_step is not None or self.step_graphs is not None)
+                  and length > c)
+        # Built once per pass, outside the recompute units (which only read them).
+        weights = PassWeights(self, finished=length > c, length=padded, traced=static,
+                              wavefront=schedule.batched)
+        # The tables of the whole (padded) sequence, once per pass; units read slices.
+        cos, sin = self.rope(0, padded, x)
+        documents = (None if starts is None
+                     else PassDocuments(padded_starts(starts, padded), c))
         history = self._history(x, static=static, documents=documents)
         if static:
-            self._prepare_static(history, weights, x, units=length // c)
-        hidden = []
+            self._prepare_static(history, weights, x, units=schedule.units(self, length))
         try:
-            # Split, not sliced per block: one concatenation in backward instead of a zero-filled
-            # [B, T, d] gradient per block.
-            for s, block in zip(range(0, length, c), x.split(c, dim=1)):
-                e = min(s + c, length)
-                rope = (cos[s:e], sin[s:e])
-                if static:
-                    out = self._static_block(block, rope, history.step_view(s, e - s), weights,
-                                             dropout=dropout)
-                else:
-                    out = self._run(self._block, block, rope, history.view(s), weights,
-                                    dropout=dropout, finished=e < length, construction=False)
-                if e < length:
-                    history.publish(block_cells(s, len(self.layers)), out.finished_k,
-                                    out.finished_v)
-                hidden.append(out.hidden)
+            hidden = schedule.run(self, x, cos, sin, weights, history, dropout=dropout,
+                                  static=static)
         finally:
             history.close()
-        return self.head(torch.cat(hidden, dim=1), targets)
+        return self.head(hidden, targets)
 
     def _prepare_static(self, history: BufferedHistory, weights: PassWeights, x: Tensor, *,
                         units: int) -> None:
@@ -358,28 +315,6 @@ class Beta12Transformer(DecoderLM):
                                              history.dtype, x.device)
             graphs.begin_pass(weights, units=units)
         history.allocate(x.shape[0], heads, width, device=x.device, buffers=buffers)
-
-    def _static_block(self, x: Tensor, rope: tuple[Tensor, Tensor], view: HistoryView,
-                      weights: PassWeights, *, dropout: float) -> BlockOutput:
-        """One block of a static pass: a full block replayed (CUDA graphs, which recompute in
-        backward themselves) or through the compiled step; a ragged last block eagerly (it
-        would be a second graph). Finished KVs always (the last block's are not read)."""
-        kwargs = dict(dropout=dropout, finished=True, construction=False)
-        full = x.shape[1] == self.config.block_size
-        if full and self.step_graphs is not None:
-            step = self.block_step or self._block
-
-            def unit(inputs: list[Tensor], constants: list[Tensor], views: list[HistoryView],
-                     weights: PassWeights) -> tuple:
-                out = step(inputs[0], tuple(constants), views[0], weights, **kwargs)
-                return out.hidden, out.finished_k, out.finished_v
-
-            return BlockOutput(*self.step_graphs.run(Unit(
-                kind=("block", dropout), fn=unit, inputs=[x], constants=list(rope),
-                views=[view])))
-        step = (self.block_step or self._block) if full else self._block
-        with saved_unchecked():
-            return self._run(step, x, rope, view, weights, **kwargs)
 
     def _history(self, x: Tensor, *, static: bool,
                  documents: PassDocuments | None) -> BufferedHistory | PieceHistory:
@@ -399,15 +334,18 @@ class Beta12Transformer(DecoderLM):
         `layers.apply_rope`)."""
         return autocast_dtype(x.device) or self.layers[0].attention.wq.weight.dtype
 
-    # ---- the static block step ------------------------------------------------------------------
-    block_step: Callable[..., BlockOutput] | None = None
-    """`_block` compiled once for every full block (`compile_steps`); None: eager."""
-    wave_step: Callable[..., WaveOutput] | None = None
-    """`wavefront.run_wave` compiled, one graph per kind of wave (`compile_steps`); None:
-    eager."""
+    # ---- the static step ------------------------------------------------------------------------
+    @property
+    def schedule(self) -> Schedule:
+        """The order of a training pass's cells (`execution.schedule`, schedule.py)."""
+        return SCHEDULES[self.execution.schedule]
+
+    compiled_step: Callable[..., Any] | None = None
+    """The schedule's step compiled (`compile_steps`): `_block`, one graph for every full block,
+    or `wavefront.run_wave`, one graph per kind of wave; None: eager."""
     step_graphs: StepGraphs | None = None
-    """The block or wave step captured in CUDA graphs (`execution.cuda_graphs`, on CUDA);
-    None: not."""
+    """The schedule's step captured in CUDA graphs per block or wave (`execution.cuda_graphs`,
+    on CUDA); None: not."""
 
     history_pool: BufferPool | None = None
     """The history buffers kept from one pass for the next, on CPU (history.py, "Reuse")."""
@@ -422,27 +360,19 @@ class Beta12Transformer(DecoderLM):
             self.step_graphs = StepGraphs(CudaCapture())
 
     def _check_static(self, setting: str) -> None:
-        backend = self.attention_backend
-        if self.execution.schedule == "wavefront":
-            if not backend.capabilities.static_waves:
-                raise ConfigError(f"{setting} on the wavefront schedule runs each kind of wave "
-                                  f"through one graph, which needs an attention backend that "
-                                  f"reads a wave's cells in one call at starts held in a tensor "
-                                  f"(triton), not execution.attention = {backend.name!r}; or "
-                                  f"set execution.schedule = block")
-        elif not backend.capabilities.static_step:
-            raise ConfigError(f"{setting} runs the beta12 block step from fixed buffers, which "
-                              f"needs an attention backend that reads the history at a start "
-                              f"held in a tensor (cpu_fused or triton), not "
-                              f"execution.attention = {backend.name!r}")
+        backend, schedule = self.attention_backend, self.schedule
+        if not getattr(backend.capabilities, schedule.static_capability):
+            raise ConfigError(f"{setting} on the {schedule.name} schedule "
+                              f"{schedule.static_needs}; execution.attention = "
+                              f"{backend.name!r} does not")
 
     def parallel_plan(self) -> ParallelPlan:
         """One FSDP unit per layer; compiled: the block or wave step (`compile_steps`)."""
         return ParallelPlan(tuple(self.layers), self.compile_steps)
 
     def compile_steps(self) -> None:
-        """`torch.compile(fullgraph=True)` the schedule's step: forward, and backward (under
-        activation checkpointing, recompute and backward).
+        """`torch.compile(fullgraph=True)` the schedule's step (`Schedule.compile`): forward,
+        and backward (under activation checkpointing, recompute and backward).
 
         Block schedule: every full block of a sequence through ONE graph of `_block`. Nothing
         the graph sees differs between blocks but tensor contents: the history is read from
@@ -455,10 +385,7 @@ class Beta12Transformer(DecoderLM):
         kind of wave (its layers, whether a block leaves or enters; `WavePlan.kinds`), shared by
         every wave of that kind, the steady state's p kinds by most of them."""
         self._check_static("execution.compile = true")
-        if self.execution.schedule == "wavefront":
-            self.wave_step = torch.compile(run_wave, fullgraph=True, dynamic=False)
-        else:
-            self.block_step = torch.compile(self._block, fullgraph=True)
+        self.compiled_step = self.schedule.compile(self)
 
     # ---- decoding (spec §4.5) -------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:

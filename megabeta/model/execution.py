@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 from megabeta.model.attention.select import BACKENDS
 from megabeta.model.config import ConfigError
+from megabeta.model.schedule import SCHEDULES as REGISTERED
 
 CHECKPOINT_MODES = ("none", "block", "wave")
-SCHEDULES = ("block", "wavefront")
+SCHEDULES = tuple(REGISTERED)
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
 REMOVED_ATTENTION = {
     "sdpa": "explicit (attention dropout) or auto",
@@ -61,15 +62,15 @@ class ExecutionConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"execution.{name} = {getattr(self, name)!r}: must be true or "
                                   "false")
-        wavefront = self.schedule == "wavefront"
-        if wavefront and self.activation_checkpoint == "block":
-            raise ConfigError("execution.schedule = wavefront recomputes per wave, not per "
-                              "block: set execution.activation_checkpoint = wave (or none)")
-        if self.activation_checkpoint == "wave" and not wavefront:
-            raise ConfigError("execution.activation_checkpoint = wave needs the wavefront "
-                              "schedule: set execution.schedule = wavefront, or "
-                              "activation_checkpoint = block")
-        unit = "wave" if wavefront else "block"
+        unit = REGISTERED[self.schedule].unit
+        if self.activation_checkpoint not in ("none", unit):
+            others = [s.name for s in REGISTERED.values()
+                      if s.unit == self.activation_checkpoint]
+            raise ConfigError(
+                f"execution.activation_checkpoint = {self.activation_checkpoint} recomputes a "
+                f"{self.activation_checkpoint}, but execution.schedule = {self.schedule} "
+                f"recomputes per {unit}: set execution.activation_checkpoint = {unit} (or "
+                f"none)" + "".join(f", or execution.schedule = {o}" for o in others))
         if self.cuda_graphs and self.activation_checkpoint != unit:
             raise ConfigError(f"execution.cuda_graphs = true replays the forward, and the "
                               f"recompute and backward, of a checkpointed {unit} (the "

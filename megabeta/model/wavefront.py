@@ -33,7 +33,8 @@ Finished KVs are published per wave, one cell per layer (history.py), except the
 which nobody reads. With `activation_checkpoint = wave` one wave is the recompute unit: backward
 keeps each wave's inputs (the cells' residual streams and next queries and construction KVs).
 With `execution.compile` (beta12 `compile_steps`) each wave runs `run_wave` compiled, reading
-static history views: one graph per kind of wave (`WavePlan.kinds`).
+static history views: one graph per kind of wave (`WavePlan.kinds`); with `execution.cuda_graphs`
+each kind of wave is captured in two CUDA graphs (step_graphs.py).
 
 A ragged last block is padded to c tokens with zero embeddings: causality keeps the padding out
 of every real token (it follows them in the block, and the last block publishes nothing) and its
@@ -253,14 +254,15 @@ def wave_plan(model: "Beta12Transformer", length: int) -> WavePlan:
 
 def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tensor,
                   weights: "PassWeights", history: BufferedHistory | PieceHistory, *,
-                  dropout: float, step: Callable[..., WaveOutput] | None = None,
-                  graphs: StepGraphs | None = None) -> Tensor:
+                  dropout: float, static: bool) -> Tensor:
     """The final hidden states `[B, T, d]` of the embeddings `x [B, T, d]` (T > c), wave by
-    wave; `cos/sin [T', d_h]` cover the padded length T' = ⌈T/c⌉·c. `step`: `run_wave`
-    compiled (beta12 `compile_steps`); `graphs`: the waves replayed from CUDA graphs
-    (step_graphs.py, its pass begun). Either reads the history's static views (`step_view`,
-    allocated before) and `weights` built for tracing; neither: `run_wave`, eagerly."""
+    wave; `cos/sin [T', d_h]` cover the padded length T' = ⌈T/c⌉·c. `static`: every wave
+    through the model's compiled step (`compiled_step`, `run_wave` compiled) and/or its CUDA
+    graphs (`step_graphs`, its pass begun), reading the history's static views (`step_view`,
+    allocated before) and `weights` built for tracing; otherwise `run_wave`, eagerly."""
     c, length = model.config.block_size, x.shape[1]
+    step = model.compiled_step if static else None
+    graphs = model.step_graphs if static else None
     plan = wave_plan(model, length)
     blocks = plan.blocks
     if blocks * c > length:
@@ -280,7 +282,6 @@ def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tenso
     # the one it enters.
     state, qkv = embeddings[0][None], tuple(t[None] for t in _enter(model, weights,
                                                                       entering(0)))
-    static = step is not None or graphs is not None
     with contextlib.ExitStack() as scope:
         if static:
             scope.enter_context(saved_unchecked())

@@ -147,7 +147,7 @@ def test_unmasked_micro_batches_keep_the_weights_of_a_plain_mean(accumulation):
     batches = [torch.zeros(2, 9, dtype=torch.int64) for _ in range(accumulation)]
     for world_size in (1, 4):  # 4: as one of 4 ranks (no group here, so the loss is not summed)
         engine = _Recorder()
-        loss = accumulate_step(engine, batches, CPU, world_size=world_size)
+        accumulate_step(engine, batches, CPU, world_size=world_size)
         assert engine.scales == [1.0 / accumulation] * accumulation
     assert accumulate_step(_Recorder(), batches, CPU, world_size=1) == 2.5
 

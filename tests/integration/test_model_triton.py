@@ -208,7 +208,7 @@ def test_triton_wavefront_compiles_once_per_kind_of_wave(case: str, checkpoint: 
     eager = copy.deepcopy(model)
     fresh_dynamo()
     apply_compile(model)
-    assert model.wave_step is not None
+    assert model.compiled_step is not None
     _assert_trains_like_eager(model, eager)
     assert_graphs(_kinds_of_wave(model.config))
 

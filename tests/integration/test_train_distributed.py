@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from support.dist_helpers import launcher_free_environ
-from support.train_helpers import REPO, TINY, launch, losses, train_records
+from support.train_helpers import TINY, launch, losses, train_records
 from support import REPO, SCRIPTS
 
 STEPS = ["--train.steps=6", "--optim.lr=1e-2"]

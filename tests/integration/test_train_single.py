@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megabeta.config import load_config
-from support.model_helpers import tiny_model, tokens
+from support.model_helpers import tiny_model
 from support.train_helpers import TINY, launch, losses, train_records
 
 
@@ -156,14 +156,14 @@ def test_bad_checkpoints_and_configs_are_clear_errors(full_run: Path, tiny_data,
 
 def test_engine_compiles_the_block_step_when_asked() -> None:
     """execution.compile = true: the engine applies apply_compile (whose graphs and results
-    tests/test_block_step.py checks against the eager loop)."""
+    tests/unit/model/test_block_step.py checks against the eager loop)."""
     from megabeta.engine.torch_engine import TorchEngine
 
     config = load_config(overrides=["--execution.compile=true", "--parallel.backend=single"])
     model = tiny_model(dtype=torch.float32)
-    assert model.block_step is None
+    assert model.compiled_step is None
     TorchEngine(model, config, torch.device("cpu"))
-    assert model.block_step is not None
+    assert model.compiled_step is not None
 
 
 @pytest.mark.parametrize("flag,tolerance", [("--train.precision=bf16", 5e-2)], ids=["bf16"])

@@ -1,6 +1,6 @@
 """`cpu_fused`'s merged attention as the "cpu_fused" implementation of
 `megabeta::history_attention` (`megabeta/kernels/history_attention.py`): what the static block
-step (beta12.py, `block_step`) calls on CPU.
+step (beta12.py, `compiled_step`) calls on CPU.
 
 The eager block loop hands `merged.merged_cells` its groups as views sliced at a Python int
 (`history.HistoryView.batches`), which a traced graph would bake in: one graph per block. The

@@ -3,7 +3,6 @@ for a file that is not one."""
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 

@@ -38,9 +38,9 @@ def test_one_graph_for_every_block(dtype: torch.dtype, checkpoint: str, flags: d
     eager = copy.deepcopy(model)
     fresh_dynamo()
     apply_compile(model)
-    assert model.block_step is not None
+    assert model.compiled_step is not None
     calls, steps = [], []
-    compiled = model.block_step
+    compiled = model.compiled_step
 
     def step(*args, **kwargs):
         start = args[2].start.item()
@@ -49,7 +49,7 @@ def test_one_graph_for_every_block(dtype: torch.dtype, checkpoint: str, flags: d
         calls.append(start)
         return compiled(*args, **kwargs)
 
-    model.block_step = step
+    model.compiled_step = step
     tolerance = dict(rtol=1e-11, atol=1e-13) if dtype == torch.float64 else dict(rtol=1e-4,
                                                                                  atol=1e-6)
     assert_trains_like(model, eager, steps=2, length=22, tolerance=tolerance,

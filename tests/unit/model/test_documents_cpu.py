@@ -105,13 +105,13 @@ def test_static_step_with_documents_is_one_graph(flags: dict) -> None:
     eager = copy.deepcopy(model)
     fresh_dynamo()
     apply_compile(model)
-    compiled, calls = model.block_step, []
+    compiled, calls = model.compiled_step, []
 
     def step(*args, **kwargs):
         calls.append(args[2].start.item())
         return compiled(*args, **kwargs)
 
-    model.block_step = step
+    model.compiled_step = step
     x, y = tokens(length=22), tokens(length=22, seed=2)
     ids = torch.tensor([_ids([3, 1, 9, 9]), _ids([6, 16])])
     for _ in range(2):  # the second pass runs the compiled graph again

@@ -141,7 +141,7 @@ def test_a_compiled_wavefront_needs_a_backend_that_reads_waves_from_tensors() ->
     model = tiny_model(attention="cpu_fused", schedule="wavefront")
     with pytest.raises(ConfigError, match="wavefront schedule .* \\(triton\\).*cpu_fused"):
         apply_compile(model)
-    assert model.wave_step is None
+    assert model.compiled_step is None
 
 
 def test_wavefront_under_bf16_autocast_trains_like_the_block_schedule() -> None:
