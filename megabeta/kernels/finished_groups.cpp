@@ -1,4 +1,4 @@
-// A block's attention over its finished groups (merged_attention.py), forward and backward, as
+// A block's attention over its finished groups (model/attention/merged.py, `merged_attention`), forward and backward, as
 // fused CPU kernels.
 //
 // Forward: per (batch, head), attention over every group's keys, each group's scores shifted
