@@ -134,11 +134,16 @@ def paired(arms: dict[str, Callable[[], float]], rounds: int) -> dict[str, float
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def dispatches(preset: str, settings: Settings, device: torch.device) -> dict[str, int]:
+def dispatches(preset: str, settings: Settings, device: torch.device, *,
+               one_cell: bool = False) -> dict[str, int]:
     """Kernel-launching operators of one training step per schedule (16 blocks of 32). Triton
     kernels run only on a GPU: under the interpreter they are counted, not run (the count
-    does not depend on the numbers)."""
-    config = counting_config(**_counting_shape(preset))
+    does not depend on the numbers). `one_cell`: with k = L-1, a wave is one cell (period L):
+    the block schedule's order, run as waves."""
+    shape = _counting_shape(preset)
+    if one_cell:
+        shape["depth_window"] = shape["num_layers"] - 1
+    config = counting_config(**shape)
     tokens = torch.randint(0, config.vocab_size, (1, 16 * config.block_size),
                            generator=torch.Generator().manual_seed(0)).to(device)
     out = {}
@@ -242,9 +247,11 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if settings.dispatches_only:
-        for preset in (settings.preset, "t19_flash"):
-            counts = dispatches(preset, settings, device)
-            print(f"- dispatches per step, {preset} ({settings.attention} attention, "
+        for preset, one_cell in ((settings.preset, False), ("t19_flash", False),
+                                 ("t19_flash", True)):
+            counts = dispatches(preset, settings, device, one_cell=one_cell)
+            shape = f"{preset} at k = L-1 (one cell a wave)" if one_cell else preset
+            print(f"- dispatches per step, {shape} ({settings.attention} attention, "
                   f"{settings.elementwise_kernels} elementwise kernels, {device}): "
                   f"block {counts['block']}, "
                   f"wavefront {counts['wavefront']}: "

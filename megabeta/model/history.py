@@ -233,6 +233,8 @@ class BufferedHistory:
         self.positions: Tensor | None = None
         """`arange(T)` on the buffers' device: a block's start as a 0-d tensor is a view of it."""
         self._anchor: Tensor | None = None
+        self.zero: Tensor | None = None
+        """The 0-d zero every publish's anchor is a view of."""
 
     def view(self, block_start: int) -> "HistoryView":
         """What the block at `block_start` reads, eagerly (its start known to Python)."""
@@ -486,9 +488,12 @@ class _Publish(torch.autograd.Function):
         # Its value is read by nobody but a compiled step's guards: dynamo takes a 0-d CPU
         # float input as a number and guards that it is not NaN, which uninitialized memory
         # sometimes is (a recompile). So zero, as `allocate`'s first anchor, in the buffers'
-        # dtype (a compiled step sees one dtype).
+        # dtype (a compiled step sees one dtype): a view of one zero per history, which costs
+        # no kernel per publish.
         ctx.set_materialize_grads(False)
-        return history.keys.new_zeros(())
+        if history.zero is None:
+            history.zero = history.keys.new_zeros(())
+        return history.zero.view(())
 
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:

@@ -52,6 +52,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import Tensor
 
+from megabeta.model.attention.backend import split_cells
 from megabeta.model.history import BufferedHistory, PieceHistory, saved_unchecked
 from megabeta.model.layers import stacked_linear
 from megabeta.model.step_graphs import StepGraphs, Unit
@@ -166,7 +167,8 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
     attention = model.attention_backend
     n, batch, c, d = x.shape
     q, k, v = qkv
-    keys = [view.key_set(l, k[i], v[i]) for i, (view, l) in enumerate(zip(views, wave.layers))]
+    keys = [view.key_set(l, k_i, v_i) for view, l, k_i, v_i in zip(views, wave.layers,
+                                                                   split_cells(k), split_cells(v))]
     sel = wave.stack()
     o = attention.attend_wave(q, k, v, keys, weights.pass_biases.wave(sel), layers=wave.layers,
                               dropout_p=dropout).reshape(n, batch * c, -1)
@@ -175,11 +177,16 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
     finished: list[tuple[Tensor, Tensor]] = []
     hidden = None
     if wave.exits:
-        # Split, not indexed: one concatenation in backward instead of a zero-filled gradient
-        # per part and their sum.
-        (hidden, x), (leaving, normalized) = (t.split([1, n - 1]) for t in (x, normalized))
-        hidden = hidden.squeeze(0)
-        fk, fv = weights.last_finished(leaving.squeeze(0), cos[0], sin[0])
+        if n == 1:
+            # Squeezed (a view's gradient); the empty rest is never read, so gets none.
+            hidden, leaving, x, normalized = (x.squeeze(0), normalized.squeeze(0), x[1:],
+                                              normalized[1:])
+        else:
+            # Split, not indexed: one concatenation in backward instead of a zero-filled
+            # gradient per part and their sum.
+            (hidden, x), (leaving, normalized) = (t.split([1, n - 1]) for t in (x, normalized))
+            hidden, leaving = hidden.squeeze(0), leaving.squeeze(0)
+        fk, fv = weights.last_finished(leaving, cos[0], sin[0])
         finished.append((fk, fv))
     continuing = None
     if len(x):
@@ -241,7 +248,8 @@ def _next_inputs(normalized: Tensor, weights: "PassWeights", sel: slice, cos: Te
         norms = project.head_norm[sel]  # [n, heads, d_h]
         head_norm = norms.transpose(0, 1)[:, :, None].expand(-1, -1, c, -1).flatten(1, 2)
     fk, q, k, v, fv = project.split(y, cos.flatten(0, 1), sin.flatten(0, 1), head_norm)
-    fk, fv = (p.unflatten(2, (n, c)).unbind(2) for p in (fk, fv))
+    # One cell: its finished K/V as they are (unbound, their gradients would be stacked).
+    fk, fv = ((p,) if n == 1 else p.unflatten(2, (n, c)).unbind(2) for p in (fk, fv))
     return (q, k, v), list(zip(fk, fv))
 
 

@@ -164,12 +164,15 @@ class WaveBias:
     cells: slice
     """The cells' entries in `rows`' buffers."""
 
-    def cell(self, i: int) -> AttentionBias:
-        """Cell i's slope and self bias, and the pass's gradient rows: what the backends that
+    def per_cell(self) -> list[AttentionBias]:
+        """Each cell's slope and self bias, and the pass's gradient rows: what the backends that
         attend cell by cell read (the rows: a wave of one cell with no history, at block 0)."""
-        return AttentionBias(None if self.slope is None else self.slope[i],
-                             None if self.self_bias is None else self.self_bias[i:i + 1],
-                             rows=self.rows)
+        n = self.group_shift.shape[0]
+        slopes = [None] * n if self.slope is None else split_cells(self.slope)
+        selfs = ([None] * n if self.self_bias is None
+                 else [b[None] for b in split_cells(self.self_bias)])
+        return [AttentionBias(slope, self_bias, rows=self.rows)
+                for slope, self_bias in zip(slopes, selfs)]
 
     def row_buffers(self, batch: int, heads: int,
                     like: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -179,6 +182,17 @@ class WaveBias:
             return None
         shift, diag = self.rows.buffers(batch, heads, like)
         return shift[self.cells], diag[self.cells]
+
+
+def split_cells(stack: Tensor) -> tuple[Tensor, ...]:
+    """A stack's cells `[n, …]` as n views whose gradients come back as one stack (one cell's:
+    a squeeze, no kernel), not as one zero-filled gradient of the stack per indexed cell."""
+    return (stack.squeeze(0),) if len(stack) == 1 else stack.unbind(0)
+
+
+def stack_cells(cells: list[Tensor]) -> Tensor:
+    """`split_cells`'s inverse (one cell: a view)."""
+    return cells[0][None] if len(cells) == 1 else torch.stack(cells)
 
 
 def group_rows(window: int, layer: int, source: int, start: int) -> slice:
@@ -439,9 +453,10 @@ class CellByCell:
     def attend_wave(self: AttentionBackend, q: Tensor, k: Tensor, v: Tensor,
                     keys: list[KeySet], bias: WaveBias, *, layers: list[int],
                     dropout_p: float) -> Tensor:
-        return torch.stack([self.attend(q[i], keys[i], bias.cell(i), layer=l,
+        return stack_cells([self.attend(q_i, key_set, bias_i, layer=l,
                                         dropout_p=dropout_p).transpose(1, 2)
-                            for i, l in enumerate(layers)])
+                            for q_i, key_set, bias_i, l in zip(split_cells(q), keys,
+                                                               bias.per_cell(), layers)])
 
 
 def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float, *,
