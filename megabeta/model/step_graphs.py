@@ -2,8 +2,8 @@
 step of the block schedule, the wave step of the wavefront.
 
 A block step is a few hundred kernels; at c = 32 a 16K-token sequence runs 512 of them per
-forward, again in backward. A wave is a few dozen whatever its cells. Captured once and replayed
-per unit, each costs one launch from the host. Two graphs per kind of unit (a block: one kind;
+forward, again in backward, and a wavefront pass its waves likewise. Captured once and
+replayed per unit, each costs one launch from the host. Two graphs per kind of unit (a block: one kind;
 a wave: its layers, whether a block leaves or enters, `wavefront.WavePlan.kinds`), kept per
 (history shape, dtype, device, autocast):
 
@@ -22,8 +22,9 @@ publish, the ordering anchors and FSDP's collectives stay outside the graphs, in
 between units.
 
 `_GraphedUnit` is the autograd node of one unit: its backward replays the backward graph; the
-last unit's backward of a pass (autograd runs the first unit's last: it waits for every later
-reader, history.py) hands the accumulated weight gradients to the pass's weights.
+last unit of a pass to run backward (counted down from `begin_pass`'s `units`; for blocks,
+block 0, which waits for every later reader, history.py) hands the accumulated weight
+gradients to the pass's weights.
 
 The capture itself is a `Capture`: CUDA graphs on a GPU (`CudaCapture`); on a CPU the tests
 put `EagerCapture` in its place, which calls the function again instead of replaying it, so
@@ -192,7 +193,8 @@ class StepGraphs:
         anchors = [view.anchor for view in unit.views if view.anchor is not None]
         outs = _GraphedUnit.apply(self, unit, len(anchors), *unit.inputs, *anchors,
                                   *self._weight_inputs)
-        graphs = self._graphs(unit)
+        # The kind's graphs, as the forward just chose them.
+        graphs = self._current.kinds[unit.kind]
         outs = iter(outs)
         return pytree.tree_unflatten([next(outs) if tensor else None
                                       for tensor in graphs.present], graphs.spec)
