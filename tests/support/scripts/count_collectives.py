@@ -6,17 +6,16 @@ Prints one JSON line (rank 0) with the counts of steps 2 and 3 (step 1 may warm 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 from megabeta.config import config_from_flat
 from megabeta.model import build_model
 from megabeta.engine.deepspeed_engine import DeepSpeedEngine
 from megabeta.engine.torch_engine import TorchEngine
 from megabeta.parallel.env import init_distributed
+from zero3_exit import leave
 
 
 def main() -> None:
@@ -62,10 +61,7 @@ def main() -> None:
     if env.is_rank0:
         print(json.dumps({"steps": per_step, "layers": config.model.num_layers,
                           "blocks": 32 // config.model.block_size}), flush=True)
-    # The counts are out: leave without tearing down. A ZeRO-3 rank on gloo aborted once on its
-    # way out ("terminate called without an active exception"), failing the run after its work.
-    dist.barrier()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

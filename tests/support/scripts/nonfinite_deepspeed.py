@@ -15,6 +15,7 @@ from megabeta.config import config_from_flat
 from megabeta.model import build_model
 from megabeta.engine.deepspeed_engine import DeepSpeedEngine
 from megabeta.parallel.env import init_distributed
+from zero3_exit import leave
 
 
 def main() -> None:
@@ -56,6 +57,7 @@ def main() -> None:
                        "finite": finite})
     if env.rank == 0:
         print(json.dumps(report))
+    leave()
 
 
 if __name__ == "__main__":
