@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-from megabeta.model.attention import AttentionBias, BiasRows, PassDocuments, WaveBias
+from megabeta.model.attention import BiasRows, PassDocuments, WaveBias
 from megabeta.model.step_graphs import CudaCapture, StepGraphs
 from megabeta.model.cache import DecodeCache
 from megabeta.model.config import ConfigError
@@ -42,29 +42,28 @@ from megabeta.model.layers import (
     fused_input_rows,
 )
 from megabeta.model.transformer import DecoderLM, ParallelPlan
-from megabeta.model.block_schedule import BlockOutput
+from megabeta.model.block_schedule import run_block
 from megabeta.model.schedule import SCHEDULES, Schedule
 
 
 class PassWeights:
     """The weights of one pass, built once from the parameters (layers.Projection,
     layers.StackedWeight), each kind stacked over the layers in REVERSE order: a wave's cells
-    (layers stepping down by the period, wavefront.py) read one strided view of a stack, layer
-    l of a block of the block schedule the view of one (`index(l)`).
+    (layers stepping down by the period, wave.py) read one strided view of a stack, a wave of
+    one cell (a layer of the block schedule) the view of one (`index(l)`).
 
     - `plain[l]`: layer l's input projection (queries, construction K/V; norm weight folded
-      in), for a block whose finished KVs nobody reads (the last in training) and for layer 0
-      (a block entering; the wavefront builds only that one);
+      in), for layer 0 (a block entering) and, unless `batched` (the wavefront, which builds
+      only layer 0's), for a block whose finished KVs nobody reads (the last in training);
     - `next`: layers L-1 … 1's input projections, each fused with the layer below's finished
       K/V (5 projections, 2 norm weights folded in: one matmul, `input(l, finished=True)`);
     - `last_finished`: the last layer's finished K/V from the block's final hidden states;
     - `out`, `gate_up`, `down`: W_O, SwiGLU's gate and up (ffn_norm folded in), w2;
-    - `biases[l]`: the layer's score biases (`PassBiases.layer`), and on the wavefront
-      `pass_biases`, every layer's stacked for the waves (`PassBiases.wave`).
+    - `pass_biases`: every layer's score biases, stacked (`PassBiases.wave`).
     """
 
     def __init__(self, model: "Beta12Transformer", finished: bool, length: int, *,
-                 traced: bool = False, wavefront: bool = False) -> None:
+                 traced: bool = False, batched: bool = False) -> None:
         c, kernels = model.config, model.elementwise_kernels
         # Read by a compiled block step (`traced`): gradients by plain autograd, none of the
         # Python-side sums (StackedWeight, BiasRows) that a graph cannot hold.
@@ -74,7 +73,7 @@ class PassWeights:
         layers = list(model.layers)
         self.layers = len(layers)
         self.plain = [project(layer.attention.input_rows(layer.attention_norm))
-                      for layer in (layers[:1] if wavefront else layers)]
+                      for layer in (layers[:1] if batched else layers)]
         self.next: Projection | None = None
         self.last_finished: Projection | None = None
         if finished:
@@ -88,9 +87,7 @@ class PassWeights:
         self.gate_up = stack([layer.feed_forward.fused_weight(layer.ffn_norm)
                               for layer in reverse])
         self.down = stack([layer.feed_forward.w2.weight for layer in reverse])
-        self.pass_biases = PassBiases(model, length, collect_rows=not traced, stacks=wavefront)
-        self.biases = ([] if wavefront else
-                       [self.pass_biases.layer(l) for l in range(len(layers))])
+        self.pass_biases = PassBiases(model, length, collect_rows=not traced)
 
     def index(self, layer: int) -> int:
         """Layer `layer`'s entry in the stacks of every layer (reverse order)."""
@@ -105,13 +102,8 @@ class PassWeights:
         return self.plain[layer]
 
     def branches(self, cells: slice) -> BranchWeights:
-        """The residual-branch weights of the layers `cells` of the stacks (one layer's:
-        `layer_cells`)."""
+        """The residual-branch weights of the layers `cells` of the stacks."""
         return BranchWeights(self.out, self.gate_up, self.down, cells)
-
-    def layer_cells(self, layer: int) -> slice:
-        """Layer `layer`'s entry in the stacks, as a stack of one cell."""
-        return slice(self.index(layer), self.index(layer) + 1)
 
     def tensors(self) -> list[Tensor]:
         """Every tensor the block step reads of these weights, in a fixed order."""
@@ -130,7 +122,6 @@ class PassWeights:
         other.out, other.gate_up, other.down = (StackedWeight(next(it), accumulate=False)
                                                 for _ in range(3))
         other.pass_biases = self.pass_biases.with_tensors(it)
-        other.biases = [other.pass_biases.layer(l) for l in range(len(self.biases))]
         if next(it, None) is not None:
             raise ValueError("PassWeights.with_tensors: more tensors than the weights read")
         return other
@@ -142,13 +133,10 @@ class PassBiases:
     without a depth bias, or with depth_window 0, where every group is the layer's own, offset
     0), b_σ `[L]` (None without a self slot), and the groups' score shifts λ_h·(m - l)
     `[L, G, H]` that the fused kernels take (zero past a layer's groups; float32, float64 for a
-    float64 λ), with the pass's gradient rows (`BiasRows`, of `length` tokens) unless
-    `collect_rows` is off (a compiled block step: plain autograd). `stacks`: the wavefront
-    reads the stacks whole (their gradient rows reduced once); otherwise each layer reads its
-    own (`layer`)."""
+    float64 λ), with the pass's gradient rows (`BiasRows`, of `length` tokens: reduced once per
+    pass) unless `collect_rows` is off (a compiled step: plain autograd)."""
 
-    def __init__(self, model: "Beta12Transformer", length: int, *, collect_rows: bool,
-                 stacks: bool) -> None:
+    def __init__(self, model: "Beta12Transformer", length: int, *, collect_rows: bool) -> None:
         config = model.config
         attentions = [layer.attention for layer in model.layers][::-1]
         sources = [config.source_layers(l) for l in range(len(attentions))]
@@ -170,17 +158,13 @@ class PassBiases:
         self.self_bias = (torch.cat([a.self_bias for a in attentions])
                           if attentions[0].self_bias is not None else None)
         self.rows = BiasRows(length, self.groups) if collect_rows else None
-        if self.rows is not None and stacks:
+        if self.rows is not None:
             self.shift, self.self_bias = self.rows.hand_out_stacks(self.shift, self.self_bias)
-
-    def layer(self, layer: int) -> AttentionBias:
-        """Layer `layer`'s biases (its shift `[G_l, H]`, b_σ `[1]`), read through the pass's
-        gradient rows where collected."""
-        i = len(self.groups) - 1 - layer
-        bias = AttentionBias(None if self.slope is None else self.slope[i],
-                             None if self.self_bias is None else self.self_bias[i:i + 1],
-                             self.shift[i, :self.groups[layer]])
-        return bias if self.rows is None else self.rows.hand_out(bias, layer)
+        # One WaveBias per kind of wave and pass (eager): every wave's gradient then adds at
+        # the views, whose backward (a zero-filled stack each) runs once per kind, not per wave.
+        # A traced pass slices inside its graph.
+        self._waves: dict[tuple[int, int, int], WaveBias] | None = (
+            {} if collect_rows else None)
 
     def tensors(self) -> list[Tensor]:
         """The stacks every layer's biases are views of (λ, b_σ where present; the shifts)."""
@@ -199,10 +183,16 @@ class PassBiases:
         return other
 
     def wave(self, cells: slice) -> WaveBias:
-        """The biases of a wave's cells, `cells` of the stacks (wavefront.Wave.stack)."""
-        return WaveBias(None if self.slope is None else self.slope[cells],
+        """The biases of a wave's cells, `cells` of the stacks (wave.Wave.stack)."""
+        key = (cells.start, cells.stop, cells.step)
+        if self._waves is not None and key in self._waves:
+            return self._waves[key]
+        bias = WaveBias(None if self.slope is None else self.slope[cells],
                         None if self.self_bias is None else self.self_bias[cells],
                         self.shift[cells], self.rows, cells)
+        if self._waves is not None:
+            self._waves[key] = bias
+        return bias
 
 
 class Beta12Transformer(DecoderLM):
@@ -212,60 +202,6 @@ class Beta12Transformer(DecoderLM):
 
     def _sources(self) -> list[list[int]]:
         return [self.config.source_layers(l) for l in range(len(self.layers))]
-
-    def _block(self, x: Tensor, rope: tuple[Tensor, Tensor], history: HistoryView | PieceView,
-               weights: PassWeights, *, dropout: float, finished: bool,
-               construction: bool) -> BlockOutput:
-        """All layers on the tokens `x [B, n, d]` of one block, whose positions' RoPE tables
-        are `rope` (cos, sin `[n, d_h]`).
-
-        `history` gives each layer its key set: the finished KVs of earlier blocks and, when
-        decoding a partly filled block, the construction KVs of its tokens before `start`.
-        `weights` are this pass's fused projections, `dropout` the attention dropout;
-        `finished`/`construction`: whether the block's finished / construction KVs are wanted.
-
-        Layer l-1's finished K/V are projections of its output, which is layer l's input: they
-        come out of layer l's input matmul (PassWeights), and the last layer's after the loop.
-        """
-        cos, sin = rope
-        eps = self.config.norm_eps
-        attention, kernels = self.attention_backend, self.elementwise_kernels
-        out = BlockOutput(x)
-        fin_k, fin_v = out.finished_k, out.finished_v
-        con_k, con_v = out.construction_k, out.construction_v
-        # Each residual add is fused into the norm that reads the sum (`add_rms_normalize`):
-        # the MLP branch of layer l is added where layer l+1 (or the last finished K/V) reads it.
-        mlp = None
-        for l in range(len(self.layers)):
-            if mlp is None:
-                normalized = kernels.rms_normalize(x, eps)
-            else:
-                x, normalized = kernels.add_rms_normalize(x, mlp, eps)
-            parts = weights.input(l, finished)(normalized, cos, sin)
-            if finished and l > 0:
-                fk, q, k, v, fv = parts
-                fin_k.append(fk)
-                fin_v.append(fv)
-            else:
-                q, k, v = parts
-            o = attention.attend(q, history.key_set(l, k, v), weights.biases[l], layer=l,
-                                 dropout_p=dropout)
-            # One cell: heads concatenated per token, `[1, B·n, H·d_h]`.
-            # Squeezed, not indexed: an index's backward fills a zero tensor.
-            x, mlp = (t.squeeze(0) for t in self.branches(x[None], o.transpose(1, 2).reshape(
-                1, -1, o.shape[1] * o.shape[3]), weights.branches(weights.layer_cells(l))))
-            if construction:
-                con_k.append(k)
-                con_v.append(v)
-        if finished:
-            x, normalized = kernels.add_rms_normalize(x, mlp, eps)
-            fk, fv = weights.last_finished(normalized, cos, sin)
-            fin_k.append(fk)
-            fin_v.append(fv)
-        else:
-            x = x + mlp
-        out.hidden = x
-        return out
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None,
                 documents: Tensor | None = None) -> Tensor:
@@ -287,7 +223,7 @@ class Beta12Transformer(DecoderLM):
                   and length > c)
         # Built once per pass, outside the recompute units (which only read them).
         weights = PassWeights(self, finished=length > c, length=padded, traced=static,
-                              wavefront=schedule.batched)
+                              batched=schedule.batched)
         # The tables of the whole (padded) sequence, once per pass; units read slices.
         cos, sin = self.rope(0, padded, x)
         documents = (None if starts is None
@@ -341,7 +277,7 @@ class Beta12Transformer(DecoderLM):
         return SCHEDULES[self.execution.schedule]
 
     compiled_step: Callable[..., Any] | None = None
-    """The schedule's step compiled (`compile_steps`): `_block`, one graph for every full block,
+    """The schedule's step compiled (`compile_steps`): `run_block`, one graph for every full block,
     or `wavefront.run_wave`, one graph per kind of wave; None: eager."""
     step_graphs: StepGraphs | None = None
     """The schedule's step captured in CUDA graphs per block or wave (`execution.cuda_graphs`,
@@ -374,7 +310,7 @@ class Beta12Transformer(DecoderLM):
         """`torch.compile(fullgraph=True)` the schedule's step (`Schedule.compile`): forward,
         and backward (under activation checkpointing, recompute and backward).
 
-        Block schedule: every full block of a sequence through ONE graph of `_block`. Nothing
+        Block schedule: every full block of a sequence through ONE graph of `run_block`. Nothing
         the graph sees differs between blocks but tensor contents: the history is read from
         fixed-size buffers, the block's start from a tensor (`history.HistoryView`), and the
         attention backend must read both (`megabeta::history_attention`: `triton`, or
@@ -412,8 +348,8 @@ class Beta12Transformer(DecoderLM):
             history = PieceView(self._sources(), self.config.deep_token_window, block_start,
                                    [(k,) for k, _ in visible], [(v,) for _, v in visible],
                                    [buf.view() for buf in cache.construction])
-            out = self._block(x[:, done:done + n], self.rope(pos, n, x), history, weights,
-                              dropout=0.0, finished=True, construction=True)
+            out = run_block(self, x[:, done:done + n], self.rope(pos, n, x), history, weights,
+                            dropout=0.0, finished=True, construction=True)
             for l in range(len(self.layers)):
                 cache.construction[l].append(out.construction_k[l], out.construction_v[l])
                 cache.pending[l].append(out.finished_k[l], out.finished_v[l])

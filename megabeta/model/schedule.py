@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import Tensor
 
-from megabeta.model.block_schedule import run_blocks
-from megabeta.model.wavefront import run_wave, run_wavefront, wave_plan
+from megabeta.model.block_schedule import run_block, run_blocks
+from megabeta.model.wave import run_wave
+from megabeta.model.wavefront import run_wavefront, wave_plan
 
 if TYPE_CHECKING:  # only for annotations: beta12 imports this module
     from megabeta.model.beta12 import Beta12Transformer
@@ -54,7 +55,7 @@ SCHEDULES: dict[str, Schedule] = {
         units=lambda model, length: length // model.config.block_size,
         # Every full block through ONE graph: nothing the graph sees differs between blocks but
         # tensor contents (the history's static views, the start a tensor).
-        compile=lambda model: torch.compile(model._block, fullgraph=True),
+        compile=lambda model: torch.compile(run_block, fullgraph=True),
         static_capability="static_step",
         static_needs="runs the block step from fixed buffers, which needs an attention backend "
                      "that reads the history at a start held in a tensor (cpu_fused or triton)"),

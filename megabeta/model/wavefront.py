@@ -5,29 +5,8 @@ m ∈ M(l) ⊆ [l, top(l)]. So with period p = min(k, L-1) + 1 the cells of wave
 independent: (T/c - 1)·p + L waves instead of (T/c)·L cells, a wave holding up to ⌈L/p⌉ cells on
 consecutive blocks at layers that step down by p (`WavePlan`).
 
-Where a cell ends. In the block schedule layer m's finished K/V come out of layer m+1's input
-matmul (beta12.PassWeights). Here they are first read one wave after cell (b, m), by cell
-(b+1, m-k), which runs in the same wave as (b, m+1): so a cell is layer l's attention and MLP
-followed by layer l+1's fused input projection (layer l's finished K/V, layer l+1's queries and
-construction K/V): the same matmuls of the same numbers as the block schedule, done one wave
-earlier. A block enters at layer 0 with its plain input projection, computed by the wave
-before the one it enters (block 0's before the first), so that the carried cells' and its
-queries and construction K/V become the next wave's stacked inputs in one copy; its last
-layer's cell ends with `last_finished`.
-
-Batching. A wave's cells hold different layers' weights. Each kind of weight is stacked once
-per pass in reverse layer order (`beta12.PassWeights`, the block schedule's too): a wave's
-cells, blocks ascending and layers descending by p, read one strided view of each stack, and
-each projection of the wave is one batched matmul (`layers.stacked_linear`, which adds the
-stacks' gradients in place instead of a zero-filled stack gradient per wave). Norms, SwiGLU and
-the residual adds run once on the stacked cells, the split into heads and RoPE once on the
-cells' tokens laid end to end. The wave's attention is one `attend_wave` call of the model's
-backend on the cells' stacked queries and construction K/V `[n, B, H, c, d_h]`, each cell
-reading its layer's key set at its block's start and its layer's biases (strided views of the
-pass's stacks, beta12.PassBiases): on `cpu_fused` one own-keys kernel and one finished-groups
-kernel for the whole wave (attention/merged.py, `merged_cells`; on `cpu_flash` the same own-keys
-kernel, and ATen's per stack of each cell for the groups), on `triton` one launch each way
-(attention/triton_backend.py); `explicit` attends cell by cell.
+What a wave computes, and how its cells are batched, is wave.py's (`run_wave`); this module
+plans the waves and runs them in order.
 
 Finished KVs are published per wave, one cell per layer (history.py), except the last block's,
 which nobody reads. With `activation_checkpoint = wave` one wave is the recompute unit: backward
@@ -52,16 +31,12 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import Tensor
 
-from megabeta.model.attention.backend import split_cells
 from megabeta.model.history import BufferedHistory, PieceHistory, saved_unchecked
-from megabeta.model.layers import stacked_linear
 from megabeta.model.step_graphs import StepGraphs, Unit
+from megabeta.model.wave import QKV, Entering, Wave, WaveOutput, enter, run_wave
 
 if TYPE_CHECKING:  # only for annotations: beta12 imports this module
     from megabeta.model.beta12 import Beta12Transformer, PassWeights
-
-QKV = tuple[Tensor, Tensor, Tensor]
-"""A wave's cells' queries, construction keys and values, stacked `[n, B, heads, c, d_h]`."""
 
 
 @dataclass(frozen=True)
@@ -91,166 +66,6 @@ class WavePlan:
         first = (t - high) // p
         layers = list(range(high, low - 1, -p))
         return Wave(first, layers, top, entering=layers[-1] == 0, period=p)
-
-
-@dataclass(frozen=True)
-class Wave:
-    """One wave's cells: blocks `first`, `first + 1`, … at `layers` (descending by p)."""
-
-    first: int
-    """The first (oldest) cell's block."""
-    layers: list[int]
-    top: int
-    """L - 1."""
-    entering: bool
-    """Whether the newest cell is a block at layer 0 (its input projection runs first)."""
-    period: int
-
-    @property
-    def cells(self) -> list[tuple[int, int]]:
-        """(block, layer) per cell, oldest first."""
-        return [(self.first + i, l) for i, l in enumerate(self.layers)]
-
-    @property
-    def exits(self) -> bool:
-        """Whether the oldest cell is at the last layer (its block leaves after this wave)."""
-        return self.layers[0] == self.top
-
-    def stack(self) -> slice:
-        """The cells' layers in a stack of all L layers in reverse order."""
-        return slice(self.top - self.layers[0], self.top - self.layers[-1] + 1, self.period)
-
-    def next_stack(self) -> slice:
-        """The next input projections of the cells below the top (layers l+1 ≥ 1) in the stack
-        of layers L-1 … 1."""
-        below = self.layers[1:] if self.exits else self.layers
-        return slice(self.top - 1 - below[0], self.top - below[-1], self.period)
-
-
-@dataclass
-class WaveOutput:
-    """What one wave hands on (`run_wave`): the next wave's inputs, the finished K/V to
-    publish and the leaving block's hidden states."""
-
-    x: Tensor | None
-    """The next wave's residual streams `[n, B, c, d]`: the continuing cells' and the entering
-    block's embeddings (None: none)."""
-    qkv: QKV | None
-    """Their queries and construction K/V (layer l+1's for a continuing cell of layer l,
-    layer 0's for the entering block)."""
-    finished: list[tuple[Tensor, Tensor]]
-    """Every cell's finished K, V (oldest cell first)."""
-    hidden: Tensor | None
-    """The leaving block's final hidden states `[B, c, d]`."""
-
-
-@dataclass(frozen=True)
-class Entering:
-    """The block that enters the next wave at layer 0: its embeddings `[B, c, d]` and RoPE
-    tables `[c, d_h]`."""
-
-    x: Tensor
-    cos: Tensor
-    sin: Tensor
-
-
-def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], wave: Wave,
-             weights: "PassWeights", cos: Tensor, sin: Tensor, entering: Entering | None, *,
-             dropout: float) -> WaveOutput:
-    """One wave's cells (module doc). `x`, `qkv`: the cells' residual streams and queries and
-    construction KVs (stacked, oldest cell first); `views`: each cell's history view;
-    `cos/sin [n, c, d_h]`: the cells' RoPE tables; `entering`: the block that enters the next
-    wave, whose layer-0 projection is laid next to the continuing cells' here. Nothing here
-    reads which blocks the cells are on (`wave.first`): a compiled step serves every wave of
-    its kind."""
-    kernels, eps = model.elementwise_kernels, model.config.norm_eps
-    attention = model.attention_backend
-    n, batch, c, d = x.shape
-    q, k, v = qkv
-    keys = [view.key_set(l, k_i, v_i) for view, l, k_i, v_i in zip(views, wave.layers,
-                                                                   split_cells(k), split_cells(v))]
-    sel = wave.stack()
-    o = attention.attend_wave(q, k, v, keys, weights.pass_biases.wave(sel), layers=wave.layers,
-                              dropout_p=dropout).reshape(n, batch * c, -1)
-    x, mlp = model.branches(x, o, weights.branches(sel))
-    x, normalized = kernels.add_rms_normalize(x, mlp, eps)
-    finished: list[tuple[Tensor, Tensor]] = []
-    hidden = None
-    if wave.exits:
-        if n == 1:
-            # Squeezed (a view's gradient); the empty rest is never read, so gets none.
-            hidden, leaving, x, normalized = (x.squeeze(0), normalized.squeeze(0), x[1:],
-                                              normalized[1:])
-        else:
-            # Split, not indexed: one concatenation in backward instead of a zero-filled
-            # gradient per part and their sum.
-            (hidden, x), (leaving, normalized) = (t.split([1, n - 1]) for t in (x, normalized))
-            hidden, leaving = hidden.squeeze(0), leaving.squeeze(0)
-        fk, fv = weights.last_finished(leaving, cos[0], sin[0])
-        finished.append((fk, fv))
-    continuing = None
-    if len(x):
-        below = int(wave.exits)
-        continuing, fin = _next_inputs(normalized, weights, wave.next_stack(), cos[below:],
-                                       sin[below:])
-        finished += fin
-    block = None
-    if entering is not None:
-        block = _enter(model, weights, entering)
-        x = torch.cat([x, entering.x[None]]) if len(x) else entering.x[None]
-    return WaveOutput(x if len(x) else None, _stack_cells(continuing, block, c), finished,
-                      hidden)
-
-
-def _enter(model: "Beta12Transformer", weights: "PassWeights", block: Entering) -> QKV:
-    """A block's layer-0 queries and construction K/V `[B, heads, c, d_h]` each."""
-    normalized = model.elementwise_kernels.rms_normalize(block.x, model.config.norm_eps)
-    return tuple(weights.input(0, False)(normalized, block.cos, block.sin))
-
-
-def _stack_cells(continuing: QKV | None, entering: QKV | None, block_size: int) -> QKV | None:
-    """The next wave's queries and construction K/V stacked per cell `[n, B, heads, c, d_h]`:
-    the continuing cells' (`[B, heads, n'·c, d_h]`, cells end to end: the projection's
-    outputs), then the entering block's (`[B, heads, c, d_h]`). The continuing cells' are
-    views of tensors that also hold their finished K/V, which are copied into the history:
-    what the next wave keeps (and its checkpoint holds until backward) is a copy, one per
-    tensor (the concatenation where a block enters), so that their storage goes once they are
-    published."""
-    if continuing is None:
-        return None if entering is None else tuple(t[None] for t in entering)
-    if entering is None:
-        # Copied in the projection's layout and stacked as a view: the attention kernels take
-        # the strides, and the gradient comes back in that layout (stacked contiguously, it
-        # would be copied back in backward).
-        return tuple(_cells(t.clone(memory_format=torch.contiguous_format), block_size)
-                     for t in continuing)
-    return tuple(torch.cat([_cells(t, block_size), e[None]])
-                 for t, e in zip(continuing, entering))
-
-
-def _cells(t: Tensor, block_size: int) -> Tensor:
-    """`[B, heads, n·c, d_h]`, n cells end to end, as `[n, B, heads, c, d_h]` (a view)."""
-    return t.unflatten(2, (-1, block_size)).movedim(2, 0)
-
-
-def _next_inputs(normalized: Tensor, weights: "PassWeights", sel: slice, cos: Tensor,
-                 sin: Tensor) -> tuple[QKV, list[tuple[Tensor, Tensor]]]:
-    """The next layer's fused input projection of the cells `normalized [n, B, c, d]`: their
-    next queries and construction K/V (`[B, heads, n·c, d_h]`, the cells' tokens end to end),
-    and per cell its own finished K/V."""
-    n, batch, c, d = normalized.shape
-    project = weights.next
-    y = stacked_linear(normalized.flatten(1, 2), project.weight, sel, project.bias)
-    # The cells' tokens end to end, `[B, n·c, W]`: one split into heads and RoPE for all.
-    y = y.view(n, batch, c, -1).transpose(0, 1).flatten(1, 2)
-    head_norm = None
-    if project.head_norm is not None:
-        norms = project.head_norm[sel]  # [n, heads, d_h]
-        head_norm = norms.transpose(0, 1)[:, :, None].expand(-1, -1, c, -1).flatten(1, 2)
-    fk, q, k, v, fv = project.split(y, cos.flatten(0, 1), sin.flatten(0, 1), head_norm)
-    # One cell: its finished K/V as they are (unbound, their gradients would be stacked).
-    fk, fv = ((p,) if n == 1 else p.unflatten(2, (n, c)).unbind(2) for p in (fk, fv))
-    return (q, k, v), list(zip(fk, fv))
 
 
 def wave_plan(model: "Beta12Transformer", length: int) -> WavePlan:
@@ -288,7 +103,7 @@ def run_wavefront(model: "Beta12Transformer", x: Tensor, cos: Tensor, sin: Tenso
     hidden: list[Tensor] = []
     # Block 0 enters before the first wave; each later block is laid out by the wave before
     # the one it enters.
-    state, qkv = embeddings[0][None], tuple(t[None] for t in _enter(model, weights,
+    state, qkv = embeddings[0][None], tuple(t[None] for t in enter(model, weights,
                                                                       entering(0)))
     with contextlib.ExitStack() as scope:
         if static:

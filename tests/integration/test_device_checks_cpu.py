@@ -151,9 +151,9 @@ def test_wavefront_check_compares_with_the_block_schedule(
                   GRAD_TOL["fp32"])
     build = PassWeights.__init__
 
-    def zero_self_bias(self, model, *args, wavefront=False, **kwargs):
-        build(self, model, *args, wavefront=wavefront, **kwargs)
-        if wavefront:
+    def zero_self_bias(self, model, *args, batched=False, **kwargs):
+        build(self, model, *args, batched=batched, **kwargs)
+        if batched:
             biases = self.pass_biases
             biases.self_bias = torch.zeros_like(biases.self_bias)
 

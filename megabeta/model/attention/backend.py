@@ -50,10 +50,9 @@ class BiasRows:
     Buffers `[L, G, B, H, T]` (the depth shift's groups; G the most one layer reads) and
     `[L, B, H, T]` (the self bias's diagonal), float32, layers in REVERSE order like the
     wavefront's weight stacks (a wave's cells are one strided view, `WaveBias`), allocated by
-    the first reader (`buffers`). `hand_out` makes one layer's shift and self bias tensors whose
-    gradient, once every reader's backward has run, is the reduction of that layer's rows (plus
-    what other readers returned); `hand_out_stacks` does the same for every layer's stacked
-    (the wavefront's), in one reduction.
+    the first reader (`buffers`). `hand_out_stacks` makes every layer's shifts and self biases,
+    stacked, tensors whose gradient, once every reader's backward has run, is the reduction of
+    the rows (plus what other readers returned), one per pass.
     """
 
     length: int
@@ -82,36 +81,27 @@ class BiasRows:
         shift, diag = self.buffers(batch, heads, like)
         return shift[self.slot(layer), :self.groups[layer]], diag[self.slot(layer)]
 
-    def hand_out(self, bias: "AttentionBias", layer: int) -> "AttentionBias":
-        """Layer `layer`'s `bias` with its shift and self bias read through the reducing nodes
-        (when they need gradients)."""
-        index = (self.slot(layer), slice(0, self.groups[layer]))
-        return AttentionBias(bias.slope, self._through(bias.self_bias, "diag", index[0]),
-                             self._through(bias.group_shift, "shift", index), self)
-
     def hand_out_stacks(self, shift: Tensor, self_bias: Tensor | None
                         ) -> tuple[Tensor, Tensor | None]:
         """Every layer's shifts `[L, G, H]` and self biases `[L]`, stacked in reverse layer
         order, read through the reducing nodes (when they need gradients)."""
-        every = slice(None)
-        return self._through(shift, "shift", every), self._through(self_bias, "diag", every)
+        return self._through(shift, "shift"), self._through(self_bias, "diag")
 
-    def _through(self, t: Tensor | None, kind: str, index: Any) -> Tensor | None:
+    def _through(self, t: Tensor | None, kind: str) -> Tensor | None:
         if t is None or not (t.requires_grad and torch.is_grad_enabled()):
             return t
-        return HandOut.apply(t, _RowsReduction(self, kind, index, t.shape, t.dtype))
+        return HandOut.apply(t, _RowsReduction(self, kind, t.shape, t.dtype))
 
 
 @dataclass(eq=False)
 class _RowsReduction:
     """The gradient of a bias read through `BiasRows` (`layers.HandOut`'s collector): the
-    reduction of its rows at `index`, once every reader's backward has run (the shift is
+    reduction of its rows, once every reader's backward has run (the shift is
     subtracted from scores: minus its rows' sums over batch and position; b_σ: the diagonal's
     sum)."""
 
     rows: BiasRows
     kind: str
-    index: Any
     shape: torch.Size
     dtype: torch.dtype
 
@@ -120,9 +110,9 @@ class _RowsReduction:
         if rows.shift is None:
             return None
         if self.kind == "shift":
-            part = -rows.shift[self.index].sum((-3, -1))
+            part = -rows.shift.sum((-3, -1))
         else:
-            part = rows.diag[self.index].sum((-3, -2, -1))
+            part = rows.diag.sum((-3, -2, -1))
         return part.reshape(self.shape).to(self.dtype)
 
 
@@ -165,14 +155,15 @@ class WaveBias:
     """The cells' entries in `rows`' buffers."""
 
     def per_cell(self) -> list[AttentionBias]:
-        """Each cell's slope and self bias, and the pass's gradient rows: what the backends that
-        attend cell by cell read (the rows: a wave of one cell with no history, at block 0)."""
+        """Each cell's slope, self bias and group shifts (`[G, H]`, G the stack's: entries past
+        the cell's groups unused), and the pass's gradient rows: what the backends that attend
+        cell by cell read (the rows: a wave of one cell with no history, at block 0)."""
         n = self.group_shift.shape[0]
         slopes = [None] * n if self.slope is None else split_cells(self.slope)
         selfs = ([None] * n if self.self_bias is None
                  else [b[None] for b in split_cells(self.self_bias)])
-        return [AttentionBias(slope, self_bias, rows=self.rows)
-                for slope, self_bias in zip(slopes, selfs)]
+        return [AttentionBias(slope, self_bias, shift, rows=self.rows)
+                for slope, self_bias, shift in zip(slopes, selfs, split_cells(self.group_shift))]
 
     def row_buffers(self, batch: int, heads: int,
                     like: Tensor) -> tuple[Tensor, Tensor] | None:

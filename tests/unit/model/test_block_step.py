@@ -11,6 +11,7 @@ import torch
 import torch._dynamo
 
 from megabeta.model import ConfigError, build_model, ExecutionConfig
+from megabeta.model.block_schedule import run_block
 from megabeta.model.attention import merged_op  # noqa: F401  (registers "cpu_fused")
 from megabeta.kernels import finished_groups
 from megabeta.parallel.wrap import apply_compile
@@ -43,9 +44,9 @@ def test_one_graph_for_every_block(dtype: torch.dtype, checkpoint: str, flags: d
     compiled = model.compiled_step
 
     def step(*args, **kwargs):
-        start = args[2].start.item()
+        start = args[3].start.item()
         if len(steps) == 1 and start < traced_at:
-            return model._block(*args, **kwargs)
+            return run_block(*args, **kwargs)
         calls.append(start)
         return compiled(*args, **kwargs)
 

@@ -108,7 +108,7 @@ def test_static_step_with_documents_is_one_graph(flags: dict) -> None:
     compiled, calls = model.compiled_step, []
 
     def step(*args, **kwargs):
-        calls.append(args[2].start.item())
+        calls.append(args[3].start.item())
         return compiled(*args, **kwargs)
 
     model.compiled_step = step

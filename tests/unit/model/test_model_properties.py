@@ -131,6 +131,32 @@ def test_finished_kvs_skipped_for_a_single_block() -> None:
     assert all(layer.attention.e_k.grad.abs().sum() > 0 for layer in model.layers)
 
 
+@pytest.mark.parametrize("schedule", ["block", "wavefront"])
+def test_the_last_blocks_finished_kvs_are_not_computed_on_the_block_schedule(
+        schedule: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nobody reads the last block's finished KVs: the block schedule's last block projects
+    plainly (`Wave.finished`), so `last_finished` runs once per earlier block; the wavefront
+    batches the last block's cells with earlier blocks' and computes them (unpublished)."""
+    from megabeta.model.beta12 import PassWeights
+
+    build, calls = PassWeights.__init__, []
+
+    def counting(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        project = self.last_finished
+        if project is not None:
+            def last_finished(*parts):
+                calls.append(parts[0].shape)
+                return project(*parts)
+            self.last_finished = last_finished
+
+    monkeypatch.setattr(PassWeights, "__init__", counting)
+    model = tiny_model(block_size=4, schedule=schedule)  # ceil(19 / 4) = 5 blocks
+    model(tokens(length=T), tokens(length=T, seed=2)).backward()
+    assert len(calls) == (4 if schedule == "block" else 5)
+    assert all(layer.attention.e_k.grad.abs().sum() > 0 for layer in model.layers)
+
+
 def test_sequence_longer_than_max_seq_len_is_refused() -> None:
     model = build_model(tiny_config(max_seq_len=8))
     with pytest.raises(ValueError, match="max_seq_len"):
