@@ -1,16 +1,17 @@
-"""Beta12Transformer: block-sequential computation of spec §3.
+"""Beta12Transformer: the model of spec §1-§4, its per-pass weights and its decoding.
 
-Schedule (spec §5, block-sequential): for each block of c tokens in order, run layers 0 … L-1 on
-the block's tokens in parallel; every layer reads the finished KVs of earlier blocks (the
-history) for its source layers M(l), plus construction KVs inside the block. When a block has
-passed layer m, its finished KV of layer m (layer m's own norm and K/V weights on its OUTPUT,
-plus e_K/e_V) is computed once and added to the history; the last block's are skipped in
-training because nobody reads them.
+Every layer reads the finished KVs of earlier blocks (the history) for its source layers M(l),
+plus construction KVs inside the block. When a block has passed layer m, its finished KV of
+layer m (layer m's own norm and K/V weights on its OUTPUT, plus e_K/e_V) is computed once and
+added to the history; the last block's are skipped in training because nobody reads them.
 
-The history lives in `history.py`: buffers read without copies for the backends that take
-them, per-block pieces for the explicit backend and decoding. One block through all layers is the
-activation-checkpoint unit: in backward it is recomputed from its embedding slice and the same
-history (spec §4.6). The LM head and loss run after the block loop, in chunks (`DecoderLM.head`).
+A training pass builds its weights once (`PassWeights`, `PassBiases`) and its history
+(`history.py`: buffers read without copies for the backends that take them, per-block pieces
+for the explicit backend and decoding), then runs the schedule `execution.schedule` names
+(schedule.py: the block schedule, block_schedule.py, or the wavefront, wavefront.py; both run
+wave.py's cells). Its recompute unit (a block or a wave) is recomputed in backward from its
+inputs and the same history (spec §4.6). The LM head and loss run after, in chunks
+(`DecoderLM.head`).
 """
 
 from __future__ import annotations

@@ -96,6 +96,26 @@ class Unit:
     views: Sequence[HistoryView]
 
 
+def copy_all(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:
+    """`d.copy_(s)` for each pair, one multi-tensor launch per pair of dtypes
+    (`torch._foreach_copy_`): the copies around a replayed unit are a dozen small tensors, and
+    on a GPU each would be a launch of its own, at about the cost of the copy."""
+    groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
+    for d, s in zip(dst, src, strict=True):
+        to, of = groups.setdefault((d.dtype, s.dtype), ([], []))
+        to.append(d)
+        of.append(s)
+    for to, of in groups.values():
+        torch._foreach_copy_(to, of)
+
+
+def cloned(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Copies of `tensors` in their layouts (`copy_all`: one launch per dtype)."""
+    out = [torch.empty_like(t) for t in tensors]
+    copy_all(out, tensors)
+    return out
+
+
 @dataclass(eq=False)
 class _Graphs:
     """The fixed tensors of one kind of unit and its two replays."""
@@ -180,10 +200,8 @@ class StepGraphs:
             current.weight_grads = [torch.zeros_like(t) for t in tensors]
         else:
             with torch.no_grad():
-                for fixed, t in zip(current.weights, tensors):
-                    fixed.copy_(t)
-            for grad in current.weight_grads:
-                grad.zero_()
+                copy_all(current.weights, tensors)
+            torch._foreach_zero_(current.weight_grads)
         self._fixed_weights = weights.with_tensors(current.weights)
         self._pending = units
 
@@ -223,12 +241,11 @@ class StepGraphs:
 
     def _copy_in(self, unit: Unit) -> _Graphs:
         graphs = self._graphs(unit)
-        for fixed, t in zip([*graphs.inputs, *graphs.constants, *graphs.starts],
-                            [*unit.inputs, *unit.constants, *(v.start for v in unit.views)]):
-            fixed.copy_(t)
-        for fixed, view in zip(graphs.documents, unit.views):
-            if fixed is not None:
-                fixed.copy_(view.lower)
+        documents = [(fixed, view.lower) for fixed, view in zip(graphs.documents, unit.views)
+                     if fixed is not None]
+        copy_all([*graphs.inputs, *graphs.constants, *graphs.starts, *(f for f, _ in documents)],
+                 [*unit.inputs, *unit.constants, *(v.start for v in unit.views),
+                  *(d for _, d in documents)])
         return graphs
 
     def _call(self, unit: Unit, graphs: _Graphs, inputs: list[Tensor]) -> Any:
@@ -245,14 +262,13 @@ class StepGraphs:
                     outs = [t for t in leaves if t is not None]
                     if not graphs.outputs:
                         graphs.outputs = [torch.empty_like(t) for t in outs]
-                    for fixed, t in zip(graphs.outputs, outs):
-                        fixed.copy_(t)
+                    copy_all(graphs.outputs, outs)
 
             forward()
             graphs.forward = self.capture.capture(forward)
         else:
             graphs.forward()
-        return [t.clone() for t in graphs.outputs]
+        return cloned(graphs.outputs)
 
     def backward(self, unit: Unit, grads: Sequence[Tensor | None]
                  ) -> tuple[list[Tensor], list[Tensor] | None]:
@@ -261,11 +277,12 @@ class StepGraphs:
         current = self._current
         if not graphs.output_grads:
             graphs.output_grads = [torch.zeros_like(t) for t in graphs.outputs]
-        for fixed, grad in zip(graphs.output_grads, grads):
-            if grad is None:
-                fixed.zero_()
-            else:
-                fixed.copy_(grad)
+        given = [(fixed, grad) for fixed, grad in zip(graphs.output_grads, grads)
+                 if grad is not None]
+        copy_all([f for f, _ in given], [g for _, g in given])
+        missing = [fixed for fixed, grad in zip(graphs.output_grads, grads) if grad is None]
+        if missing:
+            torch._foreach_zero_(missing)
         if graphs.backward is None:
             def backward() -> None:
                 with torch.enable_grad(), _autocast(current):
@@ -290,8 +307,8 @@ class StepGraphs:
         self._pending -= 1
         weight_grads = None
         if self._pending == 0:
-            weight_grads = [g.clone() for g in current.weight_grads]
-        return [g.clone() for g in graphs.input_grads], weight_grads
+            weight_grads = cloned(current.weight_grads)
+        return cloned(graphs.input_grads), weight_grads
 
 
 def _autocast(current: _Pass) -> torch.autocast:

@@ -131,3 +131,21 @@ def test_a_dtype_cast_keeps_the_runtime_state_a_device_change_renews() -> None:
     model.to("meta")
     assert model.step_graphs is None and model.history_pool is None
     assert model.kernels_device == torch.device("meta")
+
+
+def test_copies_around_a_replayed_unit_are_one_launch_per_dtype() -> None:
+    """A unit's copies in and out (inputs, RoPE tables, starts; outputs and gradients) run as
+    one multi-tensor copy per pair of dtypes, not one launch per tensor."""
+    from megabeta.bench.dispatch import DispatchCount
+    from megabeta.model.step_graphs import cloned, copy_all
+
+    src = [torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64),
+           torch.randn(2, 2, dtype=torch.float64).t(), torch.tensor(7)]
+    dst = [torch.empty_like(t) for t in src]
+    with DispatchCount() as count:
+        copy_all(dst, src)
+        copies = cloned(src)
+    assert dict(count.by_op) == {"_foreach_copy_": 4}
+    for out in (dst, copies):
+        assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(out, src))
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(copies, src))
