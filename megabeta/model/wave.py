@@ -170,7 +170,7 @@ def enter(model: "Beta12Transformer", weights: "PassWeights", block: Entering) -
     return tuple(weights.input(0, False)(normalized, block.cos, block.sin))
 
 
-def _stack_cells(continuing: QKV | None, entering: QKV | None, block_size: int, *,
+def _stack_cells(continuing: QKV | None, entering: QKV | None, cell_tokens: int, *,
                  copy: bool) -> QKV | None:
     """The next wave's queries and construction K/V stacked per cell `[n, B, heads, c, d_h]`:
     the continuing cells' (`[B, heads, n'·c, d_h]`, cells end to end: the projection's
@@ -186,14 +186,14 @@ def _stack_cells(continuing: QKV | None, entering: QKV | None, block_size: int, 
         # the strides, and the gradient comes back in that layout (stacked contiguously, it
         # would be copied back in backward).
         return tuple(_cells(t.clone(memory_format=torch.contiguous_format) if copy else t,
-                            block_size) for t in continuing)
-    return tuple(torch.cat([_cells(t, block_size), e[None]])
+                            cell_tokens) for t in continuing)
+    return tuple(torch.cat([_cells(t, cell_tokens), e[None]])
                  for t, e in zip(continuing, entering))
 
 
-def _cells(t: Tensor, block_size: int) -> Tensor:
+def _cells(t: Tensor, cell_tokens: int) -> Tensor:
     """`[B, heads, n·c, d_h]`, n cells end to end, as `[n, B, heads, c, d_h]` (a view)."""
-    return t.unflatten(2, (-1, block_size)).movedim(2, 0)
+    return t.unflatten(2, (-1, cell_tokens)).movedim(2, 0)
 
 
 def _next_inputs(normalized: Tensor, weights: "PassWeights", wave: Wave, cos: Tensor,
