@@ -35,9 +35,10 @@ test: $(VENV)/.installed $(VENV)/triton-3.6/.installed
 	$(PY) -m pytest tests
 
 # The unit tests alone (tests/unit/<package>/), for the inner loop: two pytest-xdist workers,
-# under 3 minutes on 2 cores.
+# under 3 minutes on 2 cores; the multi-process ones (marked slow: torchrun, mpirun, several
+# ranks or workers) run with the whole suite.
 test-fast: $(VENV)/.installed $(VENV)/triton-3.6/.installed
-	$(PY) -m pytest -n 2 tests/unit
+	$(PY) -m pytest -n 2 -m "not slow" tests/unit
 
 demo: $(VENV)/.installed
 	$(PY) -m megabeta.demo

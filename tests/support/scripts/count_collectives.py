@@ -9,6 +9,7 @@ import json
 import sys
 
 import torch
+import torch.distributed as dist
 
 from megabeta.config import config_from_flat
 from megabeta.model import build_model

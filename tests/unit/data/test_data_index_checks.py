@@ -128,6 +128,7 @@ def test_inspect_reports_the_same_check(prefix: Path, capsys) -> None:
     assert "FAIL  index and .bin agree: " in out and "sequence 3 starts at byte" in out
 
 
+@pytest.mark.slow
 def test_train_refuses_an_inconsistent_index(tiny_data, tmp_path: Path) -> None:
     source, _ = tiny_data
     prefix = tmp_path / "corpus"

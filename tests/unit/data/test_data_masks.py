@@ -92,6 +92,7 @@ def test_tokenize_writes_the_mask_of_the_scored_segments(corpus):
     assert plain.loss_mask(2).tolist() == [1] * len(plain[2])
 
 
+@pytest.mark.slow
 def test_mask_is_identical_for_any_workers_and_ranks(corpus, tmp_path):
     model, inputs = corpus["model"], [corpus["jsonl"]["a"], corpus["jsonl"]["b"]]
     flags = ["--segments-key", "segments"]

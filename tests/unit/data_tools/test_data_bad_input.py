@@ -324,6 +324,7 @@ def test_sidecar_that_is_not_json(base, tmp_path):
         IndexedDataset(prefix)
 
 
+@pytest.mark.slow
 def test_an_error_on_one_mpi_rank_stops_every_rank_and_leaves_nothing(base, tmp_path):
     mpirun = Path(sys.executable).parent / "mpirun"
     if not mpirun.exists():

@@ -153,6 +153,7 @@ def test_not_a_tokenizer_json_is_one_clear_error(tmp_path, capsys):
     assert f"{bad}: not a Hugging Face tokenizer.json" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_same_output_for_two_mpi_ranks_over_mixed_inputs(bpe, tmp_path):
     """tokenizer.json, a parquet file and a .jsonl.zst under 2 ranks: the single-process
     dataset, byte for byte (each rank's threads encode its share; rank 0 merges)."""

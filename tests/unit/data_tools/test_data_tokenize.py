@@ -106,6 +106,7 @@ def _mpirun() -> str | None:
     return str(candidate) if candidate.exists() else shutil.which("mpirun")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_mpirun() is None, reason="no mpirun next to the interpreter or on PATH")
 def test_output_is_identical_for_one_and_two_mpi_ranks(setup, tmp_path):
     _, _, inputs, model = setup
