@@ -23,10 +23,11 @@ pytestmark = pytest.mark.skipif(not finished_groups.build(),
                                 reason="the fused C++ kernels do not build on this machine")
 
 
+# Each compiles the block step (10-15 s on 2 cores): make test-fast keeps one.
 @pytest.mark.parametrize("dtype,checkpoint,flags,traced_at", [
-    (torch.float64, "block", dict(num_kv_heads=2), 0),
+    pytest.param(torch.float64, "block", dict(num_kv_heads=2), 0, marks=pytest.mark.slow),
     (torch.float32, "none", dict(deep_token_window=6, depth_window=1), 4),
-    (torch.float64, "block", dict(qk_norm=True), 0),
+    pytest.param(torch.float64, "block", dict(qk_norm=True), 0, marks=pytest.mark.slow),
 ], ids=["float64-block-gqa", "float32-none-window-traced-later", "float64-block-qk-norm"])
 def test_one_graph_for_every_block(dtype: torch.dtype, checkpoint: str, flags: dict,
                                    traced_at: int) -> None:
