@@ -208,9 +208,9 @@ class _Layer:
         q = q.view(s.num_heads, s.head_dim)
         return _rope(self._qk_norm(q, self.q_norm), position, s.rope_theta)
 
-    def depth_lambda(self, head: int) -> float:
-        """§3 λ_{l,h} = lambda_max · sigmoid(θ_{l,h})."""
-        return self.shape.lambda_max * torch.sigmoid(self.theta[head]).item()
+    def depth_lambda(self, head: int) -> torch.Tensor:
+        """§3 λ_{l,h} = lambda_max · sigmoid(θ_{l,h}) (0-d: differentiable w.r.t. θ)."""
+        return self.shape.lambda_max * torch.sigmoid(self.theta[head])
 
     def feed_forward(self, a: torch.Tensor) -> torch.Tensor:
         """SwiGLU_l(RMSNorm_l^mlp(a)) = w2(silu(w1 x) * w3 x)."""
@@ -260,12 +260,12 @@ def _standard_key_entries(i: int, layer: int) -> list[_KeyEntry]:
     return [_KeyEntry("in_block", layer, j) for j in range(i + 1)]
 
 
-def _score_bias(entry: _KeyEntry, layer: _Layer, head: int) -> float:
-    """The 'score added to q·k/√d_h' column of spec §3."""
+def _score_bias(entry: _KeyEntry, layer: _Layer, head: int) -> torch.Tensor | float:
+    """The 'score added to q·k/√d_h' column of spec §3 (a tensor where a parameter sets it)."""
     if entry.kind == "finished" and layer.theta is not None:
         return -layer.depth_lambda(head) * (entry.layer - layer.index)
     if entry.kind == "self" and layer.self_bias is not None:
-        return layer.self_bias.item()
+        return layer.self_bias[0]
     return 0.0
 
 
@@ -335,7 +335,8 @@ class _Sequence:
 
 
 def reference_logits(state: dict[str, torch.Tensor], cfg: object, tokens: torch.Tensor,
-                     documents: torch.Tensor | None = None) -> torch.Tensor:
+                     documents: torch.Tensor | None = None, *,
+                     differentiable: bool = False) -> torch.Tensor:
     """Logits [B, T, V] of the beta_1.2 (or standard) model, computed naively from spec §1-§3,
     and §7 when ``documents`` (integer [B, T], non-decreasing along T) gives each token's
     document id.
@@ -343,6 +344,8 @@ def reference_logits(state: dict[str, torch.Tensor], cfg: object, tokens: torch.
     state: torchtitan-style state dict (tok_embeddings.weight, output.weight unless tie_embedding,
     norm.weight, layers.{l}.*). cfg: any object with the hyper-parameter attributes listed in
     ``_Shape``. tokens: integer tensor [B, T]. The result has the dtype of the state tensors.
+    ``differentiable``: build the logits under autograd (state tensors that require grad get
+    their gradients): the independent reference for the model's gradients.
     """
     shape = _read_shape(cfg)
     if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
@@ -365,13 +368,14 @@ def reference_logits(state: dict[str, torch.Tensor], cfg: object, tokens: torch.
     layers = [_Layer(weights, shape, index) for index in range(shape.num_layers)]
 
     B, T = tokens.shape
-    logits = torch.empty(B, T, V, dtype=embedding.dtype, device=embedding.device)
-    with torch.no_grad():
+    rows: list[list[torch.Tensor]] = []
+    with torch.set_grad_enabled(differentiable):
         for b in range(B):
             ids = None if documents is None else [int(t) for t in documents[b]]
             sequence = _Sequence(shape, layers, embedding, ids)
+            rows.append([])
             for i in range(T):
                 top = sequence.append_token(int(tokens[b, i]))
                 # §1: logits = LMHead(RMSNorm_final(h^(L-1)))
-                logits[b, i] = head @ _rms_norm(top, final_norm, shape.norm_eps)
-    return logits
+                rows[b].append(head @ _rms_norm(top, final_norm, shape.norm_eps))
+        return torch.stack([torch.stack(r) for r in rows]).reshape(B, T, V)

@@ -72,7 +72,7 @@ examples:
   megabeta ablate --suite depth --scale small --data data/corpus --plan --out abl/depth
   megabeta ablate --arms t16_std_tf_rope,my_arm.toml --data data/corpus --batches 500 \\
       --scale article --base-config configs/t16_std_tf_rope.toml --out abl/mine
-  megabeta ablate ... --set optim.weight_decay=0.05 --set execution.attention=explicit
+  megabeta ablate ... --set optim.weight_decay=0.05 --set execution.attention=reference
 
 Arms given as config files (or shipped config names: tiny_cpu, ...) contribute their [model]
 section only, scaled like the presets (--scale article trains them as written); the data,

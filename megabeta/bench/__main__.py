@@ -8,7 +8,7 @@ import sys
 BENCHMARKS = {"model": "megabeta.bench.model", "data": "megabeta.bench.data",
               "train": "megabeta.bench.train", "dispatch": "megabeta.bench.dispatch",
               "gpu": "megabeta.bench.gpu", "checkpoint": "megabeta.bench.checkpoint",
-              "step": "megabeta.bench.step", "wavefront": "megabeta.bench.wavefront",
+              "wavefront": "megabeta.bench.wavefront",
               "kernels": "megabeta.bench.kernels", "roofline": "megabeta.bench.roofline",
               "trace": "megabeta.bench.trace",
               "packing": "megabeta.bench.packing", "documents": "megabeta.bench.documents"}
@@ -25,7 +25,6 @@ def main(argv: list[str] | None = None) -> int:
               "  dispatch  kernel launches per (block, layer) cell of a training step\n"
               "  gpu    one CUDA GPU: the device checks (pytest -m gpu tests/gpu), speed, MFU\n"
               "  checkpoint  what fsync (durable commits) adds to a checkpoint save\n"
-              "  step   the block step eager, compiled once, CUDA-graphed (paired)\n"
               "  wavefront  the wavefront schedule vs the block schedule and standard (paired)\n"
               "  kernels  every Triton kernel compiled for sm_80/sm_90 (no GPU): registers, "
               "spills\n"

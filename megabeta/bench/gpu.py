@@ -66,14 +66,12 @@ from megabeta.bench.roofline import device_for, step_bound  # noqa: E402
 from megabeta.model import (ConfigError, DecoderLM, ExecutionConfig, ModelConfig,  # noqa: E402
                             build_model, get_preset)
 from megabeta.model.flops import training_flops  # noqa: E402
-from megabeta.parallel.wrap import apply_compile  # noqa: E402
 from megabeta.train.metrics import device_peak_flops  # noqa: E402
 
 ARTICLE_S_PER_BATCH = {"beta_1.2_test": 0.876, "beta_1.2_c256": 0.124, "t16_std_tf_rope": 0.094}
 """Article §7.1: s/batch at B = 16 (its sequence length is not stated; --article-seq-len)."""
-SECTIONS = ("versions", "checks", "wavefront", "speed", "article")
+SECTIONS = ("versions", "wavefront", "speed", "article")
 TITLES = {"versions": "Versions and features",
-          "checks": "Device checks (pytest -m gpu tests/gpu)",
           "wavefront": "The wavefront schedule (paired)", "speed": "Speed: t19_flash",
           "article": "The article's §7 arms at batch 16"}
 MODES = {"eager": dict(activation_checkpoint="block"),
@@ -90,19 +88,9 @@ SETTINGS = {"attention=triton": dict(attention="triton"),
 """The execution settings whose availability section 1 probes (and later sections rely on)."""
 ARTICLE_RESERVE_S = {"cuda": 60.0, "cpu": 8.0}
 """Budget kept for section 5 while section 4 runs (its three arms, warm-up and timing)."""
-SHARE_END = {"checks": 0.45, "wavefront": 0.55}
+SHARE_END = {"wavefront": 0.25}
 """The fraction of --budget-s by which these sections must be done, so that the speed sections
 keep their time; time they leave unused goes to the later sections."""
-CHECKS_DEADLINE_ENV = "MEGABETA_CHECKS_DEADLINE"
-"""The wall-clock time (time.time()) after which tests/gpu/conftest.py skips each check not yet
-started, set for the child pytest."""
-CHECKS_GRACE_S = 90.0
-"""How long the child pytest may run past that deadline (a check started before it finishes;
-a first compilation takes a minute) before it is stopped."""
-CHECKS_DIR = Path(__file__).resolve().parents[2] / "tests" / "gpu"
-"""The device checks: in a source checkout, beside the package (they are not installed)."""
-
-
 # ---- the report ---------------------------------------------------------------------------------
 
 class Report:
@@ -115,8 +103,6 @@ class Report:
         self.sections: dict[str, dict[str, Any]] = {
             key: dict(title=TITLES[key], rows=[], notes=[], not_run=[], errors=[])
             for key in SECTIONS}
-        self.checks: Counter[str] = Counter()
-        """The device checks' outcomes: passed, failed (pytest's errors too), xfailed, skipped."""
 
     def log(self, text: str) -> None:
         print(f"[{time.monotonic() - self.start:6.1f}s] {text}", flush=True)
@@ -139,18 +125,9 @@ class Report:
             dict(what=what, error=f"{type(exc).__name__}: {_first_line(exc)}", traceback=tail))
         self.log(f"  ERROR {what}: {type(exc).__name__}: {_first_line(exc)}")
 
-    def failures(self) -> list[dict[str, Any]]:
-        """The device checks that failed or raised outside their test (pytest's errors)."""
-        return [row for row in self.sections["checks"]["rows"]
-                if row.get("outcome") in ("failed", "error")]
-
     def summary(self) -> dict[str, int]:
-        """The device checks by outcome (passed, failed with pytest's errors, expected failures,
-        skipped), then
-        what was not run and the errors of this script's sections."""
-        return dict(passed=self.checks["passed"], failed=self.checks["failed"],
-                    xfailed=self.checks["xfailed"], skipped=self.checks["skipped"],
-                    not_run=sum(len(sec["not_run"]) for sec in self.sections.values()),
+        """What was not run and the errors of the sections."""
+        return dict(not_run=sum(len(sec["not_run"]) for sec in self.sections.values()),
                     errors=sum(len(sec["errors"]) for sec in self.sections.values()))
 
     def write(self) -> None:
@@ -164,11 +141,7 @@ class Report:
         s = self.summary()
         lines = ["# megabeta GPU device check", "",
                  *(f"- {k}: {_fmt(v)}" for k, v in meta.items()),
-                 f"- checks: {s['passed']} passed, {s['failed']} FAILED, {s['xfailed']} expected "
-                 f"failures, {s['skipped']} skipped; "
-                 f"{s['not_run']} not run, {s['errors']} errors", ""]
-        for row in self.failures():
-            lines.append(f"- **FAILED**: {_row_label(row)}")
+                 f"- {s['not_run']} not run, {s['errors']} errors", ""]
         for n, (key, sec) in enumerate(self.sections.items(), 1):
             lines += ["", f"## {n}. {sec['title']}", ""]
             lines += [f"- {text}" for text in sec["notes"]]
@@ -352,94 +325,6 @@ def section_versions(run: Run) -> None:
                              value=what if why is None else f"{what}: {why}"))
 
 
-# ---- section 2: the device checks (tests/gpu) ----------------------------------------------------
-
-def checks_command(run: Run, junit: Path) -> list[str]:
-    """The child pytest: the gpu-marked tests of CHECKS_DIR (without the t19_flash sizes under
-    --quick), every outcome listed (-rA), a JUnit report, no cache written into the checkout."""
-    marker = "gpu and not full_size" if run.quick else "gpu"
-    return [sys.executable, "-m", "pytest", "-m", marker, str(CHECKS_DIR), "-q", "-rA",
-            f"--junitxml={junit}", "-p", "no:cacheprovider", *shlex.split(run.args.checks_args)]
-
-
-def junit_results(path: Path) -> list[dict[str, Any]]:
-    """One dict per test case of a pytest JUnit report: `check` (the test and its
-    parameters), `outcome` (passed, failed, error, skipped, xfailed: an expected failure),
-    `seconds`, `why` (the message of a failure, error, skip or expected failure) and the
-    properties the test recorded (`worst`, `tol`)."""
-    results = []
-    for case in ElementTree.parse(path).getroot().iter("testcase"):
-        row: dict[str, Any] = dict(check=f"{case.get('classname', '').rsplit('.', 1)[-1]}::"
-                                         f"{case.get('name')}", outcome="passed",
-                                   seconds=round(float(case.get("time", 0.0)), 2))
-        for kind in ("failure", "error", "skipped"):
-            found = case.find(kind)
-            if found is not None:
-                xfail = kind == "skipped" and found.get("type") == "pytest.xfail"
-                row["outcome"] = "xfailed" if xfail else {"failure": "failed"}.get(kind, kind)
-                text = (found.get("message") or found.text or "").strip()
-                row["why"] = text.splitlines()[0][:300] if text else ""
-                break
-        for prop in case.iter("property"):
-            row[prop.get("name")] = prop.get("value")
-        results.append(row)
-    return results
-
-
-def section_checks(run: Run) -> None:
-    """`pytest -m gpu tests/gpu` in a child process within the checks' share of the budget:
-    a row per check that ran, the skipped ones counted by reason."""
-    report, key = run.report, "checks"
-    if not CHECKS_DIR.is_dir():
-        report.not_run(key, "the device checks", f"{CHECKS_DIR} is not there: they run from a "
-                                                  "source checkout of megabeta")
-        return
-    if importlib.util.find_spec("pytest") is None:
-        report.not_run(key, "the device checks", "pytest is not installed (pip install pytest)")
-        return
-    seconds = run.budget.left() - run.reserve(key)
-    if seconds <= 0:
-        report.not_run(key, "the device checks", "skipped for time: the budget is spent")
-        return
-    junit, log = run.report.out_dir / "checks.xml", run.report.out_dir / "checks.log"
-    junit.unlink(missing_ok=True)
-    command = checks_command(run, junit)
-    report.note(key, f"`{shlex.join(command[2:])}` (from {CHECKS_DIR.parents[1]}); a check "
-                     f"not started within {seconds:.0f} s is skipped; errors are max |device - "
-                     "float64 reference| / max |reference| (tests/support/device_checks.py), "
-                     "`worst` the largest of a check's outputs and gradients; output in "
-                     "checks.log")
-    env = dict(os.environ, **{CHECKS_DEADLINE_ENV: str(time.time() + seconds)})
-    report.log(f"  running {shlex.join(command[2:])}")
-    try:
-        done = subprocess.run(command, cwd=CHECKS_DIR.parents[1], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              timeout=seconds + CHECKS_GRACE_S)
-        output, code = done.stdout, done.returncode
-    except subprocess.TimeoutExpired as exc:
-        # The output is bytes here even with text=True (subprocess's documented quirk).
-        output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        code = None
-    log.write_text(output)
-    if code is None or not junit.exists():
-        why = (f"stopped after {seconds + CHECKS_GRACE_S:.0f} s" if code is None
-               else f"pytest exited {code} without a report")
-        last = (output.strip().splitlines() or [""])[-1]
-        raise RuntimeError(f"the device checks: {why}; the end of checks.log: {last}")
-    results = junit_results(junit)
-    for row in results:
-        outcome = row["outcome"]
-        report.checks["failed" if outcome == "error" else outcome] += 1
-        if outcome != "skipped":
-            report.add(key, row)
-    skipped = Counter(row["why"] for row in results if row["outcome"] == "skipped")
-    for why, count in skipped.items():
-        report.not_run(key, f"{count} check{'s' if count > 1 else ''}", why)
-    report.note(key, f"pytest exit code {code}: {report.checks['passed']} passed, "
-                     f"{report.checks['failed']} failed, {report.checks['xfailed']} expected "
-                     f"failures, {report.checks['skipped']} skipped")
-
-
 def _on_wavefront(mode: str) -> bool:
     """Whether speed mode `mode` runs the wavefront schedule (its rows compare with the eager
     block schedule's: time_vs_block)."""
@@ -503,8 +388,6 @@ def measure(run: Run, config: ModelConfig, execution: ExecutionConfig, batch: in
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     model = _build(config, run.device, execution)
-    if execution.compile:
-        apply_compile(model)  # what TorchEngine does for execution.compile = true
     static = torch.cuda.memory_allocated() / 2**30 if run.cuda else 0.0
     tokens = torch.randint(0, config.vocab_size, (batch, length + 1), device=run.device)
     step = _train_step(model, tokens)
@@ -883,7 +766,7 @@ def section_wavefront(run: Run) -> None:
 
 
 SECTION_FUNCTIONS: dict[str, Callable[[Run], None]] = {
-    "versions": section_versions, "checks": section_checks, "wavefront": section_wavefront,
+    "versions": section_versions, "wavefront": section_wavefront,
     "speed": section_speed, "article": section_article}
 
 
@@ -903,9 +786,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="directory for gpu.json and gpu.md when $OUT is not set")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="comma-separated sections to run (default: all: %(default)s)")
-    parser.add_argument("--checks-args", default="",
-                        help="more pytest arguments for the device checks, e.g. \"-k attention\" "
-                             "or \"-x\" (default: none)")
     parser.add_argument("--attention", default=None,
                         help="execution.attention of the beta arms in sections 3-5 (default: "
                              "triton on CUDA, auto on CPU, where the Triton interpreter takes "
@@ -942,11 +822,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, quick if args.quick else full)
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
-        moved = (" (kernels and exactness are now tests in section checks: pytest -m gpu "
-                 "tests/gpu; --checks-args \"-k ...\" selects among them)"
-                 if unknown & {"kernels", "exactness"} else "")
-        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}"
-                     + moved)
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)} "
+                     f"(the device's exactness checks are tests: pytest -m gpu tests)")
     return args
 
 
@@ -972,10 +849,7 @@ def main(argv: list[str] | None = None) -> Report:
                 SECTION_FUNCTIONS[key](run)
         report.write()
     summary = report.summary()
-    report.log(f"done: checks {summary['passed']} passed, {summary['failed']} FAILED, "
-               f"{summary['xfailed']} expected failures, {summary['skipped']} skipped; "
-               f"{summary['not_run']} not run, "
-               f"{summary['errors']} errors; "
+    report.log(f"done: {summary['not_run']} not run, {summary['errors']} errors; "
                f"{out_dir / 'gpu.md'}")
     return report
 

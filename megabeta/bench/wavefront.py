@@ -34,7 +34,7 @@ import torch
 from megabeta.bench.dispatch import count_step, counting_config
 from megabeta.model import DecoderLM, ExecutionConfig, ModelConfig, build_model, get_preset
 from megabeta.model.flops import training_flops
-from megabeta.model.schedule import SCHEDULES
+from megabeta.model.execution import SCHEDULES, UNITS
 
 FLOPS_TARGET = 0.9
 DISPATCH_TARGET = 0.35
@@ -97,7 +97,7 @@ def _built_on(device: torch.device, config: ModelConfig, execution: ExecutionCon
 def _execution(schedule: str, settings: Settings, checkpoint: bool) -> ExecutionConfig:
     return ExecutionConfig(schedule=schedule, attention=settings.attention,
                            elementwise_kernels=settings.elementwise_kernels,
-                           activation_checkpoint=SCHEDULES[schedule].unit if checkpoint else "none")
+                           activation_checkpoint=UNITS[schedule] if checkpoint else "none")
 
 
 def _sync(device: torch.device) -> None:

@@ -1,6 +1,7 @@
 """`TorchEngine`: single process, DDP or FSDP2 with torch's AdamW (engine/base.py's contract).
 
-Parallelisms are applied in a fixed order (parallel/wrap.py): compile, then DDP or FSDP2.
+Parallelisms are applied by parallel/wrap.py: DDP or FSDP2 (the model's executor compiled or
+captured what `[execution]` asks when the model was placed on its device).
 Mixed precision is autocast (bf16) for the forward; parameters and optimizer state stay fp32
 (FSDP2 may gather bf16 parameters, `parallel.fsdp_param_dtype`). Checkpoints are DCP: sharded,
 and reshardable to another world size.
@@ -23,7 +24,7 @@ from megabeta.storage.safe_load import dcp_reader
 from megabeta.config import TrainConfig
 from megabeta.engine.base import StepResult, document_kwargs
 from megabeta.engine.optim import build_optimizer, set_lr
-from megabeta.parallel.wrap import apply_compile, apply_ddp, apply_fsdp
+from megabeta.parallel.wrap import apply_ddp, apply_fsdp
 
 
 class TorchEngine:
@@ -33,8 +34,6 @@ class TorchEngine:
         self.name = config.parallel.backend
         self.device = device
         self.model = model.to(device)
-        if config.execution.compile:
-            apply_compile(self.model)
         self.module: nn.Module = self.model
         if self.name == "ddp":
             self.module = apply_ddp(self.model, device)

@@ -38,13 +38,15 @@ class Implementation(Protocol):
     """The forward and backward functions of an implementation (a module). `saved`: tensors
     the forward keeps for its backward, whatever that backward needs."""
 
-    def rms_forward(self, x: Tensor, delta: Tensor | None,
-                    eps: float) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
-        """`(a, rms_normalize(a), saved)` for `a = x + delta` (x itself without delta)."""
+    def rms_forward(self, x: Tensor, delta: Tensor | None, eps: float,
+                    dtype: torch.dtype) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        """`(a, rms_normalize(a), saved)` for `a = x + delta` (x itself without delta), the
+        normalized rows in `dtype`."""
 
     def rms_backward(self, dy: Tensor, da: Tensor | None, saved: tuple[Tensor, ...],
-                     eps: float) -> Tensor:
-        """The gradient of `a` (in a's dtype): the norm's, plus `da` where given."""
+                     eps: float, delta_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+        """The gradient of `a` (in a's dtype): the norm's, plus `da` where given; and the same
+        in `delta_dtype` (a itself where that is a's dtype or None)."""
 
     def split_heads_rope_forward(self, y: Tensor, cos: Tensor, sin: Tensor, rotary_heads: int,
                                  head_dim: int) -> tuple[Tensor, Tensor]:
@@ -77,14 +79,16 @@ def load(name: str) -> Implementation:
 
 class _AddRMSNormalize(torch.autograd.Function):
     """`y = rms_normalize(a)` for `a = x + delta`, returning `(a, y)`; without delta only `y`
-    (a is x). Backward: the norm's gradient plus `a`'s own, given to x and to delta (each in its
-    dtype: under autocast the stream is float32 and a projection's output bf16)."""
+    (a is x); y in `dtype` (None: a's). Backward: the norm's gradient plus `a`'s own, given to x
+    and to delta (each in its dtype: under autocast the stream is float32 and a projection's
+    output bf16; the implementation writes both)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, delta: Tensor | None, eps: float,
-                name: str) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(ctx: Any, x: Tensor, delta: Tensor | None, eps: float, name: str,
+                dtype: torch.dtype | None) -> Tensor | tuple[Tensor, Tensor]:
         ctx.implementation = implementation = load(name)
-        a, y, saved = implementation.rms_forward(x, delta, eps)
+        a_dtype = x.dtype if delta is None else torch.promote_types(x.dtype, delta.dtype)
+        a, y, saved = implementation.rms_forward(x, delta, eps, dtype or a_dtype)
         ctx.save_for_backward(*saved)
         ctx.eps = eps
         if delta is None:
@@ -99,15 +103,19 @@ class _AddRMSNormalize(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         if ctx.dtypes is None:
-            return (ctx.implementation.rms_backward(grads[0], None, ctx.saved_tensors, ctx.eps),
-                    None, None, None)
+            grad = ctx.implementation.rms_backward(grads[0], None, ctx.saved_tensors, ctx.eps,
+                                                   None)[0]
+            return grad, None, None, None, None
         da, dy = grads
-        grad = da if dy is None else ctx.implementation.rms_backward(dy, da, ctx.saved_tensors,
-                                                                     ctx.eps)
-        if grad is None:
-            return None, None, None, None
         x_dtype, delta_dtype = ctx.dtypes
-        return grad.to(x_dtype), grad.to(delta_dtype), None, None
+        if dy is None:
+            if da is None:
+                return None, None, None, None, None
+            grad, grad_delta = da, da.to(delta_dtype)
+        else:
+            grad, grad_delta = ctx.implementation.rms_backward(dy, da, ctx.saved_tensors,
+                                                               ctx.eps, delta_dtype)
+        return grad.to(x_dtype), grad_delta, None, None, None
 
 
 def _or_zeros(grad: Tensor | None, like: tuple[torch.Size, torch.dtype, torch.device]) -> Tensor:
@@ -160,17 +168,19 @@ class _SwiGLU(torch.autograd.Function):
         return ctx.implementation.swiglu_backward(dout, ctx.saved_tensors), None
 
 
-def rms_normalize(x: Tensor, eps: float, implementation: str = "torch") -> Tensor:
+def rms_normalize(x: Tensor, eps: float, implementation: str = "torch", *,
+                  dtype: torch.dtype | None = None) -> Tensor:
     """`x · rsqrt(mean(x²) + eps)` over the last dimension: RMSNorm without its weight (the
-    model folds the weight into the next matmul)."""
-    return _AddRMSNormalize.apply(x, None, eps, implementation)
+    model folds the weight into the next matmul). Computed in x's precision and rounded once
+    to `dtype` (default x's): the dtype of the matmul that reads it, so no cast follows."""
+    return _AddRMSNormalize.apply(x, None, eps, implementation, dtype)
 
 
-def add_rms_normalize(x: Tensor, delta: Tensor, eps: float,
-                      implementation: str = "torch") -> tuple[Tensor, Tensor]:
+def add_rms_normalize(x: Tensor, delta: Tensor, eps: float, implementation: str = "torch", *,
+                      dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """`(a, rms_normalize(a))` for the residual sum `a = x + delta` (in the dtype torch
-    promotes the two to)."""
-    return _AddRMSNormalize.apply(x, delta, eps, implementation)
+    promotes the two to), the normalized rows in `dtype` (default a's)."""
+    return _AddRMSNormalize.apply(x, delta, eps, implementation, dtype)
 
 
 def split_heads_rope(y: Tensor, cos: Tensor, sin: Tensor, *, rotary_heads: int, head_dim: int,

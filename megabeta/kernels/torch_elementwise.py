@@ -17,22 +17,28 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def rms_forward(x: Tensor, delta: Tensor | None,
-                eps: float) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+def rms_forward(x: Tensor, delta: Tensor | None, eps: float,
+                dtype: torch.dtype) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
     """`(a, y, saved)`: the residual sum `a = x + delta` (x itself without delta),
-    `y = a·r` for `r = rsqrt(mean(a²) + eps)`, and `(y, r)` for `rms_backward`."""
+    `y = a·r` for `r = rsqrt(mean(a²) + eps)` (rounded to `dtype`), and `(y, r)` in a's
+    precision for `rms_backward`."""
     a = x if delta is None else x + delta
     r = torch.linalg.vecdot(a, a).unsqueeze(-1).div_(a.shape[-1]).add_(eps).rsqrt_()
     y = a * r
-    return a, y, (y, r)
+    return a, y.to(dtype), (y, r)
 
 
-def rms_backward(dy: Tensor, da: Tensor | None, saved: tuple[Tensor, ...], eps: float) -> Tensor:
-    """The gradient of `a`: `r·(dy - y·mean(dy·y))`, plus `da`, `a`'s own, where given."""
+def rms_backward(dy: Tensor, da: Tensor | None, saved: tuple[Tensor, ...], eps: float,
+                 delta_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    """The gradient of `a`: `r·(dy - y·mean(dy·y))`, plus `da`, `a`'s own, where given; and
+    the same in `delta_dtype`."""
     y, r = saved
+    dy = dy.to(y.dtype)
     mean = torch.linalg.vecdot(dy, y).unsqueeze(-1).div_(y.shape[-1])
     grad = torch.addcmul(dy, y, mean, value=-1).mul_(r)
-    return grad if da is None else grad.add_(da)
+    if da is not None:
+        grad = grad.add_(da)
+    return grad, grad if delta_dtype is None else grad.to(delta_dtype)
 
 
 def _heads(y: Tensor, rotary_heads: int, head_dim: int) -> tuple[Tensor, Tensor]:

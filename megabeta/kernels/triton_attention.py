@@ -1,71 +1,56 @@
-"""The attention of one block, or of a wave's cells, as Triton kernels: one forward and one
-backward launch for all of them.
+"""The attention of a stack of cells over their whole key set (spec §3, §7) as Triton kernels:
+the "triton" implementation of `megabeta::history_attention`
+(`megabeta/kernels/history_attention.py`: the operator, its geometry `Cells` and its one
+gradient registration).
 
-Spec §3: the queries of a block of n tokens at layer l attend in ONE softmax to the finished
-groups of their source layers m ∈ M(l) (history rows [lo_g, start), score shifted by the depth
-bias λ_h·(m - l)), to the block's earlier construction keys (causal) and to their own key (the
-self slot, score plus b_σ). The CPU path (`model/attention/merged.py`) attends to those parts
-separately and merges them by log-sum-exp; here the parts are simply consecutive key tiles of one
-flash-attention style online softmax, so nothing per part is ever materialised:
+A cell's queries attend in ONE softmax to their own keys (causal, b_σ on the diagonal; with a
+decoding prefix query r is own key nk - n + r) and to each finished group g: rows [lo_g, start)
+of source layer m_g of the history buffers `[L, B, H_kv, T, d]`, score minus `shift[g, h]`.
+At c = 32 a cell has 32 queries and up to (k+1)·T history rows: a program per (query tile,
+batch·head) would be 8 programs for an H200's 132 SMs at micro-batch 1, each reading the whole
+history one tile after another. So the history is split across programs (split-K, as
+flash-decoding does), S of them per query tile, S chosen from static shapes only (`splits`: at
+least twice the SM count of programs where the history has the tiles), so one compiled kernel
+and one CUDA graph serve every block:
 
-- Forward (`_forward_kernel`, grid (query tiles, B·H, cells)): each program walks the own keys'
-  tiles (causal, b_σ on the diagonal) and then each group's tiles of the history buffer
-  `[L, B, H_kv, T, d]` (source layer m_g, score minus `shift[g, h]`), keeping a running max and
-  sum. It writes the output and the natural-log lse of the full biased, scaled scores.
-- Backward (`_backward_kernel`, one launch): two kinds of program in one grid, independent of
-  each other. Key programs own one (cell, b, kv head, part, key tile), part = own keys or group
-  g; they loop over the query heads that read that kv head and over the n query rows, recompute
-  P from the saved lse, and write dK/dV (own keys) or ADD them into the history's float32
-  gradient buffers at exactly their rows (groups). Each row of a buffer has one owner, so no
-  atomics and a fixed summation order: gradients are bitwise reproducible. Query programs own
-  one (cell, b, head, query tile): they form dQ over all keys and write per-row sums of the
-  score gradient per group (the depth bias's gradient) and of its diagonal (b_σ's), which one
-  torch `.sum` reduces after the launch. delta = rowsum(dO∘O) is recomputed in every program
-  from the saved output.
+- Forward (`_forward_kernel`, grid (query tiles, B·H, cells·S)): split s walks the own keys
+  (s = 0) and every S-th key tile of the groups from tile s, keeping a running max, sum and
+  unnormalised output; with S > 1 it writes them as partials and `_merge_kernel` combines the S
+  partial softmaxes (max, rescaled sums) into the output and the natural-log lse. S = 1 writes
+  the output at once.
+- Backward, queries (`_backward_kernel`): each split forms its share of dQ and of each group's
+  per-row score-gradient sums (the depth bias's gradient) and the diagonal's (b_σ's), reduced
+  over the splits by `_reduce_kernel` where S > 1; in the same launch, programs of the own keys
+  form their dK and dV. delta = rowsum(dO∘O) is recomputed from the saved output. The history's
+  key/value gradients are NOT formed here: split 0 leaves what they need in the pass's reader
+  buffers (the queries, dO, delta, lse plus each group's shift, per layer and position).
+- Backward, history (`history_gradients`, once per unit of the pass, model/passes.py): when
+  every reader of a unit's cells has run backward, `_history_kernel` forms each history row's
+  key and value gradients ONCE over all the queries that read it (per key tile, the later
+  blocks' query rows of every layer that reads that source, split across programs and reduced
+  by `_history_reduce_kernel`), and stores them: no float32 read-modify-write of the history's
+  gradient per query block.
 
-Cells. One call computes `cells` blocks stacked on a leading axis (`[cells, B, H, n, d]`): one
-block of the block schedule is one cell; a wave of the wavefront schedule (spec §5,
-model/wavefront.py) is up to ⌈L/(k+1)⌉ cells on consecutive blocks, oldest first, at layers
-that step by a constant (-(k+1)). Cell i's block starts (cells-1-i)·n rows before the last
-cell's, and its layer and its source layers are the last cell's moved by the layer step, the
-sources cut at the deepest layer `top` (M(l) = {l, l+s, …} ∩ [l, min(l+k, L-1)]). The cells of
-a wave read disjoint source layers (M(l) ⊆ [l, l+k]), so their key programs never write the same
-gradient rows: still no atomics.
+Static shapes: `start` (the newest cell's first position) is a device tensor read inside the
+kernels; the grids cover all T rows (tiles past `start` find nothing), so nothing a launch
+sees depends on the block but the tensors' contents. History rows >= start are never loaded
+unmasked (they may hold anything, NaN included). The source layers are an arithmetic
+progression (M(l) of spec §3): the kernels get the first one and the step.
 
-Static shapes: the valid history length `start` is a device tensor read inside the kernels;
-the grids cover all T history rows (key programs past `start` find no rows and store nothing),
-so one compiled graph / CUDA graph serves every block. History rows >= start are never loaded
-unmasked (they may hold anything, NaN included). Rows [lo_g, start) of source m_g, with
-lo_g = max(0, start - window) for a deeper source under a deep-token window (history.group_rows).
-
-The source layers must be an arithmetic progression (as M(l) of spec §3 always is): the kernels
-get the first one and the step, so that the group list needs no device table.
-
-Head widths need not be powers of two (t19_flash: 200): tiles are padded to the next power of two
-with masks. Inputs float32, bfloat16 or float16, accumulation in float32; float32 products are
-exact IEEE ones (no TF32).
-
-Operators: these kernels are the "triton" implementation of `megabeta::history_attention` and
-its `_forward`/`_backward` (`megabeta/kernels/history_attention.py`, all over stacked cells: the
-gradient protocol and fake implementations live there, once for every implementation),
-registered on import (`_forward_impl`, `_backward_impl`). Typed wrappers: `forward`, `backward`
-(no autograd) and `block_attention` for one block, `wave_attention` for a wave's cells.
+Head widths need not be powers of two (t19_flash: 200): tiles are padded to the next power of
+two with masks. Inputs float32, bfloat16 or float16, accumulation in float32; float32 products
+are exact IEEE ones (no TF32).
 """
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from megabeta.kernels import history_attention
-from megabeta.kernels.history_attention import (
-    block_top,
-    empty_outputs,
-    gradient_like,
-    one,
-    row_major,
-)
+from megabeta.kernels.history_attention import Cells, empty_outputs, gradient_like, row_major
 from megabeta.kernels.ops import launch, target_device_type
 
 try:
@@ -100,26 +85,31 @@ INTERPRETER_TILES = Tiles(16, 16, 1, None)
 """Under Triton's CPU interpreter every program runs in numpy: small tiles keep test grids
 cheap."""
 
+GPU_SMS = 132
+"""The SM count `splits` assumes where there is no GPU to ask (compiling for a target, counting
+launches): an H100's and H200's."""
+INTERPRETER_SMS = 8
+"""What `splits` targets under Triton's interpreter: enough programs that the tests' small
+cases split the history (and exercise the merge), few enough to keep them quick."""
+
 
 @functools.lru_cache(maxsize=None)
 def cuda_tiles(block_d: int, dtype: torch.dtype, *, backward: bool) -> Tiles:
-    """The tiles of the forward or the backward kernel on a CUDA GPU, for heads padded to
+    """The tiles of the forward or the backward kernels on a CUDA GPU, for heads padded to
     `block_d` columns: the one place they are chosen. The figures behind them are ptxas's
-    register and spill counts of sm_80 and sm_90 builds with triton 3.6 and 3.9
-    (`megabeta bench kernels`; docs/benchmarks/2026-12-04-kernels.md), not timings: at c = 32
-    the finished groups' attention is bound by HBM bandwidth (`megabeta bench roofline`), so
-    tiles that never spill come before the widest MMA.
+    register and spill counts of sm_80 and sm_90 builds (`megabeta bench kernels`;
+    docs/benchmarks/), not timings: the finished groups' attention at small c is bound by HBM
+    bandwidth, so tiles that never spill come before the widest MMA.
 
     - Forward, 16-bit: 64x64 tiles on 4 warps (wgmma on sm_90) up to 128 columns; wider heads
       32x32 on 8 warps (a 64-wide key tile spills at 256 columns).
-    - Backward, 16-bit: each key program holds two float32 [BLOCK_N, BLOCK_D] accumulators
-      (dK, dV) and recomputes [BLOCK_M, BLOCK_N] scores: 32x32 on 4 warps up to 128 columns
-      (32x64 spills on sm_80, 64x64 everywhere); wider heads 32x16 on 8 warps (32x32 spills).
+    - Backward, 16-bit: a key-side program (own keys, history rows) holds two float32
+      [BLOCK_N, BLOCK_D] accumulators (dK, dV) and recomputes [BLOCK_M, BLOCK_N] scores, and
+      one kernel serves the own keys and the split query tiles: 32x32 on 4 warps up to 128
+      columns; wider heads 16x16 on 8 warps (32x16 spilled ~280 bytes).
     - float32 (exact IEEE products, no tensor cores): forward 32x16 on 4 warps up to 128
-      columns (16x16 spills with triton 3.6 on sm_90), 16x16 on 8 warps wider. Backward 16x16
-      without software pipelining (num_stages = 1), whose prefetch buffers otherwise push
-      ptxas to spill kilobytes a thread at 256 columns; it still spills about 0.6 KB a thread
-      there (every other tiling tried spills more).
+      columns, 16x16 on 8 warps wider. Backward 16x16 without software pipelining
+      (num_stages = 1), whose prefetch buffers otherwise push ptxas to spill at 256 columns.
     """
     wide = block_d > 128
     if dtype.itemsize > 2:
@@ -128,63 +118,74 @@ def cuda_tiles(block_d: int, dtype: torch.dtype, *, backward: bool) -> Tiles:
         return Tiles(16, 16, 8, None) if wide else Tiles(32, 16, 4, None)
     if not backward:
         return Tiles(32, 32, 8, None) if wide else Tiles(64, 64, 4, None)
-    return Tiles(32, 16, 8, None) if wide else Tiles(32, 32, 4, None)
+    return Tiles(16, 16, 8, None) if wide else Tiles(32, 32, 4, None)
 
 
-@dataclass(frozen=True)
-class Cells:
-    """The geometry of one call: which layer and source layers each cell has (module doc)."""
+def _cuda(device: torch.device) -> bool:
+    return target_device_type(device) == "cuda"
 
-    count: int
-    groups: int
-    """G: the most source layers a cell reads (the last cell's)."""
-    first: int
-    """Cell 0's first source layer (0 when G = 0)."""
-    step: int
-    """The step between a cell's source layers (1 when it has at most one)."""
-    top: int
-    """The deepest source layer any cell reads: cell i reads sources first_i + g·step ≤ top,
-    g < G."""
-    layer: int
-    """Cell 0's layer."""
-    layer_step: int
-    """Cell i's layer (and first source) is cell 0's plus i·layer_step."""
 
-    @staticmethod
-    def of(sources: list[int], layers: list[int], top: int) -> "Cells":
-        """`sources`: the last cell's source layers, an arithmetic progression; `layers`: each
-        cell's layer, an arithmetic progression; `top`: the deepest source layer."""
-        if not layers:
-            raise ValueError("block attention: no cells (layers is empty)")
-        layer_step = layers[1] - layers[0] if len(layers) > 1 else 0
-        if any(b - a != layer_step for a, b in zip(layers, layers[1:])):
-            raise ValueError(f"block attention: the cells' layers must step by one constant, "
-                             f"got {layers}")
-        if not sources:
-            return Cells(len(layers), 0, 0, 1, 0, layers[0], layer_step)
-        step = sources[1] - sources[0] if len(sources) > 1 else 1
-        if step <= 0 or any(b - a != step for a, b in zip(sources, sources[1:])):
-            raise ValueError(f"block attention: sources must be increasing with one step (M(l) "
-                             f"of spec §3), got {sources}")
-        if sources[-1] > top:
-            raise ValueError(f"block attention: source {sources[-1]} is deeper than top {top}")
-        return Cells(len(layers), len(sources), sources[0] + layers[0] - layers[-1], step, top,
-                     layers[0], layer_step)
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
-    def sources(self, i: int) -> list[int]:
-        """Cell i's source layers."""
-        first = self.first + i * self.layer_step
-        return [m for m in range(first, first + self.groups * self.step, self.step)
-                if m <= self.top]
 
-    def layers(self) -> list[int]:
-        return [self.layer + i * self.layer_step for i in range(self.count)]
+def target_sms(device: torch.device) -> int:
+    """The SMs the split of the history aims to fill on `device` (`splits`)."""
+    if not _cuda(device):
+        return INTERPRETER_SMS
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else
+                         torch.cuda.current_device())
+    return GPU_SMS
 
-    def args(self) -> tuple[int, ...]:
-        """The kernels' scalar arguments (CELLS, G, src0, src_step, src_top, layer0,
-        layer_step)."""
-        return (self.count, self.groups, self.first, self.step, self.top, self.layer,
-                self.layer_step)
+
+def splits(programs: int, tiles: int, sms: int) -> int:
+    """How many programs share one query tile's key tiles: enough that `programs` such tiles
+    make at least twice `sms` programs, at most `tiles` (each split has a tile)."""
+    return max(1, min(tiles, -(-2 * sms // max(programs, 1))))
+
+
+def _meta(q: Tensor, *, backward: bool) -> dict:
+    """The constexpr parameters and launch options of the forward or the backward kernels."""
+    block_d = max(16, triton.next_power_of_2(q.shape[-1]))
+    cuda = _cuda(q.device)
+    tiles = cuda_tiles(block_d, q.dtype, backward=backward) if cuda else INTERPRETER_TILES
+    meta = dict(D=q.shape[-1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d,
+                DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+    if cuda:
+        meta["num_warps"] = tiles.num_warps
+        if tiles.num_stages is not None:
+            meta["num_stages"] = tiles.num_stages
+    return meta
+
+
+def _unpipelined(device: torch.device) -> dict:
+    """No software pipelining (a CUDA option): the merging and reducing kernels' loops sum a
+    few partial tiles, where the prefetch buffers only add registers (ptxas spilled them)."""
+    return dict(num_stages=1) if _cuda(device) else {}
+
+
+def _history_meta(meta: dict, device: torch.device) -> dict:
+    """The history gradients' kernel: the backward's key tiles, query tiles of 16 rows, on 4
+    warps without software pipelining (a key-side program holds the dK and dV accumulators for
+    its whole loop over later queries; with 8 warps ptxas capped it at 128 registers and
+    spilled, with 32-row query tiles or pipelining too)."""
+    if not _cuda(device):
+        return meta
+    return {**meta, "BLOCK_M": 16, "num_warps": 4, **_unpipelined(device)}
+
+
+def _reduce_warps(meta: dict, device: torch.device) -> dict:
+    """8 warps for the history reduction of wide heads: two float32 [BLOCK_N, 256] sums a
+    program, which spilled on 4."""
+    return {"num_warps": 8} if _cuda(device) and meta["BLOCK_D"] > 128 else {}
+
+
+def _small(meta: dict, device: torch.device) -> dict:
+    """Launch options of the merging and reducing kernels (no MMA)."""
+    keep = ("D", "BLOCK_M", "BLOCK_D")
+    return {**{k: v for k, v in meta.items() if k in keep}, **_unpipelined(device)}
 
 
 def _per_cell(t: Tensor) -> Tensor:
@@ -208,29 +209,30 @@ def _check(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, shif
     groups = cells.groups
     dtypes = {t.dtype for t in ((q, k, v, hist_k, hist_v) if groups else (q, k, v))}
     if len(dtypes) > 1:
-        raise ValueError(f"block attention: q, k, v and the history need one dtype, got {dtypes}")
+        raise ValueError(f"history attention: q, k, v and the history need one dtype, got "
+                         f"{dtypes}")
     if count != cells.count:
-        raise ValueError(f"block attention: {count} cells of queries for {cells.count} layers")
-    if k.shape != (count, batch, k.shape[2], n, width) or v.shape != k.shape \
-            or heads % k.shape[2]:
-        raise ValueError(f"block attention: k, v must be [cells, B, H_kv, n, d] with H a "
-                         f"multiple of H_kv (q {tuple(q.shape)}, k {tuple(k.shape)}, "
+        raise ValueError(f"history attention: {count} cells of queries for {cells.count} layers")
+    if k.shape[:3] != (count, batch, k.shape[2]) or k.shape[3] < n or k.shape[4] != width \
+            or v.shape != k.shape or heads % k.shape[2]:
+        raise ValueError(f"history attention: k, v must be [cells, B, H_kv, nk, d] with nk >= n "
+                         f"and H a multiple of H_kv (q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)})")
     if shift.dim() != 3 or shift.shape[0] != count or shift.shape[1] < groups \
             or shift.shape[2] != heads:
-        raise ValueError(f"block attention: shift must be [cells, G, H] = [{count}, {groups}, "
-                         f"{heads}] (G or more groups), got {tuple(shift.shape)}")
+        raise ValueError(f"history attention: shift must be [cells, G, H] = [{count}, "
+                         f"{groups}, {heads}] (G or more groups), got {tuple(shift.shape)}")
     if self_bias is not None and self_bias.shape != (count,):
-        raise ValueError(f"block attention: self_bias must be [cells] = [{count}], got "
+        raise ValueError(f"history attention: self_bias must be [cells] = [{count}], got "
                          f"{tuple(self_bias.shape)}")
     if groups:
         if hist_k.dim() != 5 or hist_k.shape[1:3] != k.shape[1:3] or hist_k.shape[4] != width \
                 or hist_v.shape != hist_k.shape:
-            raise ValueError(f"block attention: history buffers must be [L, B, H_kv, T, d] "
+            raise ValueError(f"history attention: history buffers must be [L, B, H_kv, T, d] "
                              f"(got {tuple(hist_k.shape)}, {tuple(hist_v.shape)})")
         read = [m for i in range(count) for m in cells.sources(i)]
         if min(read, default=0) < 0 or cells.top >= hist_k.shape[0]:
-            raise ValueError(f"block attention: sources {sorted(set(read))} outside the "
+            raise ValueError(f"history attention: sources {sorted(set(read))} outside the "
                              f"history's {hist_k.shape[0]} layers")
 
 
@@ -252,7 +254,7 @@ if triton is not None:
     @triton.jit
     def _cell(cell, start_ptr, CELLS, n, G, src0, src_step, src_top, layer0, layer_step):
         """Cell `cell`'s (start, layer, first source, groups) (`Cells`): consecutive blocks of
-        n rows, the last one starting at `*start_ptr`; layer and sources moving by
+        n rows, the newest one starting at `*start_ptr`; layer and sources moving by
         `layer_step` per cell, sources cut at `src_top`."""
         start = tl.load(start_ptr).to(tl.int32) - (CELLS - 1 - cell) * n
         layer = layer0 + cell * layer_step
@@ -263,7 +265,7 @@ if triton is not None:
 
     @triton.jit
     def _group_lo(start, window, source, layer):
-        """First history row a group reads (history.group_rows)."""
+        """First history row a group reads (`history_attention.group_rows`)."""
         return tl.where((window > 0) & (source > layer), tl.maximum(start - window, 0), 0)
 
     @triton.jit
@@ -291,25 +293,31 @@ if triton is not None:
         (spec §7: the mask saves their loads and products)."""
         return lo + tl.maximum(bound - lo, 0) // BLOCK_N * BLOCK_N
 
+    @triton.jit
+    def _query_rows(q_c, sq_b, sq_h, sq_n, b, h, offs_m, offs_d, m_mask, d_mask):
+        return tl.load(q_c + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :],
+                       mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
     # Not specialised: the runtime geometry (one compiled kernel for every block and wave), and
     # the bias entries' strides and pointers (one scalar load each: alignment buys nothing).
-    # The document bounds (HAS_DOCS) likewise: a block's slice starts at any position.
-    @triton.jit(do_not_specialize=["n", "CELLS", "G", "src0", "src_step", "src_top", "layer0",
-                                   "layer_step", "window", "ssh_c", "ssb_c", "sdoc_c", "sdoc_b"],
+    @triton.jit(do_not_specialize=["n", "nk", "CELLS", "G", "src0", "src_step", "src_top",
+                                   "layer0", "layer_step", "window", "ssh_c", "ssb_c", "sdoc_c",
+                                   "sdoc_b", "S"],
                 do_not_specialize_on_alignment=["shift_ptr", "sb_ptr", "doc_ptr"])
     def _forward_kernel(q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, start_ptr, shift_ptr, sb_ptr,
-                        doc_ptr, out_ptr, lse_ptr,
+                        doc_ptr, out_ptr, lse_ptr, part_ptr, pm_ptr, pl_ptr,
                         sq_c, sq_b, sq_h, sq_n, sk_c, sk_b, sk_h, sk_n, sv_c, sv_b, sv_h, sv_n,
                         shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                         so_c, so_b, so_h, so_n, ssh_c, ssb_c, sdoc_c, sdoc_b, sdoc_n,
-                        B, H, HKV, n, CELLS, G, src0, src_step, src_top, layer0, layer_step,
-                        window, qk_scale,
-                        HAS_SELF: tl.constexpr, HAS_DOCS: tl.constexpr, D: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                        DOT_PREC: tl.constexpr):
+                        B, H, HKV, n, nk, CELLS, G, src0, src_step, src_top, layer0,
+                        layer_step, window, qk_scale, S,
+                        HAS_SELF: tl.constexpr, HAS_DOCS: tl.constexpr, SPLIT: tl.constexpr,
+                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
-        cell = tl.program_id(2)
+        cell = tl.program_id(2) // S
+        split = tl.program_id(2) % S
         start, layer, first, groups = _cell(cell, start_ptr, CELLS, n, G, src0, src_step,
                                             src_top, layer0, layer_step)
         # int64 bases: a [L, B, H_kv, T, d] buffer can pass 2^31 elements.
@@ -321,36 +329,41 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < D
         m_mask = offs_m < n
-        q = tl.load(q_ptr + c64 * sq_c + b * sq_b + h * sq_h + offs_m[:, None] * sq_n
-                    + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-        k_own = k_ptr + c64 * sk_c + b * sk_b + hkv * sk_h
-        v_own = v_ptr + c64 * sv_c + b * sv_b + hkv * sv_h
-        # A finite start: a row whose first tiles are all masked gets exp2(-inf - (-1e30)) = 0
+        q = _query_rows(q_ptr + c64 * sq_c, sq_b, sq_h, sq_n, b, h, offs_m, offs_d, m_mask,
+                        d_mask)
+        # A finite start: a row whose tiles are all masked gets exp2(-inf - (-1e30)) = 0
         # instead of NaN from (-inf) - (-inf).
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        if HAS_SELF:
-            self_bias = tl.load(sb_ptr + c64 * ssb_c).to(tl.float32) * _LOG2E
-        own0 = 0
+        tile_lo = 0
         if HAS_DOCS:
             lower, tile_lo = _row_bounds(doc_ptr + c64 * sdoc_c + b * sdoc_b, sdoc_n, offs_m,
                                          m_mask)
-            own0 = _first_tile(0, tile_lo - start, BLOCK_N)
-        # Own keys: j <= i, only tiles up to this query tile's last row.
-        for j0 in range(own0, tl.minimum(n, (pid_m + 1) * BLOCK_M), BLOCK_N):
-            offs_n = j0 + tl.arange(0, BLOCK_N)
-            kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
-            k = _tile(k_own, offs_n, sk_n, offs_d, kv_mask)
-            v = _tile(v_own, offs_n, sv_n, offs_d, kv_mask)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if split == 0:
+            k_own = k_ptr + c64 * sk_c + b * sk_b + hkv * sk_h
+            v_own = v_ptr + c64 * sv_c + b * sv_b + hkv * sv_h
             if HAS_SELF:
-                s += tl.where(offs_m[:, None] == offs_n[None, :], self_bias, 0.0)
-            read = offs_n[None, :] <= offs_m[:, None]
+                self_bias = tl.load(sb_ptr + c64 * ssb_c).to(tl.float32) * _LOG2E
+            own0 = 0
             if HAS_DOCS:
-                read = read & (start + offs_n[None, :] >= lower[:, None])
-            s = tl.where(read, s, float("-inf"))
-            acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v, DOT_PREC)
+                own0 = _first_tile(0, tile_lo - start, BLOCK_N)
+            # Own keys: j <= nk - n + i (query i is own key nk - n + i: a decoding prefix comes
+            # first), only tiles up to this query tile's last row.
+            me = offs_m + (nk - n)
+            for j0 in range(own0, tl.minimum(nk, (nk - n) + (pid_m + 1) * BLOCK_M), BLOCK_N):
+                offs_n = j0 + tl.arange(0, BLOCK_N)
+                kv_mask = (offs_n < nk)[:, None] & d_mask[None, :]
+                k = _tile(k_own, offs_n, sk_n, offs_d, kv_mask)
+                v = _tile(v_own, offs_n, sv_n, offs_d, kv_mask)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+                if HAS_SELF:
+                    s += tl.where(me[:, None] == offs_n[None, :], self_bias, 0.0)
+                read = offs_n[None, :] <= me[:, None]
+                if HAS_DOCS:
+                    read = read & (start + offs_n[None, :] >= lower[:, None])
+                s = tl.where(read, s, float("-inf"))
+                acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v, DOT_PREC)
         for g in range(groups):
             source = first + g * src_step
             bias = tl.load(shift_ptr + c64 * ssh_c + g * H + h) * _LOG2E
@@ -359,7 +372,7 @@ if triton is not None:
             lo = _group_lo(start, window, source, layer)
             if HAS_DOCS:
                 lo = _first_tile(lo, tile_lo, BLOCK_N)
-            for j0 in range(lo, start, BLOCK_N):
+            for j0 in range(lo + split * BLOCK_N, start, S * BLOCK_N):
                 offs_n = j0 + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < start
                 kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -371,12 +384,65 @@ if triton is not None:
                     read = read & (offs_n[None, :] >= lower[:, None])
                 s = tl.where(read, s, float("-inf"))
                 acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v, DOT_PREC)
-        out = acc / l_i[:, None]
+        if SPLIT:
+            # Partials `[cells, S, B, H, n, (D)]`, contiguous: the merge combines them.
+            row = ((c64 * S + split) * B * H + bh) * n + offs_m
+            tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc,
+                     mask=m_mask[:, None] & d_mask[None, :])
+            tl.store(pm_ptr + row, m_i, mask=m_mask)
+            tl.store(pl_ptr + row, l_i, mask=m_mask)
+        else:
+            # Rows past n read nothing (l = 0): a harmless 1, never stored.
+            l_i = tl.where(m_mask, l_i, 1.0)
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + c64 * so_c + b * so_b + h * so_h + offs_m[:, None] * so_n
+                     + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=m_mask[:, None] & d_mask[None, :])
+            tl.store(lse_ptr + (c64 * B * H + bh) * n + offs_m,
+                     (m_i + tl.math.log2(l_i)) * _LN2, mask=m_mask)
+
+    @triton.jit(do_not_specialize=["n", "S"])
+    def _merge_kernel(part_ptr, pm_ptr, pl_ptr, out_ptr, lse_ptr, so_c, so_b, so_h, so_n,
+                      B, H, n, S, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+        """The S partial softmaxes of one query tile combined: max, rescaled sums, output and
+        lse (flash-decoding's merge)."""
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        c64 = tl.program_id(2).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_mask = offs_m < n
+        mask = m_mask[:, None] & (offs_d < D)[None, :]
+        best = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        for s in range(S):
+            row = ((c64 * S + s) * B * H + bh) * n + offs_m
+            best = tl.maximum(best, tl.load(pm_ptr + row, mask=m_mask, other=-1.0e30))
+        total = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for s in range(S):
+            row = ((c64 * S + s) * B * H + bh) * n + offs_m
+            weight = tl.math.exp2(tl.load(pm_ptr + row, mask=m_mask, other=-1.0e30) - best)
+            total += weight * tl.load(pl_ptr + row, mask=m_mask, other=0.0)
+            acc += weight[:, None] * tl.load(part_ptr + row[:, None] * D + offs_d[None, :],
+                                             mask=mask, other=0.0)
+        b = bh // H
+        h = bh % H
+        total = tl.where(m_mask, total, 1.0)  # rows past n: a harmless 1, never stored
+        out = acc / total[:, None]
         tl.store(out_ptr + c64 * so_c + b * so_b + h * so_h + offs_m[:, None] * so_n
-                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & d_mask[None, :])
-        tl.store(lse_ptr + (c64 * B * H + bh) * n + offs_m, (m_i + tl.math.log2(l_i)) * _LN2,
+                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(lse_ptr + (c64 * B * H + bh) * n + offs_m, (best + tl.math.log2(total)) * _LN2,
                  mask=m_mask)
+
+    @triton.jit
+    def _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale, DOT_PREC: tl.constexpr):
+        """P and the score gradient dS = P∘(dP - delta) of one (query, key) tile; `bias` in
+        log2 units, `lse` too, `valid` the mask of real (query, key) pairs."""
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale + bias
+        p = tl.where(valid, tl.math.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        return p, p * (dp - delta[:, None])
 
     @triton.jit
     def _query_tile(q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H,
@@ -399,138 +465,85 @@ if triton is not None:
         return q, do, lse, delta, offs_m, m_mask
 
     @triton.jit
-    def _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale, DOT_PREC: tl.constexpr):
-        """P and the score gradient dS = P∘(dP - delta) of one (query, key) tile; `bias` in
-        log2 units, `valid` the mask of real (query, key) pairs."""
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale + bias
-        p = tl.where(valid, tl.math.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        return p, p * (dp - delta[:, None])
-
-    @triton.jit
     def _doc_pairs(doc_b, sdoc_n, m0, n, positions, HAS_DOCS: tl.constexpr,
                    BLOCK_M: tl.constexpr):
         """For a key program: which (query row of tile m0, key at `positions`) pairs the
-        document bounds let through (spec §7); without them a constant True. (No branch to
-        skip a query tile: one costs the bf16 backward at width 200 its last registers, and
-        spills; at c <= BLOCK_M a block is one query tile anyway.)"""
+        document bounds let through (spec §7); without them a constant True."""
         pairs = True
         if HAS_DOCS:
             offs_m = m0 + tl.arange(0, BLOCK_M)
-            pairs = positions[None, :] >= _row_bounds(doc_b, sdoc_n, offs_m, offs_m < n)[0][:, None]
+            pairs = positions[None, :] >= _row_bounds(doc_b, sdoc_n, offs_m,
+                                                      offs_m < n)[0][:, None]
         return pairs
 
     @triton.jit
-    def _key_program(task, bkv, q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr, lse_ptr,
-                     start, shift_ptr, sb_ptr, doc_ptr, dk_ptr, dv_ptr, ghk_ptr, ghv_ptr,
-                     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-                     shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
-                     sdo_b, sdo_h, sdo_n, so_b, so_h, so_n,
-                     sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
-                     sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t, sdoc_b, sdoc_n,
-                     H, HKV, n, T_TILES, groups, first, src_step, layer, window, scale, qk_scale,
-                     HAS_SELF: tl.constexpr, HAS_DOCS: tl.constexpr, D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     DOT_PREC: tl.constexpr):
-        """dK, dV of one key tile of one cell (pointers at the cell's): `task` < own tiles: the
-        own keys' tile `task`; beyond: tile (task - own tiles) % T_TILES of group
-        (task - own tiles) // T_TILES, nothing past the cell's `groups`. With HAS_DOCS, a
-        history tile wholly below every query's bound is skipped (spec §7)."""
+    def _own_key_program(task, bkv, q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, start,
+                         sb_ptr, doc_ptr, dk_ptr, dv_ptr,
+                         sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                         sdo_b, sdo_h, sdo_n, so_b, so_h, so_n,
+                         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, sdoc_b, sdoc_n,
+                         H, HKV, n, scale, qk_scale,
+                         HAS_SELF: tl.constexpr, HAS_DOCS: tl.constexpr, D: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         DOT_PREC: tl.constexpr):
+        """dK, dV of one tile of a cell's own keys (pointers at the cell's) over the query
+        heads that read its KV head and the queries at or after it (causal)."""
         b = (bkv // HKV).to(tl.int64)
         hkv = (bkv % HKV).to(tl.int64)
         per_kv = H // HKV
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < D
-        own_tiles = tl.cdiv(n, BLOCK_N)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         doc_b = doc_ptr + b * sdoc_b
-        if task < own_tiles:
-            offs_n = task * BLOCK_N + tl.arange(0, BLOCK_N)
-            kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
-            k = _tile(k_ptr + b * sk_b + hkv * sk_h, offs_n, sk_n, offs_d, kv_mask)
-            v = _tile(v_ptr + b * sv_b + hkv * sv_h, offs_n, sv_n, offs_d, kv_mask)
-            if HAS_SELF:
-                self_bias = tl.load(sb_ptr).to(tl.float32) * _LOG2E
-            for hh in range(per_kv):
-                h = hkv * per_kv + hh
-                # Causal: only query tiles holding rows >= this tile's first key.
-                for m0 in range((task * BLOCK_N) // BLOCK_M * BLOCK_M, n, BLOCK_M):
-                    q, do, lse, delta, offs_m, m_mask = _query_tile(
-                        q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H, sq_b, sq_h, sq_n,
-                        sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, D, BLOCK_M, BLOCK_D)
-                    valid = (m_mask[:, None] & (offs_n < n)[None, :]
-                             & (offs_n[None, :] <= offs_m[:, None])
-                             & _doc_pairs(doc_b, sdoc_n, m0, n, start + offs_n, HAS_DOCS,
-                                          BLOCK_M))
-                    bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                    if HAS_SELF:
-                        bias = tl.where(offs_m[:, None] == offs_n[None, :], self_bias, 0.0)
-                    p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale,
-                                        DOT_PREC)
-                    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
-                    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC)
-            tl.store(dk_ptr + b * sdk_b + hkv * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :],
-                     (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(dv_ptr + b * sdv_b + hkv * sdv_h + offs_n[:, None] * sdv_n + offs_d[None, :],
-                     dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
-        else:
-            g = (task - own_tiles) // T_TILES
-            live = g < groups
-            # A group past the cell's reads nothing: a valid layer for the (masked) addresses.
-            source = tl.where(live, first + g * src_step, 0)
-            row0 = (_group_lo(start, window, source, layer)
-                    + (task - own_tiles) % T_TILES * BLOCK_N)
-            end = tl.where(live, start, 0)
-            if HAS_DOCS:
-                # A tile wholly below every query's bound is neither read nor written: its
-                # gradient rows get nothing (the block's smallest bound is its first row's:
-                # documents are contiguous, spec §7).
-                end = tl.where(row0 + BLOCK_N <= tl.load(doc_b), 0, end)
-            offs_n = row0 + tl.arange(0, BLOCK_N)
-            kv_mask = (offs_n < end)[:, None] & d_mask[None, :]
-            k = _tile(_layer_base(hk_ptr, source, shk_l, b, shk_b, hkv, shk_h), offs_n, shk_t,
-                      offs_d, kv_mask)
-            v = _tile(_layer_base(hv_ptr, source, shv_l, b, shv_b, hkv, shv_h), offs_n, shv_t,
-                      offs_d, kv_mask)
-            # A tile past the valid rows has nothing to do: no query loop, masked stores.
-            m_end = tl.where(row0 < end, n, 0)
-            for hh in range(per_kv):
-                h = hkv * per_kv + hh
-                bias = -tl.load(shift_ptr + g * H + h) * _LOG2E
-                for m0 in range(0, m_end, BLOCK_M):
-                    q, do, lse, delta, offs_m, m_mask = _query_tile(
-                        q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H, sq_b, sq_h, sq_n,
-                        sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, D, BLOCK_M, BLOCK_D)
-                    valid = (m_mask[:, None] & (offs_n < start)[None, :]
-                             & _doc_pairs(doc_b, sdoc_n, m0, n, offs_n, HAS_DOCS, BLOCK_M))
-                    p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale,
-                                        DOT_PREC)
-                    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
-                    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC)
-            # This program is the only writer of these rows: a plain read-add-write.
-            gk = (ghk_ptr + source.to(tl.int64) * sgk_l + b * sgk_b + hkv * sgk_h
-                  + offs_n[:, None] * sgk_t + offs_d[None, :])
-            gv = (ghv_ptr + source.to(tl.int64) * sgv_l + b * sgv_b + hkv * sgv_h
-                  + offs_n[:, None] * sgv_t + offs_d[None, :])
-            tl.store(gk, tl.load(gk, mask=kv_mask, other=0.0) + dk * scale, mask=kv_mask)
-            tl.store(gv, tl.load(gv, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
+        offs_n = task * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
+        k = _tile(k_ptr + b * sk_b + hkv * sk_h, offs_n, sk_n, offs_d, kv_mask)
+        v = _tile(v_ptr + b * sv_b + hkv * sv_h, offs_n, sv_n, offs_d, kv_mask)
+        if HAS_SELF:
+            self_bias = tl.load(sb_ptr).to(tl.float32) * _LOG2E
+        for hh in range(per_kv):
+            h = hkv * per_kv + hh
+            for m0 in range((task * BLOCK_N) // BLOCK_M * BLOCK_M, n, BLOCK_M):
+                q, do, lse, delta, offs_m, m_mask = _query_tile(
+                    q_ptr, do_ptr, o_ptr, lse_ptr, b, h, m0, n, H, sq_b, sq_h, sq_n,
+                    sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, D, BLOCK_M, BLOCK_D)
+                valid = (m_mask[:, None] & (offs_n < n)[None, :]
+                         & (offs_n[None, :] <= offs_m[:, None])
+                         & _doc_pairs(doc_b, sdoc_n, m0, n, start + offs_n, HAS_DOCS, BLOCK_M))
+                bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                if HAS_SELF:
+                    bias = tl.where(offs_m[:, None] == offs_n[None, :], self_bias, 0.0)
+                p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale, DOT_PREC)
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC)
+        tl.store(dk_ptr + b * sdk_b + hkv * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :],
+                 (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(dv_ptr + b * sdv_b + hkv * sdv_h + offs_n[:, None] * sdv_n + offs_d[None, :],
+                 dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
     @triton.jit
-    def _query_program(m_tile, bh, q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr, lse_ptr,
-                       start, shift_ptr, sb_ptr, doc_ptr, dq_ptr, rows_ptr, diag_ptr, rows_t,
+    def _query_program(m_tile, bh, split, q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr,
+                       lse_ptr, start, shift_ptr, sb_ptr, doc_ptr, dq_ptr, rows_ptr, diag_ptr,
+                       rows_t, qpart_ptr, rpart_ptr, c64, layer,
+                       rq_ptr, rdo_ptr, rlse_ptr, rdelta_ptr,
                        sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                        shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                        sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, sdq_b, sdq_h, sdq_n,
-                       sdoc_b, sdoc_n,
-                       B, H, HKV, n, G, groups, first, src_step, layer, window, scale, qk_scale,
+                       sdoc_b, sdoc_n, srq_l, srq_b, srq_h, srq_t, srl_l, srl_g, srl_b, srl_h,
+                       srd_l, srd_b, srd_h,
+                       B, H, HKV, n, G, groups, first, src_step, window, scale, qk_scale, S,
                        HAS_SELF: tl.constexpr, ROWS_AT_START: tl.constexpr,
-                       HAS_DOCS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
-        """dQ of one query tile of one cell (pointers at the cell's) over every key, and its
-        rows' score-gradient sums: per group (`rows [G, B, H, rows_t]`; zeros past the cell's
-        `groups`) and on the diagonal (`diag [B, H, rows_t]`), at the query's index, or with
-        ROWS_AT_START at its position (`start` + index: a pass's buffers)."""
+                       HAS_DOCS: tl.constexpr, SPLIT: tl.constexpr, READERS: tl.constexpr,
+                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+        """Split `split` of one query tile of one cell (pointers at the cell's): its share of dQ
+        and of the rows' score-gradient sums per group (`rows`; zeros past the cell's
+        `groups`) and, for split 0, the own keys' share and the diagonal's (`diag`), at the
+        query's index or with ROWS_AT_START at its position (a pass's buffers). With SPLIT the
+        shares go to partial buffers that `_reduce_kernel` sums. Split 0 also leaves the
+        queries, dO, delta and lse (plus each group's shift) in the pass's reader buffers
+        (READERS), for `_history_kernel`."""
         b = (bh // H).to(tl.int64)
         h = bh % H
         hkv = (h // (H // HKV)).to(tl.int64)
@@ -542,33 +555,56 @@ if triton is not None:
             sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, D, BLOCK_M, BLOCK_D)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         row0 = start if ROWS_AT_START else 0
-        if HAS_SELF:
-            self_bias = tl.load(sb_ptr).to(tl.float32) * _LOG2E
-            diag = tl.zeros([BLOCK_M], tl.float32)
-        own0 = 0
+        tile_lo = 0
         if HAS_DOCS:
             lower, tile_lo = _row_bounds(doc_ptr + b * sdoc_b, sdoc_n, offs_m, m_mask)
-            own0 = _first_tile(0, tile_lo - start, BLOCK_N)
-        for j0 in range(own0, tl.minimum(n, m0 + BLOCK_M), BLOCK_N):
-            offs_n = j0 + tl.arange(0, BLOCK_N)
-            kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
-            k = _tile(k_ptr + b * sk_b + hkv * sk_h, offs_n, sk_n, offs_d, kv_mask)
-            v = _tile(v_ptr + b * sv_b + hkv * sv_h, offs_n, sv_n, offs_d, kv_mask)
-            valid = m_mask[:, None] & (offs_n < n)[None, :] & (offs_n[None, :] <= offs_m[:, None])
+        rmask = m_mask[:, None] & d_mask[None, :]
+        if split == 0:
+            own0 = 0
             if HAS_DOCS:
-                valid = valid & (start + offs_n[None, :] >= lower[:, None])
-            on_diag = offs_m[:, None] == offs_n[None, :]
-            bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                own0 = _first_tile(0, tile_lo - start, BLOCK_N)
             if HAS_SELF:
-                bias = tl.where(on_diag, self_bias, 0.0)
-            p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale, DOT_PREC)
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+                self_bias = tl.load(sb_ptr).to(tl.float32) * _LOG2E
+                diag = tl.zeros([BLOCK_M], tl.float32)
+            for j0 in range(own0, tl.minimum(n, m0 + BLOCK_M), BLOCK_N):
+                offs_n = j0 + tl.arange(0, BLOCK_N)
+                kv_mask = (offs_n < n)[:, None] & d_mask[None, :]
+                k = _tile(k_ptr + b * sk_b + hkv * sk_h, offs_n, sk_n, offs_d, kv_mask)
+                v = _tile(v_ptr + b * sv_b + hkv * sv_h, offs_n, sv_n, offs_d, kv_mask)
+                valid = (m_mask[:, None] & (offs_n < n)[None, :]
+                         & (offs_n[None, :] <= offs_m[:, None]))
+                if HAS_DOCS:
+                    valid = valid & (start + offs_n[None, :] >= lower[:, None])
+                on_diag = offs_m[:, None] == offs_n[None, :]
+                bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                if HAS_SELF:
+                    bias = tl.where(on_diag, self_bias, 0.0)
+                p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale, DOT_PREC)
+                dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+                if HAS_SELF:
+                    diag += tl.sum(tl.where(on_diag, ds, 0.0), 1)
             if HAS_SELF:
-                diag += tl.sum(tl.where(on_diag, ds, 0.0), 1)
+                tl.store(diag_ptr + (b * H + h) * rows_t + row0 + offs_m, diag, mask=m_mask)
+            if READERS:
+                at = layer.to(tl.int64)
+                positions = start + offs_m
+                tl.store(rq_ptr + at * srq_l + b * srq_b + h * srq_h + positions[:, None] * srq_t
+                         + offs_d[None, :], q, mask=rmask)
+                tl.store(rdo_ptr + at * srq_l + b * srq_b + h * srq_h
+                         + positions[:, None] * srq_t + offs_d[None, :], do, mask=rmask)
+                tl.store(rdelta_ptr + at * srd_l + b * srd_b + h * srd_h + positions, delta,
+                         mask=m_mask)
         for g in range(G):
             live = g < groups
             source = tl.where(live, first + g * src_step, 0)
-            bias = -tl.load(shift_ptr + g * H + h) * _LOG2E
+            shift = tl.load(shift_ptr + g * H + h)
+            bias = -shift * _LOG2E
+            if READERS:
+                if (split == 0) & live:
+                    # This group's share of the softmax: the merged lse plus its shift
+                    # (natural log), what `_history_kernel` exponentiates against.
+                    tl.store(rlse_ptr + layer.to(tl.int64) * srl_l + g * srl_g + b * srl_b
+                             + h * srl_h + start + offs_m, lse * _LN2 + shift, mask=m_mask)
             k_base = _layer_base(hk_ptr, source, shk_l, b, shk_b, hkv, shk_h)
             v_base = _layer_base(hv_ptr, source, shv_l, b, shv_b, hkv, shv_h)
             row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -576,7 +612,7 @@ if triton is not None:
             if HAS_DOCS:
                 lo = _first_tile(lo, tile_lo, BLOCK_N)
             # Past the cell's groups: no rows, a zero sum.
-            for j0 in range(lo, tl.where(live, start, 0), BLOCK_N):
+            for j0 in range(lo + split * BLOCK_N, tl.where(live, start, 0), S * BLOCK_N):
                 offs_n = j0 + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < start
                 kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -588,86 +624,245 @@ if triton is not None:
                 p, ds = _score_grad(q, k, v, do, lse, delta, bias, valid, qk_scale, DOT_PREC)
                 dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
                 row_sum += tl.sum(ds, 1)
-            tl.store(rows_ptr + ((g * B + b) * H + h) * rows_t + row0 + offs_m, row_sum,
-                     mask=m_mask)
-        tl.store(dq_ptr + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_n + offs_d[None, :],
-                 (dq * scale).to(dq_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
-        if HAS_SELF:
-            tl.store(diag_ptr + (b * H + h) * rows_t + row0 + offs_m, diag, mask=m_mask)
+            if SPLIT:
+                tl.store(rpart_ptr + (((c64 * S + split) * G + g) * B * H + b * H + h) * n
+                         + offs_m, row_sum, mask=m_mask)
+            else:
+                tl.store(rows_ptr + ((g * B + b) * H + h) * rows_t + row0 + offs_m, row_sum,
+                         mask=m_mask)
+        if SPLIT:
+            row = ((c64 * S + split) * B * H + b * H + h) * n + offs_m
+            tl.store(qpart_ptr + row[:, None] * D + offs_d[None, :], dq, mask=rmask)
+        else:
+            tl.store(dq_ptr + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_n + offs_d[None, :],
+                     (dq * scale).to(dq_ptr.dtype.element_ty), mask=rmask)
 
-    @triton.jit(do_not_specialize=["n", "CELLS", "G", "T_TILES", "src0", "src_step", "src_top",
-                                   "layer0", "layer_step", "window", "ssh_c", "ssb_c", "srows_c",
-                                   "sdiag_c", "sdoc_c", "sdoc_b"],
+    @triton.jit(do_not_specialize=["n", "CELLS", "G", "src0", "src_step", "src_top", "layer0",
+                                   "layer_step", "window", "ssh_c", "ssb_c", "srows_c",
+                                   "sdiag_c", "sdoc_c", "sdoc_b", "S"],
                 do_not_specialize_on_alignment=["shift_ptr", "sb_ptr", "doc_ptr"])
     def _backward_kernel(q_ptr, k_ptr, v_ptr, hk_ptr, hv_ptr, do_ptr, o_ptr, lse_ptr, start_ptr,
-                         shift_ptr, sb_ptr, doc_ptr, dq_ptr, dk_ptr, dv_ptr, ghk_ptr, ghv_ptr,
-                         rows_ptr, diag_ptr, rows_t,
+                         shift_ptr, sb_ptr, doc_ptr, dq_ptr, dk_ptr, dv_ptr, rows_ptr, diag_ptr,
+                         rows_t, qpart_ptr, rpart_ptr, rq_ptr, rdo_ptr, rlse_ptr, rdelta_ptr,
                          sq_c, sq_b, sq_h, sq_n, sk_c, sk_b, sk_h, sk_n, sv_c, sv_b, sv_h, sv_n,
                          shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                          sdo_c, sdo_b, sdo_h, sdo_n, so_c, so_b, so_h, so_n,
                          sdq_c, sdq_b, sdq_h, sdq_n, sdk_c, sdk_b, sdk_h, sdk_n,
                          sdv_c, sdv_b, sdv_h, sdv_n,
-                         sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t,
                          ssh_c, ssb_c, srows_c, sdiag_c, sdoc_c, sdoc_b, sdoc_n,
-                         B, H, HKV, n, CELLS, G, T_TILES, src0, src_step, src_top, layer0,
-                         layer_step, window, scale, qk_scale,
+                         srq_l, srq_b, srq_h, srq_t, srl_l, srl_g, srl_b, srl_h,
+                         srd_l, srd_b, srd_h,
+                         B, H, HKV, n, CELLS, G, src0, src_step, src_top, layer0,
+                         layer_step, window, scale, qk_scale, S,
                          HAS_SELF: tl.constexpr, ROWS_AT_START: tl.constexpr,
-                         HAS_DOCS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
-        # Programs [0, CELLS·key_programs): (cell, key task, b·kv head); the rest: (cell, query
-        # tile, b·head).
+                         HAS_DOCS: tl.constexpr, SPLIT: tl.constexpr, READERS: tl.constexpr,
+                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+        # Programs [0, CELLS·own_programs): (cell, own key tile, b·kv head); the rest: (cell,
+        # query tile, b·head, split).
         pid = tl.program_id(0)
-        key_programs = (tl.cdiv(n, BLOCK_N) + G * T_TILES) * (B * HKV)
-        query_programs = tl.cdiv(n, BLOCK_M) * (B * H)
-        is_key = pid < CELLS * key_programs
-        rest = tl.where(is_key, pid, pid - CELLS * key_programs)
-        cell = tl.where(is_key, rest // key_programs, rest // query_programs)
-        rest = tl.where(is_key, rest % key_programs, rest % query_programs)
+        own_programs = tl.cdiv(n, BLOCK_N) * (B * HKV)
+        query_programs = tl.cdiv(n, BLOCK_M) * (B * H) * S
+        is_own = pid < CELLS * own_programs
+        rest = tl.where(is_own, pid, pid - CELLS * own_programs)
+        cell = tl.where(is_own, rest // own_programs, rest // query_programs)
+        rest = tl.where(is_own, rest % own_programs, rest % query_programs)
         start, layer, first, groups = _cell(cell, start_ptr, CELLS, n, G, src0, src_step,
                                             src_top, layer0, layer_step)
         c64 = cell.to(tl.int64)
-        # The cell's queries, keys, output, their gradients, lse and bias entries.
         q_c, k_c, v_c = q_ptr + c64 * sq_c, k_ptr + c64 * sk_c, v_ptr + c64 * sv_c
         do_c, o_c = do_ptr + c64 * sdo_c, o_ptr + c64 * so_c
         lse_c = lse_ptr + c64 * B * H * n
-        shift_c, sb_c = shift_ptr + c64 * ssh_c, sb_ptr + c64 * ssb_c
+        sb_c = sb_ptr + c64 * ssb_c
         doc_c = doc_ptr + c64 * sdoc_c
-        if is_key:
-            _key_program(rest // (B * HKV), rest % (B * HKV), q_c, k_c, v_c, hk_ptr, hv_ptr,
-                         do_c, o_c, lse_c, start, shift_c, sb_c, doc_c, dk_ptr + c64 * sdk_c,
-                         dv_ptr + c64 * sdv_c, ghk_ptr, ghv_ptr,
-                         sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-                         shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
-                         sdo_b, sdo_h, sdo_n, so_b, so_h, so_n,
-                         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
-                         sgk_l, sgk_b, sgk_h, sgk_t, sgv_l, sgv_b, sgv_h, sgv_t, sdoc_b, sdoc_n,
-                         H, HKV, n, T_TILES, groups, first, src_step, layer, window, scale,
-                         qk_scale, HAS_SELF, HAS_DOCS, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+        if is_own:
+            _own_key_program(rest // (B * HKV), rest % (B * HKV), q_c, k_c, v_c, do_c, o_c,
+                             lse_c, start, sb_c, doc_c, dk_ptr + c64 * sdk_c,
+                             dv_ptr + c64 * sdv_c,
+                             sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                             sdo_b, sdo_h, sdo_n, so_b, so_h, so_n,
+                             sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, sdoc_b, sdoc_n,
+                             H, HKV, n, scale, qk_scale, HAS_SELF, HAS_DOCS, D, BLOCK_M,
+                             BLOCK_N, BLOCK_D, DOT_PREC)
         else:
-            _query_program(rest // (B * H), rest % (B * H), q_c, k_c, v_c, hk_ptr, hv_ptr,
-                           do_c, o_c, lse_c, start, shift_c, sb_c, doc_c, dq_ptr + c64 * sdq_c,
-                           rows_ptr + c64 * srows_c, diag_ptr + c64 * sdiag_c, rows_t,
+            per_tile = (B * H) * S
+            _query_program(rest // per_tile, rest % per_tile // S, rest % S, q_c, k_c, v_c,
+                           hk_ptr, hv_ptr, do_c, o_c, lse_c, start, shift_ptr + c64 * ssh_c,
+                           sb_c, doc_c, dq_ptr + c64 * sdq_c, rows_ptr + c64 * srows_c,
+                           diag_ptr + c64 * sdiag_c, rows_t, qpart_ptr, rpart_ptr, c64, layer,
+                           rq_ptr, rdo_ptr, rlse_ptr, rdelta_ptr,
                            sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                            shk_l, shk_b, shk_h, shk_t, shv_l, shv_b, shv_h, shv_t,
                            sdo_b, sdo_h, sdo_n, so_b, so_h, so_n, sdq_b, sdq_h, sdq_n,
-                           sdoc_b, sdoc_n,
-                           B, H, HKV, n, G, groups, first, src_step, layer, window, scale,
-                           qk_scale, HAS_SELF, ROWS_AT_START, HAS_DOCS, D, BLOCK_M, BLOCK_N,
-                           BLOCK_D, DOT_PREC)
+                           sdoc_b, sdoc_n, srq_l, srq_b, srq_h, srq_t, srl_l, srl_g, srl_b,
+                           srl_h, srd_l, srd_b, srd_h,
+                           B, H, HKV, n, G, groups, first, src_step, window, scale,
+                           qk_scale, S, HAS_SELF, ROWS_AT_START, HAS_DOCS, SPLIT, READERS, D,
+                           BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
 
+    @triton.jit(do_not_specialize=["n", "G", "S", "srows_c", "rows_t", "start_ptr"])
+    def _reduce_kernel(qpart_ptr, rpart_ptr, dq_ptr, rows_ptr, start_ptr, sdq_c, sdq_b, sdq_h,
+                       sdq_n, srows_c, rows_t, B, H, n, G, S, CELLS, scale,
+                       ROWS_AT_START: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+        """The S splits' shares of dQ and of the groups' row sums, summed in split order."""
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        cell = tl.program_id(2)
+        c64 = cell.to(tl.int64)
+        b = bh // H
+        h = bh % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_mask = offs_m < n
+        mask = m_mask[:, None] & (offs_d < D)[None, :]
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for s in range(S):
+            row = ((c64 * S + s) * B * H + bh) * n + offs_m
+            dq += tl.load(qpart_ptr + row[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+        tl.store(dq_ptr + c64 * sdq_c + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_n
+                 + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=mask)
+        row0 = 0
+        if ROWS_AT_START:
+            row0 = tl.load(start_ptr).to(tl.int32) - (CELLS - 1 - cell) * n
+        for g in range(G):
+            total = tl.zeros([BLOCK_M], tl.float32)
+            for s in range(S):
+                total += tl.load(rpart_ptr + (((c64 * S + s) * G + g) * B * H + bh) * n + offs_m,
+                                 mask=m_mask, other=0.0)
+            tl.store(rows_ptr + c64 * srows_c + ((g * B + b) * H + h) * rows_t + row0 + offs_m,
+                     total, mask=m_mask)
 
-def _meta(q: Tensor, *, backward: bool) -> dict:
-    """The constexpr parameters and launch options of the forward or the backward kernel."""
-    block_d = max(16, triton.next_power_of_2(q.shape[-1]))
-    cuda = target_device_type(q.device) == "cuda"
-    tiles = cuda_tiles(block_d, q.dtype, backward=backward) if cuda else INTERPRETER_TILES
-    meta = dict(D=q.shape[-1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d,
-                DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
-    if cuda:
-        meta["num_warps"] = tiles.num_warps
-        if tiles.num_stages is not None:
-            meta["num_stages"] = tiles.num_stages
-    return meta
+    @triton.jit(do_not_specialize=["start0", "dstart", "layer0", "dlayer", "COUNT", "length",
+                                   "c", "window", "depth", "stride", "top", "S"])
+    def _history_kernel(hk_ptr, hv_ptr, gk_ptr, gv_ptr, kpart_ptr, vpart_ptr,
+                        rq_ptr, rdo_ptr, rlse_ptr, rdelta_ptr, doc_ptr,
+                        shk_l, shk_b, shk_h, shk_t, sgk_l, sgk_b, sgk_h, sgk_t,
+                        srq_l, srq_b, srq_h, srq_t, srl_l, srl_g, srl_b, srl_h,
+                        srd_l, srd_b, srd_h, sdoc_b,
+                        start0, dstart, layer0, dlayer, COUNT, B, H, HKV, length, c, window,
+                        depth, stride, top, scale, qk_scale, S,
+                        HAS_DOCS: tl.constexpr, SPLIT: tl.constexpr, D: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                        DOT_PREC: tl.constexpr):
+        """The key and value gradients of one tile of a unit's published rows (cell i of
+        COUNT: block start start0 + i·dstart, source layer layer0 + i·dlayer), over every query
+        that reads them: the rows of later blocks of each layer l whose M(l) holds the source
+        (l ≤ m ≤ min(l + k, L-1), m - l a multiple of the stride), restricted to the deep-token
+        window (m > l) and to each query's document (spec §3, §7). Split `S` ways over the
+        query tiles (interleaved); each split's share summed by `_history_reduce_kernel`."""
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        key_tiles = tl.cdiv(c, BLOCK_N)
+        task = pid % key_tiles
+        rest = pid // key_tiles
+        bkv = rest % (B * HKV)
+        cell = rest // (B * HKV)
+        b = (bkv // HKV).to(tl.int64)
+        hkv = (bkv % HKV).to(tl.int64)
+        start = start0 + cell * dstart
+        source = layer0 + cell * dlayer
+        per_kv = H // HKV
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < D
+        offs_n = start + task * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < start + c
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = _tile(_layer_base(hk_ptr, source, shk_l, b, shk_b, hkv, shk_h), offs_n, shk_t,
+                  offs_d, kv_mask)
+        v = _tile(_layer_base(hv_ptr, source, shk_l, b, shk_b, hkv, shk_h), offs_n, shk_t,
+                  offs_d, kv_mask)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        last_row = start + c - 1
+        for layer_ in range(tl.maximum(source - depth, 0), source + 1):
+            # The layer arithmetic in int32 (an int64 division is a subroutine that spills);
+            # addresses in int64 (the loop variable may be a plain int): a reader buffer can
+            # pass 2^31.
+            offset = source - layer_
+            layer = tl.full([], 0, tl.int64) + layer_
+            reads = (offset % stride == 0) & (source <= tl.minimum(layer_ + depth, top))
+            deep = (window > 0) & (offset > 0)
+            g = offset // stride
+            # Later blocks read these rows; a deeper source's only within the window.
+            q_end = tl.where(deep, tl.minimum(length, ((last_row + window) // c + 1) * c),
+                             length)
+            q_end = tl.where(reads, q_end, 0)
+            for hh in range(per_kv):
+                h = hkv * per_kv + hh
+                # The (layer, head) rows' pointers in int64 once; the loop below moves them
+                # by int32 offsets (int64 arithmetic in the loop made ptxas spill).
+                base = layer * srq_l + b * srq_b + h * srq_h
+                q_rows = rq_ptr + base
+                do_rows = rdo_ptr + base
+                lse_rows = rlse_ptr + (layer * srl_l + g * srl_g + b * srl_b + h * srl_h)
+                delta_rows = rdelta_ptr + (layer * srd_l + b * srd_b + h * srd_h)
+                for q0 in range(start + c + split * BLOCK_M, q_end, S * BLOCK_M):
+                    offs_m = q0 + tl.arange(0, BLOCK_M)
+                    m_mask = offs_m < q_end
+                    rmask = m_mask[:, None] & d_mask[None, :]
+                    at = offs_m[:, None] * srq_t + offs_d[None, :]
+                    q = tl.load(q_rows + at, mask=rmask, other=0.0)
+                    do = tl.load(do_rows + at, mask=rmask, other=0.0)
+                    lse = tl.load(lse_rows + offs_m, mask=m_mask, other=0.0) * _LOG2E
+                    delta = tl.load(delta_rows + offs_m, mask=m_mask, other=0.0)
+                    valid = m_mask[:, None] & n_mask[None, :]
+                    block_start = offs_m - offs_m % c
+                    valid = valid & ((~deep) | (offs_n[None, :] >= block_start[:, None] - window))
+                    if HAS_DOCS:
+                        lower = tl.load(doc_ptr + b * sdoc_b + offs_m, mask=m_mask, other=0)
+                        valid = valid & (offs_n[None, :] >= lower[:, None])
+                    p, ds = _score_grad(q, k, v, do, lse, delta, 0.0, valid, qk_scale, DOT_PREC)
+                    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
+                    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC)
+        if SPLIT:
+            row = (((split * COUNT + cell) * B + b) * HKV + hkv) * c + (offs_n - start)
+            tl.store(kpart_ptr + row[:, None] * D + offs_d[None, :], dk * scale, mask=kv_mask)
+            tl.store(vpart_ptr + row[:, None] * D + offs_d[None, :], dv, mask=kv_mask)
+        else:
+            gk = (_layer_base(gk_ptr, source, sgk_l, b, sgk_b, hkv, sgk_h)
+                  + offs_n[:, None] * sgk_t + offs_d[None, :])
+            gv = (_layer_base(gv_ptr, source, sgk_l, b, sgk_b, hkv, sgk_h)
+                  + offs_n[:, None] * sgk_t + offs_d[None, :])
+            tl.store(gk, (dk * scale).to(gk_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(gv, dv.to(gv_ptr.dtype.element_ty), mask=kv_mask)
+
+    @triton.jit(do_not_specialize=["start0", "dstart", "layer0", "dlayer", "COUNT", "c", "S"])
+    def _history_reduce_kernel(kpart_ptr, vpart_ptr, gk_ptr, gv_ptr, sgk_l, sgk_b, sgk_h,
+                               sgk_t, start0, dstart, layer0, dlayer, COUNT, B, HKV, c, S,
+                               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """The S splits' key and value gradients of one tile of published rows, summed in split
+        order and stored (once) in the history's gradient buffers."""
+        pid = tl.program_id(0)
+        key_tiles = tl.cdiv(c, BLOCK_N)
+        task = pid % key_tiles
+        rest = pid // key_tiles
+        bkv = rest % (B * HKV)
+        cell = rest // (B * HKV)
+        b = (bkv // HKV).to(tl.int64)
+        hkv = (bkv % HKV).to(tl.int64)
+        start = start0 + cell * dstart
+        source = layer0 + cell * dlayer
+        offs_d = tl.arange(0, BLOCK_D)
+        local = task * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (local < c)[:, None] & (offs_d < D)[None, :]
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        # The split buffers' rows in int32 (their index stays far below 2^31), one int64
+        # product for the address: int64 arithmetic in the loop made ptxas spill.
+        first = ((cell * B + b.to(tl.int32)) * HKV + hkv.to(tl.int32)) * c + local
+        split_rows = COUNT * B * HKV * c
+        for s in range(S):
+            at = (s * split_rows + first).to(tl.int64)[:, None] * D + offs_d[None, :]
+            dk += tl.load(kpart_ptr + at, mask=mask, other=0.0)
+            dv += tl.load(vpart_ptr + at, mask=mask, other=0.0)
+        rows = start + local
+        gk = (_layer_base(gk_ptr, source, sgk_l, b, sgk_b, hkv, sgk_h) + rows[:, None] * sgk_t
+              + offs_d[None, :])
+        gv = (_layer_base(gv_ptr, source, sgk_l, b, sgk_b, hkv, sgk_h) + rows[:, None] * sgk_t
+              + offs_d[None, :])
+        tl.store(gk, dk.to(gk_ptr.dtype.element_ty), mask=mask)
+        tl.store(gv, dv.to(gv_ptr.dtype.element_ty), mask=mask)
 
 
 def _bias_entries(shift: Tensor, self_bias: Tensor | None) -> tuple[Tensor, Tensor, int, int]:
@@ -687,9 +882,14 @@ def _documents(lower: Tensor | None, start: Tensor, q: Tensor) -> tuple[Tensor, 
         return start, 0, 0, 0
     count, batch, _, n, _ = q.shape
     if lower.shape != (count, batch, n) or lower.dtype != torch.int64:
-        raise ValueError(f"block attention: document bounds must be int64 [cells, B, n] = "
+        raise ValueError(f"history attention: document bounds must be int64 [cells, B, n] = "
                          f"[{count}, {batch}, {n}], got {lower.dtype} {tuple(lower.shape)}")
     return (lower, *lower.stride())
+
+
+def _key_tiles(hist_k: Tensor, cells: Cells, block_n: int) -> int:
+    """Key tiles of the history a query tile may read (every group's rows up to T)."""
+    return triton.cdiv(hist_k.shape[3], block_n) * cells.groups if cells.groups else 0
 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, start: Tensor,
@@ -706,31 +906,55 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tenso
     shift, sb, s_shift, s_sb = _bias_entries(shift, self_bias)
     docs = _documents(lower, start, q)
     meta = _meta(q, backward=False)
-    grid = (triton.cdiv(n, meta["BLOCK_M"]), batch * heads, count)
-    launch(_forward_kernel, grid, q, k, v, hist_k, hist_v, start, shift, sb, docs[0], out, lse,
+    q_tiles = triton.cdiv(n, meta["BLOCK_M"])
+    s = splits(q_tiles * batch * heads * count, _key_tiles(hist_k, cells, meta["BLOCK_N"]),
+               target_sms(q.device))
+    part = pm = pl = lse
+    if s > 1:
+        part = q.new_empty(count, s, batch, heads, n, width, dtype=torch.float32)
+        pm = q.new_empty(count, s, batch, heads, n, dtype=torch.float32)
+        pl = torch.empty_like(pm)
+    launch(_forward_kernel, (q_tiles, batch * heads, count * s), q, k, v, hist_k, hist_v, start,
+           shift, sb, docs[0], out, lse, part, pm, pl,
            *q.stride()[:4], *k.stride()[:4], *v.stride()[:4],
            *_hist_strides(hist_k, cells.groups, width),
            *_hist_strides(hist_v, cells.groups, width),
            *out.stride()[:4], s_shift, s_sb, *docs[1:],
-           batch, heads, k.shape[2], n, *cells.args(), window, scale * LOG2E,
-           HAS_SELF=self_bias is not None, HAS_DOCS=lower is not None, **meta)
+           batch, heads, k.shape[2], n, k.shape[3], *cells.args(), window, scale * LOG2E, s,
+           HAS_SELF=self_bias is not None, HAS_DOCS=lower is not None, SPLIT=s > 1, **meta)
+    if s > 1:
+        launch(_merge_kernel, (q_tiles, batch * heads, count), part, pm, pl, out, lse,
+               *out.stride()[:4], batch, heads, n, s, **_small(meta, q.device))
     return out, lse
+
+
+def readers(history_k: Tensor, heads: int, groups: int) -> list[Tensor]:
+    """The pass's reader buffers for `history_gradients`, one set per pass of a history
+    `[L, B, H_kv, T, d]` read by queries of `heads` heads (in the history's dtype) and at most
+    `groups` groups: queries and their output gradients `[L, B, H, T, d]`, lse plus each group's
+    shift `[L, G, B, H, T]` and delta `[L, B, H, T]` (float32)."""
+    layers, batch, _, length, width = history_k.shape
+    q_all = history_k.new_empty(layers, batch, heads, length, width)
+    return [q_all, torch.empty_like(q_all),
+            history_k.new_empty(layers, max(groups, 1), batch, heads, length,
+                                dtype=torch.float32),
+            history_k.new_empty(layers, batch, heads, length, dtype=torch.float32)]
 
 
 def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor,
                    hist_v: Tensor, out: Tensor, lse: Tensor, start: Tensor, shift: Tensor,
-                   self_bias: Tensor | None, lower: Tensor | None, grad_hist_k: Tensor,
-                   grad_hist_v: Tensor, sources: list[int], layers: list[int], top: int,
-                   window: int, scale: float, shift_rows: Tensor | None = None,
+                   self_bias: Tensor | None, lower: Tensor | None, state: list[Tensor],
+                   sources: list[int], layers: list[int], top: int, window: int, scale: float,
+                   shift_rows: Tensor | None = None,
                    diag_rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`state`: the pass's reader buffers (`readers`), which split 0 fills for the history's
+    deferred gradients, or empty (no history gradient wanted)."""
     cells = Cells.of(sources, layers, top)
     groups = cells.groups
     _check(q, k, v, hist_k, hist_v, shift, self_bias, cells)
-    if groups and (grad_hist_k.shape != hist_k.shape or grad_hist_v.shape != hist_k.shape
-                   or grad_hist_k.stride(-1) != 1 or grad_hist_v.stride(-1) != 1):
-        raise ValueError(f"block attention: gradient buffers must be shaped like the history "
-                         f"{tuple(hist_k.shape)} with contiguous rows (got "
-                         f"{tuple(grad_hist_k.shape)}, {tuple(grad_hist_v.shape)})")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError("history attention: the backward takes own keys as long as the queries "
+                         "(a decoding prefix is forward only)")
     # The kernels' products take one dtype (autograd hands the gradient in out's, q's, anyway).
     grad = row_major(grad.to(q.dtype))
     q, k, v, out = row_major(q), row_major(k), row_major(v), row_major(out)
@@ -739,16 +963,16 @@ def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor
     lse = lse.contiguous()
     count, batch, heads, n, width = q.shape
     dq, dk, dv = gradient_like(q), gradient_like(k), gradient_like(v)
-    # Per-row partial sums of the score gradient, reduced below in a fixed order, or left in
-    # the pass's buffers (`shift_rows [cells, G, B, H, T]`, `diag_rows [cells, B, H, T]`, each
-    # cell's entries contiguous) at the block's positions, for the pass to reduce once.
+    # Per-row partial sums of the score gradient, reduced below, or left in the pass's buffers
+    # (`shift_rows [cells, G, B, H, T]`, `diag_rows [cells, B, H, T]`, each cell's entries
+    # contiguous) at the block's positions, for the pass to reduce once.
     in_pass = shift_rows is not None
     if in_pass:
         rows, diag, rows_t = shift_rows, diag_rows, shift_rows.shape[-1]
         if rows.shape[0] != count or rows.shape[1] < groups \
                 or rows.shape[2:4] != (batch, heads) or not rows[:1].is_contiguous() \
                 or diag.shape[:3] != (count, batch, heads) or not diag[:1].is_contiguous():
-            raise ValueError(f"block attention: bias row buffers must be [cells, G, B, H, T] "
+            raise ValueError(f"history attention: bias row buffers must be [cells, G, B, H, T] "
                              f"and [cells, B, H, T] (got {tuple(rows.shape)}, "
                              f"{tuple(diag.shape)})")
     else:
@@ -760,19 +984,33 @@ def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor
     shift, sb, s_shift, s_sb = _bias_entries(shift, self_bias)
     docs = _documents(lower, start, q)
     meta = _meta(q, backward=True)
-    t_tiles = triton.cdiv(hist_k.shape[3], meta["BLOCK_N"]) if groups else 0
-    key_programs = (triton.cdiv(n, meta["BLOCK_N"]) + groups * t_tiles) * batch * k.shape[2]
-    grid = (count * (key_programs + triton.cdiv(n, meta["BLOCK_M"]) * batch * heads),)
+    q_tiles = triton.cdiv(n, meta["BLOCK_M"])
+    s = splits(q_tiles * batch * heads * count, _key_tiles(hist_k, cells, meta["BLOCK_N"]),
+               target_sms(q.device))
+    qpart = rpart = lse
+    if s > 1:
+        qpart = q.new_empty(count, s, batch, heads, n, width, dtype=torch.float32)
+        rpart = q.new_empty(count, s, max(groups, 1), batch, heads, n, dtype=torch.float32)
+    use_readers = bool(state)
+    r_q, r_do, r_lse, r_delta = state if state else (lse, lse, lse, lse)
+    r_strides = (tuple(r_q.stride()[:4]) + tuple(r_lse.stride()[:4])
+                 + tuple(r_delta.stride()[:3])) if state else (0,) * 11
+    own_programs = triton.cdiv(n, meta["BLOCK_N"]) * batch * k.shape[2]
+    grid = (count * (own_programs + q_tiles * batch * heads * s),)
     launch(_backward_kernel, grid, q, k, v, hist_k, hist_v, grad, out, lse, start, shift, sb,
-           docs[0], dq, dk, dv, grad_hist_k, grad_hist_v, rows, diag, rows_t,
+           docs[0], dq, dk, dv, rows, diag, rows_t, qpart, rpart, r_q, r_do, r_lse, r_delta,
            *q.stride()[:4], *k.stride()[:4], *v.stride()[:4],
            *_hist_strides(hist_k, groups, width), *_hist_strides(hist_v, groups, width),
            *grad.stride()[:4], *out.stride()[:4], *dq.stride()[:4], *dk.stride()[:4],
-           *dv.stride()[:4], *_hist_strides(grad_hist_k, groups, width),
-           *_hist_strides(grad_hist_v, groups, width), s_shift, s_sb, rows.stride(0), diag.stride(0),
-           *docs[1:], batch, heads, k.shape[2], n, count, groups, t_tiles, *cells.args()[2:],
-           window, scale, scale * LOG2E, HAS_SELF=self_bias is not None, ROWS_AT_START=in_pass,
-           HAS_DOCS=lower is not None, **meta)
+           *dv.stride()[:4], s_shift, s_sb, rows.stride(0), diag.stride(0), *docs[1:],
+           *r_strides, batch, heads, k.shape[2], n, count, groups, *cells.args()[2:],
+           window, scale, scale * LOG2E, s, HAS_SELF=self_bias is not None,
+           ROWS_AT_START=in_pass, HAS_DOCS=lower is not None, SPLIT=s > 1,
+           READERS=use_readers, **meta)
+    if s > 1:
+        launch(_reduce_kernel, (q_tiles, batch * heads, count), qpart, rpart, dq, rows, start,
+               *dq.stride()[:4], rows.stride(0), rows_t, batch, heads, n, groups, s, count,
+               scale, ROWS_AT_START=in_pass, **_small(meta, q.device))
     if in_pass:
         return dq, dk, dv, lse.new_empty(0), lse.new_empty(0)
     # The shift is subtracted from the scores.
@@ -781,100 +1019,58 @@ def _backward_impl(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor
     return dq, dk, dv, d_shift, d_self_bias
 
 
+def history_gradients(hist_k: Tensor, hist_v: Tensor, grad_k: Tensor, grad_v: Tensor,
+                      state: list[Tensor], documents: Tensor | None, *, cells: list[tuple[int, int]],
+                      block: int, depth: int, stride: int, window: int, scale: float) -> None:
+    """Store the key and value gradients of the history rows of `cells` ((block start, source
+    layer), `block` rows each: a unit's published cells, whose block starts and layers step by
+    constants) in `grad_k, grad_v` (shaped like the history `[L, B, H_kv, T, d]`), from the
+    reader buffers `state` (`readers`) that every later query's backward filled; `documents
+    [B, T]`: each position's document start (spec §7), or None. `depth`, `stride`, `window`:
+    the model's depth window k, depth stride and deep-token window."""
+    if not cells:
+        return
+    starts = [s for s, _ in cells]
+    layers = [m for _, m in cells]
+    count = len(cells)
+    dstart = starts[1] - starts[0] if count > 1 else 0
+    dlayer = layers[1] - layers[0] if count > 1 else 0
+    if any(b - a != dstart for a, b in zip(starts, starts[1:])) or \
+            any(b - a != dlayer for a, b in zip(layers, layers[1:])):
+        raise ValueError(f"history gradients: the cells' starts and layers must step by "
+                         f"constants, got {cells}")
+    r_q, r_do, r_lse, r_delta = state
+    layers_total, batch, kv_heads, length, width = hist_k.shape
+    heads = r_q.shape[2]
+    meta = _history_meta(_meta(r_q, backward=True), hist_k.device)
+    key_tiles = triton.cdiv(block, meta["BLOCK_N"])
+    programs = count * batch * kv_heads * key_tiles
+    query_tiles = triton.cdiv(length, meta["BLOCK_M"])
+    s = splits(programs, query_tiles, target_sms(hist_k.device))
+    kpart = vpart = r_delta
+    if s > 1:
+        kpart = hist_k.new_empty(s, count, batch, kv_heads, block, width, dtype=torch.float32)
+        vpart = torch.empty_like(kpart)
+    doc = documents if documents is not None else r_delta
+    launch(_history_kernel, (programs, s), hist_k, hist_v, grad_k, grad_v, kpart, vpart,
+           r_q, r_do, r_lse, r_delta, doc, *hist_k.stride()[:4], *grad_k.stride()[:4],
+           *r_q.stride()[:4], *r_lse.stride()[:4], *r_delta.stride()[:3],
+           doc.stride(0) if documents is not None else 0,
+           starts[0], dstart, layers[0], dlayer, count, batch, heads, kv_heads, length, block,
+           window, depth, stride, layers_total - 1, scale, scale * LOG2E, s,
+           HAS_DOCS=documents is not None, SPLIT=s > 1, **meta)
+    if s > 1:
+        launch(_history_reduce_kernel, (programs,), kpart, vpart, grad_k, grad_v,
+               *grad_k.stride()[:4], starts[0], dstart, layers[0], dlayer, count, batch,
+               kv_heads, block, s, D=width, BLOCK_N=meta["BLOCK_N"], BLOCK_D=meta["BLOCK_D"],
+               **_unpipelined(hist_k.device), **_reduce_warps(meta, hist_k.device))
+
+
 # ---- the "triton" implementation of megabeta::history_attention ------------------------------
 # Registered only with triton: without it `available()` is False and nothing calls it.
 if triton is not None:
     history_attention.register("triton", forward=_forward_impl, backward=_backward_impl)
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor, start: Tensor,
-            shift: Tensor, self_bias: Tensor | None = None, *, sources: list[int], layer: int,
-            window: int, scale: float, lower: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Attention of one block's queries at `layer` over its own keys and its finished groups
-    (one launch; not differentiable: see `block_attention`).
-
-    `q [B, H, n, d]` (any strides, contiguous last dimension); `k, v [B, H_kv, n, d]` the
-    block's construction keys/values (query i sees own keys j <= i; head h reads kv head
-    h // (H / H_kv)); `hist_k, hist_v [L, B, H_kv, T, d]` the history buffers, of which group g
-    reads rows [lo_g, start) of layer `sources[g]` (lo_g = max(0, start - window) for a source
-    deeper than `layer` when window > 0, else 0; not read at all when `sources` is empty);
-    `start` a one-element (or 0-d) int tensor on q's device (the block's first position, read
-    by the kernels: no shape depends on it); `shift [G, H]` subtracted from group g's scores of
-    head h; `self_bias [1]` or None added to the diagonal score; scores are q·k·scale; `lower
-    [B, n]` int64 or None: the document bounds (spec §7), query i reads only keys at positions
-    >= lower[:, i] (history row j is position j; own key j is start + j). `sources`
-    must be an arithmetic progression (spec §3's M(l) always is). Returns `out [B, H, n, d]`
-    in q's dtype (a transposed view of a contiguous `[B, n, H, d]`) and `lse [B, H, n]`
-    float32, natural log.
-    """
-    out, lse = torch.ops.megabeta.history_attention_forward(
-        q[None], k[None], v[None], hist_k, hist_v, start, shift[None], self_bias, one(lower),
-        sources, [layer], block_top(sources, layer), window, scale, "triton")
-    return out[0], lse[0]
-
-
-def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
-             out: Tensor, lse: Tensor, start: Tensor, shift: Tensor, self_bias: Tensor | None,
-             grad_hist_k: Tensor, grad_hist_v: Tensor, *, sources: list[int], layer: int,
-             window: int, scale: float,
-             lower: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of `forward` (one launch, then the bias gradients' row sums reduced).
-
-    `grad [B, H, n, d]` of `out`; `out, lse` as `forward` returned them; the rest as in
-    `forward`. Returns `dq` (like q), `dk, dv` (like k, v: the own keys), `d_shift [G, H]`
-    float32 and `d_self_bias` float32 (`[1]`, or empty when `self_bias` is None), and ADDS the
-    groups' key/value gradients into `grad_hist_k, grad_hist_v` (float32, shaped like hist_k) at
-    rows [lo_g, start) of layer `sources[g]`; nothing else of them is touched.
-    """
-    dq, dk, dv, d_shift, d_self_bias = torch.ops.megabeta.history_attention_backward(
-        grad[None], q[None], k[None], v[None], hist_k, hist_v, out[None], lse[None], start,
-        shift[None], self_bias, one(lower), grad_hist_k, grad_hist_v, sources, [layer],
-        block_top(sources, layer), window, scale, None, None, "triton")
-    return dq[0], dk[0], dv[0], d_shift[0], d_self_bias.reshape(-1)
-
-
-def block_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
-                    grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor, shift: Tensor,
-                    self_bias: Tensor | None = None, *, sources: list[int], layer: int,
-                    window: int, scale: float, anchor: Tensor | None = None,
-                    shift_rows: Tensor | None = None, diag_rows: Tensor | None = None,
-                    lower: Tensor | None = None) -> Tensor:
-    """`forward`'s output `[B, H, n, d]`, differentiable w.r.t. q, k, v, shift and self_bias;
-    its backward adds the history's gradients into `grad_hist_k, grad_hist_v` (as `backward`).
-    `anchor`: an optional 0-d tensor taken as an input only so that autograd runs this
-    backward before the anchor's producer's (it gets no gradient). The history buffers are
-    held, not saved: rows >= start may be written between forward and backward; `start` and
-    the other inputs must not change.
-
-    `shift_rows [G, B, H, T]`, `diag_rows [B, H, T]` (float32; T any length covering the
-    block's positions): a pass's buffers for the per-row score-gradient sums of the shift and
-    the self bias. Given, backward writes this block's rows there (at positions start …) and
-    returns no gradient for shift and self_bias: the pass reduces the rows of all its blocks
-    once, instead of a reduction and a sum per block."""
-    return history_attention.block(
-        q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, shift, self_bias,
-        sources=sources, layer=layer, window=window, scale=scale, implementation="triton",
-        anchor=anchor, shift_rows=shift_rows, diag_rows=diag_rows, lower=lower)
-
-
-def wave_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Tensor,
-                   grad_hist_k: Tensor, grad_hist_v: Tensor, start: Tensor, shift: Tensor,
-                   self_bias: Tensor | None = None, *, sources: list[int], layers: list[int],
-                   top: int, window: int, scale: float, anchor: Tensor | None = None,
-                   shift_rows: Tensor | None = None, diag_rows: Tensor | None = None,
-                   lower: Tensor | None = None) -> Tensor:
-    """`block_attention` of a wave's cells in one launch each way (module doc, "Cells"):
-    `q [cells, B, H, n, d]`, `k, v [cells, B, H_kv, n, d]`, the cells on consecutive blocks of
-    n rows, oldest first, at `layers` (a constant step); `start` the LAST cell's first position;
-    `sources` the last cell's source layers (each other cell's are those moved by its layer's
-    offset, cut at `top`); `shift [cells, G', H]` (G' ≥ G; entries past a cell's groups are
-    not used),
-    `self_bias [cells]`; `shift_rows [cells, G, B, H, T]` and `diag_rows [cells, B, H, T]`
-    (strided views of a pass's buffers will do); `lower [cells, B, n]` the cells' document
-    bounds (a strided view of the pass's: cell i's rows n apart). Returns `[cells, B, H, n, d]`
-    (a transposed view of a contiguous `[cells, B, n, H, d]`)."""
-    return history_attention.attention(
-        q, k, v, hist_k, hist_v, grad_hist_k, grad_hist_v, start, shift, self_bias,
-        sources=sources, layers=layers, top=top, window=window, scale=scale,
-        implementation="triton", anchor=anchor, shift_rows=shift_rows, diag_rows=diag_rows,
-        lower=lower)
+__all__ = ["GPU_SMS", "Tiles", "available", "cuda_tiles", "history_gradients", "readers",
+           "splits", "target_sms"]

@@ -81,9 +81,10 @@ def _rms_forward_kernel(X, DELTA, A, Y, stride_xm, stride_xd, stride_dm, stride_
 
 
 @triton.jit
-def _rms_backward_kernel(DY, GA, X, DX, stride_gm, stride_gd, stride_am, stride_ad,
+def _rms_backward_kernel(DY, GA, X, DX, DDELTA, stride_gm, stride_gd, stride_am, stride_ad,
                          stride_xm, stride_xd, d, eps,
-                         BLOCK_D: tl.constexpr, COMPUTE: tl.constexpr, ADD: tl.constexpr):
+                         BLOCK_D: tl.constexpr, COMPUTE: tl.constexpr, ADD: tl.constexpr,
+                         TWO: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < d
@@ -96,6 +97,9 @@ def _rms_backward_kernel(DY, GA, X, DX, stride_gm, stride_gd, stride_am, stride_
         # The residual stream's own gradient, summed here instead of by autograd (one add less).
         dx += tl.load(GA + row * stride_am + cols * stride_ad, mask=mask, other=0.0).to(COMPUTE)
     tl.store(DX + row * d + cols, dx.to(DX.dtype.element_ty), mask=mask)
+    if TWO:
+        # The branch's copy in its own dtype (bf16 under autocast): no cast launch after.
+        tl.store(DDELTA + row * d + cols, dx.to(DDELTA.dtype.element_ty), mask=mask)
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -103,45 +107,50 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _rms_meta(x: Tensor, add: bool, dtype: torch.dtype) -> dict[str, Any]:
+def _rms_meta(x: Tensor, add: bool, dtype: torch.dtype, **flags: bool) -> dict[str, Any]:
     """Tile settings for rows like `x`'s, computed in `dtype`'s arithmetic."""
     block = triton.next_power_of_2(x.shape[-1])
     return dict(BLOCK_D=block, COMPUTE=_compute_type(dtype), ADD=add,
-                num_warps=_num_warps(block))
+                num_warps=_num_warps(block), **flags)
 
 
-def _rms_forward(x: Tensor, delta: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-    """`(x + delta, rms_normalize(x + delta))`, or `(x, rms_normalize(x))` without delta; in
-    the dtype of the sum (`_sum_dtype`)."""
+def _rms_forward(x: Tensor, delta: Tensor | None, eps: float,
+                 dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    """`(x + delta, rms_normalize(x + delta))`, or `(x, rms_normalize(x))` without delta; the
+    sum in its dtype (`_sum_dtype`), the normalized rows in `dtype` (None: the sum's)."""
     rows = _rows(x)
     # Without delta the kernel's ADD branch is compiled out; x stands in for its pointers.
     a, deltas = ((x, rows) if delta is None
                  else (x.new_empty(x.shape, dtype=_sum_dtype(x, delta)), _rows(delta)))
-    y = a.new_empty(x.shape)
+    y = a.new_empty(x.shape, dtype=dtype or a.dtype)
     launch(_rms_forward_kernel, (rows.shape[0],), rows, deltas, a, y, *rows.stride(),
            *deltas.stride(), rows.shape[1], eps, **_rms_meta(x, delta is not None, a.dtype))
     return a, y
 
 
-def _rms_backward_launch(dy: Tensor, da: Tensor | None, x: Tensor, eps: float) -> Tensor:
-    """`d/dx` of `rms_normalize(x)` for the output gradient `dy`, plus `da` where given."""
+def _rms_backward_launch(dy: Tensor, da: Tensor | None, x: Tensor, eps: float,
+                         delta_dtype: torch.dtype | None) -> tuple[Tensor, Tensor | None]:
+    """`d/dx` of `rms_normalize(x)` for the output gradient `dy`, plus `da` where given; and
+    the same in `delta_dtype` where given and not x's (else None)."""
     rows, grads = _rows(x), _rows(dy)
     stream = grads if da is None else _rows(da)
     dx = x.new_empty(x.shape)
-    launch(_rms_backward_kernel, (rows.shape[0],), grads, stream, rows, dx, *grads.stride(),
-           *stream.stride(), *rows.stride(), rows.shape[1], eps,
-           **_rms_meta(x, da is not None, x.dtype))
-    return dx
+    two = delta_dtype is not None and delta_dtype != x.dtype
+    ddelta = x.new_empty(x.shape, dtype=delta_dtype) if two else None
+    launch(_rms_backward_kernel, (rows.shape[0],), grads, stream, rows, dx,
+           dx if ddelta is None else ddelta, *grads.stride(), *stream.stride(), *rows.stride(),
+           rows.shape[1], eps, **_rms_meta(x, da is not None, x.dtype, TWO=two))
+    return dx, ddelta
 
 
 @custom_op("rms_normalize")
-def _rms_normalize_op(x: Tensor, eps: float) -> Tensor:
-    return _rms_forward(x, None, eps)[1]
+def _rms_normalize_op(x: Tensor, eps: float, dtype: torch.dtype | None = None) -> Tensor:
+    return _rms_forward(x, None, eps, dtype)[1]
 
 
 @_rms_normalize_op.register_fake
-def _(x: Tensor, eps: float) -> Tensor:
-    return x.new_empty(x.shape)
+def _(x: Tensor, eps: float, dtype: torch.dtype | None = None) -> Tensor:
+    return x.new_empty(x.shape, dtype=dtype or x.dtype)
 
 
 def _check_add(x: Tensor, delta: Tensor) -> None:
@@ -157,44 +166,53 @@ def _sum_dtype(x: Tensor, delta: Tensor) -> torch.dtype:
 
 
 @custom_op("add_rms_normalize")
-def _add_rms_normalize_op(x: Tensor, delta: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _add_rms_normalize_op(x: Tensor, delta: Tensor, eps: float,
+                          dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     _check_add(x, delta)
-    return _rms_forward(x, delta, eps)
+    return _rms_forward(x, delta, eps, dtype)
 
 
 @_add_rms_normalize_op.register_fake
-def _(x: Tensor, delta: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _(x: Tensor, delta: Tensor, eps: float,
+      dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     _check_add(x, delta)
-    dtype = _sum_dtype(x, delta)
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape, dtype=dtype)
+    summed = _sum_dtype(x, delta)
+    return x.new_empty(x.shape, dtype=summed), x.new_empty(x.shape, dtype=dtype or summed)
 
 
 @custom_op("rms_normalize_backward")
-def _rms_normalize_backward_op(dy: Tensor, da: Tensor | None, a: Tensor, eps: float) -> Tensor:
-    return _rms_backward_launch(dy, da, a, eps)
+def _rms_normalize_backward_op(dy: Tensor, da: Tensor | None, a: Tensor, eps: float,
+                               delta_dtype: torch.dtype | None = None) -> list[Tensor]:
+    """`[d/da]`, or `[d/da, the same in delta_dtype]` where that is not a's dtype."""
+    return [t for t in _rms_backward_launch(dy, da, a, eps, delta_dtype) if t is not None]
 
 
 @_rms_normalize_backward_op.register_fake
-def _(dy: Tensor, da: Tensor | None, a: Tensor, eps: float) -> Tensor:
-    return a.new_empty(a.shape)
+def _(dy: Tensor, da: Tensor | None, a: Tensor, eps: float,
+      delta_dtype: torch.dtype | None = None) -> list[Tensor]:
+    two = delta_dtype is not None and delta_dtype != a.dtype
+    return [a.new_empty(a.shape), *([a.new_empty(a.shape, dtype=delta_dtype)] if two else [])]
 
 
-def rms_forward(x: Tensor, delta: Tensor | None,
-                eps: float) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+def rms_forward(x: Tensor, delta: Tensor | None, eps: float,
+                dtype: torch.dtype) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
     """`(a, rms_normalize(a), (a,))` for the residual sum `a = x + delta` (one shape; the sum in
     the dtype torch promotes the two to), or `(x, rms_normalize(x), (x,))` without delta: one
-    launch, the add fused into the norm. Results contiguous; statistics float32 (float64 for
-    float64 tensors)."""
+    launch, the add fused into the norm, the normalized rows written in `dtype`. Results
+    contiguous; statistics float32 (float64 for float64 tensors)."""
     if delta is None:
-        return x, _rms_normalize_op(x, eps), (x,)
-    a, y = _add_rms_normalize_op(x, delta, eps)
+        return x, _rms_normalize_op(x, eps, dtype), (x,)
+    a, y = _add_rms_normalize_op(x, delta, eps, dtype)
     return a, y, (a,)
 
 
-def rms_backward(dy: Tensor, da: Tensor | None, saved: tuple[Tensor, ...], eps: float) -> Tensor:
+def rms_backward(dy: Tensor, da: Tensor | None, saved: tuple[Tensor, ...], eps: float,
+                 delta_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
     """The gradient of `a` from the saved `a` alone: one launch, which also adds `da`, the
-    residual stream's own gradient, in the same pass."""
-    return _rms_normalize_backward_op(dy, da, saved[0], eps)
+    residual stream's own gradient, in the same pass, and writes the gradient a second time
+    in `delta_dtype` where that differs from a's."""
+    grads = _rms_normalize_backward_op(dy, da, saved[0], eps, delta_dtype)
+    return grads[0], grads[-1]
 
 
 # ---- split into heads + RoPE -------------------------------------------------------------------

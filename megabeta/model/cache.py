@@ -1,10 +1,15 @@
 """Key/value caches for incremental decoding (spec §4.5).
 
-Per layer, beta12 keeps finished KVs of completed blocks, construction KVs of the current block
-and the current block's finished KVs that are computed but not yet visible ("pending"); when the
-block completes the pending ones are appended to the finished buffer and the block buffers are
-emptied. Memory per token per layer is therefore one K and one V (plus at most one block pending).
-The standard and looped arms keep construction KVs only, one buffer per layer application.
+A beta12 cache is the training history's form (model/history.py) over the cache's capacity:
+per layer the finished K/V of every token decoded so far, `[L, B, H_kv, capacity, d_h]`,
+written as soon as a token has passed the layer; a query of the current block reads the rows
+before the block's start only, so a token's finished K/V become visible when its block completes
+(no "pending" copy). Beside it the current block's construction K/V, `[L, B, H_kv, c, d_h]`,
+which its later tokens read (the in-block keys and the self slot). Memory per token and layer:
+one K and one V, plus one block of construction K/V.
+
+The standard and looped arms keep construction K/V only, one buffer per layer application over
+the capacity (their "block" is the whole sequence).
 """
 
 from __future__ import annotations
@@ -12,48 +17,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
-
-class KVBuffer:
-    """An append-only `[B, H_kv, capacity, d_h]` pair of key and value buffers."""
-
-    def __init__(self, batch: int, heads: int, capacity: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (batch, heads, capacity, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.length = 0
-
-    def append(self, k: Tensor, v: Tensor) -> None:
-        end = self.length + k.shape[2]  # DecodeCache.reserve checked the capacity
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
-        self.length = end
-
-    def view(self, start: int = 0, end: int | None = None) -> tuple[Tensor, Tensor]:
-        end = self.length if end is None else end
-        return self.k[:, :, start:end], self.v[:, :, start:end]
-
-    def clear(self) -> None:
-        self.length = 0
+from megabeta.model.history import History
 
 
 @dataclass
 class DecodeCache:
-    """Decoding state of one batch of sequences: how many tokens were consumed, and the KVs."""
+    """Decoding state of one batch of sequences (one document each): how many tokens were
+    consumed, and their K/V."""
 
     position: int
     """Tokens consumed so far."""
     capacity: int
     """Most tokens this cache can hold."""
-    construction: list[KVBuffer]
-    """Per layer application: construction KVs (beta12: of the current block only)."""
-    finished: list[KVBuffer] | None = None
-    """beta12: per layer, finished KVs of all completed blocks."""
-    pending: list[KVBuffer] | None = None
-    """beta12: per layer, finished KVs of the current block, visible once it completes."""
+    construction_k: Tensor
+    """`[applications, B, H_kv, c, d_h]`: construction keys of the current block (beta12) or of
+    every token (the control arms, c = capacity)."""
+    construction_v: Tensor
+    history: History | None = None
+    """beta12: every layer's finished K/V (module doc)."""
     weights: tuple[tuple, Any] | None = None
     """The model's fused weights for decoding and the parameter state they were built from
     (`DecoderLM.decode_weights`)."""
@@ -66,5 +49,10 @@ class DecodeCache:
                              "(at most model.max_seq_len)")
 
     def memory_bytes(self) -> int:
-        buffers = [*self.construction, *(self.finished or []), *(self.pending or [])]
-        return sum(b.k.numel() * b.k.element_size() * 2 for b in buffers)
+        tensors = [self.construction_k, self.construction_v]
+        if self.history is not None:
+            tensors += [self.history.keys, self.history.values]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+__all__ = ["DecodeCache"]

@@ -3,7 +3,7 @@ data.document_mask and the model.
 
 `model(tokens, targets, documents=ids)` bounds every query's key set below by the first
 position of its document; `document_starts` turns ids into those positions once per pass, and
-each block reads a view of them (attention.backend.DocumentBounds).
+each cell reads a view of them (`attention.backend.Reads.lower`).
 
 With `data.document_mask = true` every batch carries its inputs' document ids, and the engines
 pass them on. A model whose forward has no `documents` parameter would either fail on the first

@@ -9,20 +9,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megabeta.model.attention.select import BACKENDS
 from megabeta.model.config import ConfigError
-from megabeta.model.schedule import SCHEDULES as REGISTERED
 
 CHECKPOINT_MODES = ("none", "block", "wave")
-SCHEDULES = tuple(REGISTERED)
-ATTENTION_BACKENDS = ("auto", *BACKENDS)
+SCHEDULES = ("block", "wavefront")
+UNITS = {"block": "block", "wavefront": "wave"}
+"""Each schedule's recompute unit (model/plan.py): the `activation_checkpoint` value that
+recomputes it."""
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 REMOVED_ATTENTION = {
-    "sdpa": "explicit (attention dropout) or auto",
+    "explicit": "reference (the same spec §3 softmax written out)",
+    "cpu_flash": "cpu (one implementation: the fused C++ kernels)",
+    "cpu_fused": "cpu (the same fused C++ kernels, now for the whole key set)",
+    "sdpa": "reference (attention dropout) or auto",
     "cuda_flash": "triton (what auto selects on CUDA)",
 }
-"""Backends that were dropped, and what to use instead (docs/benchmarks/2026-12-04-gpu.md:
-`cuda_flash` gave wrong bf16 gradients and a memory fault on an H200, `sdpa` ran 1.75x
-slower than `triton` there)."""
+"""Backends that were renamed or dropped, and what to use instead (`sdpa` and `cuda_flash`:
+docs/benchmarks/2026-12-04-gpu.md)."""
 ELEMENTWISE_KERNELS = ("auto", "torch", "triton")
 
 
@@ -35,13 +38,13 @@ class ExecutionConfig:
     schedule: str = "block"
     """beta12's order of (block, layer) cells: `block` (block by block) or `wavefront` (the cells of a wave b·(k+1) + l together, batched; docs/architecture.md)."""
     attention: str = "auto"
-    """Attention backend: `auto`, `explicit` (the spec's softmax written out; attention dropout), `cpu_flash`, `cpu_fused` or `triton` (docs/architecture.md)."""
+    """Attention backend: `auto`, `reference` (the spec's softmax written out; attention dropout), `cpu` (fused C++ kernels) or `triton` (docs/architecture.md)."""
     elementwise_kernels: str = "auto"
     """RMSNorm, RoPE and SwiGLU: `torch`, `triton` (fused kernels, megabeta[gpu]) or `auto` (triton on CUDA where installed)."""
     compile: bool = False
-    """torch.compile: beta12's block step, one graph for every block (`cpu_fused` or `triton` attention), or its wave step on the wavefront, one graph per kind of wave (`triton`); the other arms' residual branches (applied by the engine)."""
+    """torch.compile beta12's recompute unit (one graph per kind of unit: every full block through one; `cpu` or `triton` attention), the other arms' residual branches; the same under every engine."""
     cuda_graphs: bool = False
-    """Capture beta12's step in CUDA graphs, replayed per block (activation_checkpoint = block; triton or cpu_fused attention) or per wave (wavefront, activation_checkpoint = wave; triton); CUDA only."""
+    """Capture a whole beta12 pass in two CUDA graphs, forward and backward with the recomputation (needs the schedule's activation_checkpoint and triton attention); CUDA only."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -49,7 +52,7 @@ class ExecutionConfig:
     def validate(self) -> None:
         """Raise `ConfigError` naming the first invalid field and its allowed values."""
         if self.attention in REMOVED_ATTENTION:
-            raise ConfigError(f"execution.attention = {self.attention!r} was removed: use "
+            raise ConfigError(f"execution.attention = {self.attention!r} is gone: use "
                               f"{REMOVED_ATTENTION[self.attention]}")
         for name, allowed in (("activation_checkpoint", CHECKPOINT_MODES),
                               ("attention", ATTENTION_BACKENDS),
@@ -62,21 +65,20 @@ class ExecutionConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"execution.{name} = {getattr(self, name)!r}: must be true or "
                                   "false")
-        unit = REGISTERED[self.schedule].unit
+        unit = UNITS[self.schedule]
         if self.activation_checkpoint not in ("none", unit):
-            others = [s.name for s in REGISTERED.values()
-                      if s.unit == self.activation_checkpoint]
+            others = [s for s, u in UNITS.items() if u == self.activation_checkpoint]
             raise ConfigError(
                 f"execution.activation_checkpoint = {self.activation_checkpoint} recomputes a "
                 f"{self.activation_checkpoint}, but execution.schedule = {self.schedule} "
                 f"recomputes per {unit}: set execution.activation_checkpoint = {unit} (or "
                 f"none)" + "".join(f", or execution.schedule = {o}" for o in others))
         if self.cuda_graphs and self.activation_checkpoint != unit:
-            raise ConfigError(f"execution.cuda_graphs = true replays the forward, and the "
-                              f"recompute and backward, of a checkpointed {unit} (the "
-                              f"{self.schedule} schedule's recompute unit): set "
+            raise ConfigError(f"execution.cuda_graphs = true replays a pass's forward, and its "
+                              f"backward with each {unit} (the {self.schedule} schedule's "
+                              f"recompute unit) recomputed: set "
                               f"execution.activation_checkpoint = {unit}")
 
 
-__all__ = ["ExecutionConfig", "CHECKPOINT_MODES", "SCHEDULES", "ATTENTION_BACKENDS",
+__all__ = ["ExecutionConfig", "CHECKPOINT_MODES", "SCHEDULES", "UNITS", "ATTENTION_BACKENDS",
            "REMOVED_ATTENTION", "ELEMENTWISE_KERNELS"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -63,8 +63,8 @@ class ElementwiseKernels:
     model by `megabeta.model.elementwise.select_elementwise_kernels`)."""
 
     name: str
-    rms_normalize: Callable[[Tensor, float], Tensor]
-    add_rms_normalize: Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    rms_normalize: Callable[..., Tensor]
+    add_rms_normalize: Callable[..., tuple[Tensor, Tensor]]
     split_heads_rope: Callable[..., tuple[Tensor, Tensor]]
     swiglu: Callable[[Tensor], Tensor]
 
@@ -79,40 +79,11 @@ class ElementwiseKernels:
 TORCH_KERNELS = ElementwiseKernels.named("torch")
 
 
-class Collector(Protocol):
-    """Where the readers of one pass leave a tensor's gradient by hand (a shared weight's sum, a
-    bias's rows), for `HandOut` to give autograd once."""
-
-    def collected(self) -> Tensor | None:
-        """The gradient left so far (None: nothing), handed over: the collector starts again."""
-
-
-class HandOut(torch.autograd.Function):
-    """Forward: a tensor as is (a view). Backward, after every reader's: what its `Collector`
-    gathered, plus what readers returned through autograd. The one hand-out of by-hand
-    gradients: the pass's weights (`StackedWeight`), the attention biases' rows and the
-    history readers' notification (attention/backend.py)."""
-
-    @staticmethod
-    def forward(ctx: Any, t: Tensor, collector: Collector) -> Tensor:
-        ctx.collector = collector
-        ctx.set_materialize_grads(False)
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, None]:
-        collector, ctx.collector = ctx.collector, None
-        total = collector.collected()
-        if grad is not None:  # a reader that is not by hand (e.g. under autocast)
-            total = grad if total is None else total + grad
-        return total, None
-
-
 AUTOCAST_DEVICE_TYPES = frozenset(
     kind for kind in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
     if torch.amp.is_autocast_available(kind))
 """Device types autocast knows, read once: torch.compile (torch 2.11) cannot trace
-`torch.amp.is_autocast_available` inside a compiled block step."""
+`torch.amp.is_autocast_available` inside a compiled unit."""
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -123,89 +94,94 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return None
 
 
+def matmul_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype a matmul reading `x` computes in when that is not x's own (autocast; it
+    leaves float64 alone), else None: what a norm feeding the matmul writes its rows in."""
+    dtype = autocast_dtype(x.device)
+    return None if dtype is None or x.dtype == torch.float64 else dtype
+
+
 class StackedWeight:
-    """The weight type of a pass: same-shaped weights, `[n, …]`, built once per pass from the
-    parameters and multiplied by many calls (every block, wave or loop). A layer's own weight
-    is a stack of one (`one`); the wavefront stacks every layer's in reverse layer order (`of`)
-    and each wave multiplies by a strided view of the stack.
+    """The weight type of a pass: same-shaped weights `[S, out, in]` (or biases `[S, out]`), built
+    once per pass from the parameters in the dtype the pass computes in, and multiplied by many
+    calls (every block, wave or loop). A layer's own weight is a stack of one; beta12 stacks every
+    layer's in reverse layer order, and a wave's cells multiply by a strided view of the stack.
 
-    Under autograd each call's weight gradient would be one matmul plus one sum into the
-    others (twice the launches a cell needs). `stacked_linear` instead adds it in place, one
-    batched product per call, into `grad`, handed to autograd once, when every call's backward
-    is done (`HandOut`, which all of them take as input). `accumulate=False`: plain autograd,
-    for calls traced by torch.compile (whose graphs cannot hold the Python-side sum)."""
+    Its gradient is formed one of two ways:
 
-    def __init__(self, stack: Tensor, *, accumulate: bool = True) -> None:
+    - by autograd (`by_hand=False`): the control arms, whose layers run once per pass, and units
+      traced by torch.compile;
+    - by hand (`by_hand=True`, beta12's eager and captured passes): each call's backward keeps
+      its input rows and its output-gradient rows (`calls`), and `gradient()` forms the stack's
+      gradient with ONE batched matmul over the pass. Per (block, layer) cell that saves a
+      matmul of c rows into the float32 gradient and its add (and, under autocast, a cast):
+      at t19_flash's shapes a read-modify-write of 30 M float32 numbers per cell, 0.5 TB a
+      16K-token step, where the pass's matmul writes them once. A call whose output takes no
+      part in the loss (the last block's finished K/V) never runs backward and adds nothing.
+    """
+
+    def __init__(self, stack: Tensor, *, by_hand: bool = False) -> None:
         self.weight = stack
-        self.grad: Tensor | None = None
-        self._ones: dict[int, Tensor] = {}
-        self.accumulates = accumulate and stack.requires_grad and torch.is_grad_enabled()
-        self.tensor = HandOut.apply(stack, self) if self.accumulates else stack
-        """What the calls read: `weight`, through the node that hands the gradient out."""
+        self.by_hand = by_hand
+        self.calls: list[tuple[slice, Tensor, Tensor]] = []
+        """By hand: each call that ran backward, `(entries, inputs [n, M, in], output
+        gradients [n, M, out])`."""
+        self.bias_of: StackedWeight | None = None
+        """By hand, for a bias stack: the weight stack whose calls it was added in."""
 
     @classmethod
-    def one(cls, weight: Tensor, *, accumulate: bool = True) -> "StackedWeight":
-        """A single weight (`[out, in]`, or a bias `[out]`) as a stack of one (a view)."""
-        return cls(weight.unsqueeze(0), accumulate=accumulate)
+    def one(cls, weight: Tensor) -> "StackedWeight":
+        """A single weight (`[out, in]`, or a bias `[out]`) as a stack of one (a view), its
+        gradient by autograd."""
+        return cls(weight.unsqueeze(0))
 
-    @classmethod
-    def of(cls, weights: list[Tensor], *, accumulate: bool = True) -> "StackedWeight":
-        """`weights` stacked (one copy per pass)."""
-        return cls(torch.stack(weights), accumulate=accumulate)
+    def _entry_rows(self, which: int) -> list[list[Tensor]]:
+        """Per stack entry, the rows its calls kept: inputs (`which=1`) or output gradients (2)."""
+        rows: list[list[Tensor]] = [[] for _ in range(len(self.weight))]
+        for sel, *kept in self.calls:
+            for j, entry in enumerate(range(len(self.weight))[sel]):
+                rows[entry].append(kept[which - 1][j])
+        return rows
 
-    def add_rows(self, sel: slice, rows: Tensor) -> None:
-        """Add `rows [n, M, out]`, summed over M, to the gradient of the (bias) layers `sel`:
-        one batched product with ones, added in place."""
-        ones = self._ones.get(rows.shape[1])
-        if ones is None:
-            ones = self._ones[rows.shape[1]] = rows.new_ones(1, 1, rows.shape[1])
-        ones = ones.expand(rows.shape[0], -1, -1)
-        if self.grad is None and _whole(sel, len(self.weight)) and rows.dtype == self.weight.dtype:
-            self.grad = torch.bmm(ones, rows).squeeze(1)
-            return
-        grad = self.zero_grad_buffer()[sel]
-        if grad.dtype != rows.dtype:
-            grad.add_(rows.sum(1))
-            return
-        grad.unsqueeze(1).baddbmm_(ones, rows)
+    def gradient(self) -> Tensor | None:
+        """The by-hand gradient `[S, out, in]` of the whole stack from its calls' rows (None: no
+        call ran backward)."""
+        if not self.calls:
+            return None
+        inputs, grads = self._entry_rows(1), self._entry_rows(2)
+        counts = {sum(len(t) for t in rows) for rows in inputs}
+        if len(counts) == 1 and 0 not in counts:
+            # Every entry saw as many rows (the usual case): one cat each side, one bmm.
+            s = len(self.weight)
+            x = torch.cat([t for rows in inputs for t in rows]).view(s, -1, inputs[0][0].shape[-1])
+            dy = torch.cat([t for rows in grads for t in rows]).view(s, -1, grads[0][0].shape[-1])
+            return torch.bmm(dy.transpose(1, 2), x)
+        return torch.stack([
+            torch.cat(g).T @ torch.cat(x) if x else self.weight.new_zeros(self.weight.shape[1:])
+            for x, g in zip(inputs, grads)])
 
-    def add_product(self, sel: slice, dy: Tensor, x: Tensor) -> None:
-        """Add `dyᵀ·x` (`[n, M, out]`, `[n, M, in]`) to the gradient of the layers `sel`."""
-        if self.grad is None and _whole(sel, len(self.weight)) and x.dtype == self.weight.dtype:
-            self.grad = torch.bmm(dy.transpose(1, 2), x)
-            return
-        grad = self.zero_grad_buffer()[sel]
-        if grad.dtype == x.dtype:
-            grad.baddbmm_(dy.transpose(1, 2), x)
-        else:
-            grad.add_(torch.bmm(dy.transpose(1, 2), x))
-
-    def collected(self) -> Tensor | None:
-        total, self.grad, self._ones = self.grad, None, {}
-        return total
-
-    def zero_grad_buffer(self) -> Tensor:
-        """`grad`, zero-filled on first use."""
-        if self.grad is None:
-            self.grad = torch.zeros_like(self.weight)
-        return self.grad
-
-
-def _whole(sel: slice, n: int) -> bool:
-    return sel.indices(n) == (0, n, 1)
+    def bias_gradient(self) -> Tensor | None:
+        """The by-hand gradient `[S, out]` of a bias stack read by calls of another stack
+        (`stacked_linear`'s `bias`): the sum of their output-gradient rows."""
+        if self.bias_of is None or not self.bias_of.calls:
+            return None
+        return torch.stack([torch.cat(g).sum(0) if g else self.weight.new_zeros(self.weight.shape[1:])
+                            for g in self.bias_of._entry_rows(2)])
 
 
 def stacked_linear(x: Tensor, weight: StackedWeight, sel: slice,
                    bias: StackedWeight | None = None) -> Tensor:
-    """`x [n, M, in]` times the transposed weights `sel` of the stack `weight` (n of them),
-    plus their biases: `[n, M, out]`, one batched matmul."""
-    if weight.accumulates and (bias is None or bias.accumulates) and torch.is_grad_enabled():
-        return _StackedLinear.apply(x, weight.tensor, None if bias is None else bias.tensor, sel,
-                                    weight, bias)
-    w = weight.tensor[sel].transpose(1, 2)
+    """`x [n, M, in]` times the transposed weights `sel` of the stack `weight` (n of them), plus
+    their biases: `[n, M, out]`, one batched matmul."""
+    if weight.by_hand and torch.is_grad_enabled():
+        return _ByHandLinear.apply(x, weight.weight, None if bias is None else bias.weight, sel,
+                                   weight, bias)
+    w = weight.weight[sel].transpose(1, 2)
+    if autocast_dtype(x.device) is None:
+        x = x.to(w.dtype)
     if bias is None:
         return torch.bmm(x, w)
-    return torch.baddbmm(bias.tensor[sel].unsqueeze(1), x, w)
+    return torch.baddbmm(bias.weight[sel].unsqueeze(1), x, w)
 
 
 def linear(x: Tensor, weight: StackedWeight, bias: StackedWeight | None = None, *,
@@ -215,47 +191,68 @@ def linear(x: Tensor, weight: StackedWeight, bias: StackedWeight | None = None, 
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-class _StackedLinear(torch.autograd.Function):
-    """`stacked_linear` whose weight and bias gradients are added into their stacks' `grad`
-    (none returned for them: `HandOut` returns the sums). Under autocast it computes in the
-    autocast dtype (as F.linear would), the stacks' gradients staying in theirs."""
+class _ByHandLinear(torch.autograd.Function):
+    """`stacked_linear` of a by-hand stack: backward keeps the input rows and the output
+    gradient's rows in the stack (`StackedWeight.calls`) and returns the input's gradient only
+    (the pass returns the stacks' gradients, `StackedWeight.gradient`)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, stack: Tensor, bias: Tensor | None, sel: slice,
                 weight: StackedWeight, stacked_bias: StackedWeight | None) -> Tensor:
         w = stack[sel]
-        cast = autocast_dtype(x.device)
-        if cast is not None:
-            x, w = x.to(cast), w.to(cast)
-        ctx.sel, ctx.weight, ctx.bias = sel, weight, stacked_bias
-        ctx.save_for_backward(x, w)
+        x = x.to(w.dtype)
+        # Kept on ctx, not saved: the rows outlive this call's backward (`calls`), and the
+        # pass's explicit backward owns their lifetime.
+        ctx.x, ctx.sel, ctx.weight, ctx.bias = x, sel, weight, stacked_bias
+        ctx.save_for_backward(w)
         if bias is None:
             return torch.bmm(x, w.transpose(1, 2))
-        b = bias[sel].unsqueeze(1)
-        return torch.baddbmm(b if cast is None else b.to(cast), x, w.transpose(1, 2))
+        return torch.baddbmm(bias[sel].unsqueeze(1), x, w.transpose(1, 2))
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None, None, None, None]:
-        x, w = ctx.saved_tensors
-        dy = dy.to(x.dtype)
-        ctx.weight.add_product(ctx.sel, dy, x)
+        (w,) = ctx.saved_tensors
+        dy = dy.to(w.dtype)
+        ctx.weight.calls.append((ctx.sel, ctx.x, dy))
         if ctx.bias is not None:
-            ctx.bias.add_rows(ctx.sel, dy)
+            ctx.bias.bias_of = ctx.weight
         dx = torch.bmm(dy, w) if ctx.needs_input_grad[0] else None
+        del ctx.x
         return dx, None, None, None, None, None
 
 
 @dataclass(eq=False)
 class Rows:
-    """Some heads of a projection: weight rows (norm weight folded in), optional bias, per-head
-    norm, and whether RoPE applies (queries and keys) or not (values)."""
+    """Some heads of a projection: weight rows, the norm weight to fold into their columns
+    (`scale`), optional bias, per-head norm, and whether RoPE applies (queries and keys) or not
+    (values)."""
 
     weight: Tensor
+    scale: Tensor | None
     bias: Tensor | None
     heads: int
     head_norm: RMSNorm | None
     rotary: bool = True
+
+
+def fused_stack(layers: list[list[tuple[Tensor, Tensor | None]]]) -> Tensor:
+    """Per layer, blocks of rows `(weight [r, in], column scale [in] or None)` one under the
+    other, the layers stacked: `[S, rows, in]`, each weight times its scale (a norm's weight
+    folded in). Built part by part across the layers (one stack and one product a part, a
+    scale stacked once however many parts share it), so a pass builds its weights in a number
+    of launches that does not grow with L."""
+    scales: dict[tuple[int, ...], Tensor] = {}
+    pieces = []
+    for part in zip(*layers):
+        weight = _stacked([w for w, _ in part])
+        if part[0][1] is not None:
+            key = tuple(id(s) for _, s in part)
+            if key not in scales:
+                scales[key] = _stacked([s for _, s in part]).unsqueeze(1)
+            weight = weight * scales[key]
+        pieces.append(weight)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 
 class Projection:
@@ -264,12 +261,14 @@ class Projection:
     A block of c tokens makes many small matmuls; fusing them (and folding the RMSNorm weight
     into the rows: `W·norm(x) = (W·diag(w))·(x·rsqrt(mean(x²)+eps))`) makes one larger matmul,
     one normalization and one RoPE per group of heads. Rows are ordered rotary first; parts come
-    back in the order given, each `[B, heads, n, d_h]`. Built once per forward from the
-    parameters, so autograd takes the weights' gradients through it.
+    back in the order given, each `[B, heads, n, d_h]`. Built once per pass from the
+    parameters (in the pass's compute dtype: `dtype`), so autograd takes the weights' gradients
+    through it.
     """
 
     def __init__(self, parts: list[Rows] | list[list[Rows]], head_dim: int,
-                 kernels: ElementwiseKernels = TORCH_KERNELS, *, accumulate: bool = True) -> None:
+                 kernels: ElementwiseKernels = TORCH_KERNELS, *,
+                 dtype: torch.dtype | None = None) -> None:
         """`parts`: one layer's rows, or several layers' rows of the same layout (a stack, in
         the order given: `index` in a call picks one, a wave reads a view of `weight`)."""
         self.kernels = kernels
@@ -279,57 +278,63 @@ class Projection:
         plain = [p for p in first if not p.rotary]
         rank = [first.index(p) for p in rotary + plain]
         ordered = [[layer[i] for i in rank] for layer in layers]
-        self.weight = StackedWeight(self._stacked([torch.cat([p.weight for p in order])
-                                                   for order in ordered]),
-                                    accumulate=accumulate)
+        cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
+        self.weight = StackedWeight(cast(fused_stack([[(p.weight, p.scale) for p in order]
+                                                      for order in ordered])))
         self.bias = None
         if any(p.bias is not None for p in first):
-            self.bias = StackedWeight(self._stacked([torch.cat([
-                p.weight.new_zeros(len(p.weight)) if p.bias is None else p.bias for p in order])
-                for order in ordered]), accumulate=accumulate)
+            # Part by part across the layers, as the weight (one zero row block a part).
+            self.bias = StackedWeight(cast(torch.cat([
+                first[0].weight.new_zeros(len(layers), len(part[0].weight))
+                if part[0].bias is None else _stacked([p.bias for p in part])
+                for part in zip(*ordered)], dim=1)))
         self.head_dim = head_dim
         self.rotary_heads = sum(p.heads for p in rotary)
         self.head_norm = None
         """Per-head RMSNorm weights of the rotary heads, `[layers, heads, d_h]` (qk_norm is
         all-or-none)."""
         if any(p.head_norm is not None for p in rotary):
-            self.head_norm = self._stacked([torch.cat([p.head_norm.weight.expand(p.heads, head_dim)
-                                                       for p in order[:len(rotary)]])
-                                            for order in ordered])
+            self.head_norm = _stacked([torch.cat([p.head_norm.weight.expand(p.heads, head_dim)
+                                                  for p in order[:len(rotary)]])
+                                       for order in ordered])
             self.head_norm_eps = next(p.head_norm.eps for p in rotary if p.head_norm is not None)
         self._plain_heads = [p.heads for p in plain]
         self._rotary_heads = [p.heads for p in rotary]
         self._order = [(rotary + plain).index(p) for p in first]
         """Where each part (in the order given) sits among the rotary-first heads."""
 
-    @staticmethod
-    def _stacked(tensors: list[Tensor]) -> Tensor:
-        # One layer's as a view (no copy), several stacked once per pass.
-        return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
-
     def tensors(self) -> list[Tensor]:
         """What a call reads: the weight, the bias and the per-head norm (those it has)."""
-        bias = None if self.bias is None else self.bias.tensor
-        return [t for t in (self.weight.tensor, bias, self.head_norm) if t is not None]
+        bias = None if self.bias is None else self.bias.weight
+        return [t for t in (self.weight.weight, bias, self.head_norm) if t is not None]
 
-    def with_tensors(self, tensors: Iterator[Tensor]) -> "Projection":
-        """This projection reading the next of `tensors` (in `tensors()`'s order) instead, by
-        plain autograd."""
+    def with_tensors(self, tensors: Iterator[Tensor], *, by_hand: bool) -> "Projection":
+        """This projection reading the next of `tensors` (in `tensors()`'s order) instead, its
+        stacks' gradients formed by hand or not (`StackedWeight`)."""
         other = copy.copy(self)
-        other.weight = StackedWeight(next(tensors), accumulate=False)
+        other.weight = StackedWeight(next(tensors), by_hand=by_hand)
         if self.bias is not None:
-            other.bias = StackedWeight(next(tensors), accumulate=False)
+            other.bias = StackedWeight(next(tensors), by_hand=by_hand)
         if self.head_norm is not None:
             other.head_norm = next(tensors)
         return other
+
+    def gradients(self) -> list[Tensor | None]:
+        """The by-hand gradients, in `tensors()`'s order (the per-head norm's: by autograd)."""
+        grads = [self.weight.gradient()]
+        if self.bias is not None:
+            grads.append(self.bias.bias_gradient())
+        if self.head_norm is not None:
+            grads.append(None)
+        return grads
 
     def __call__(self, normalized: Tensor, cos: Tensor, sin: Tensor, *,
                  index: int = 0) -> list[Tensor]:
         """The parts of `normalized [B, n, d]` (already `rms_normalize`d), with RoPE at the
         positions of `cos/sin`, by the stack's layer `index`."""
         head_norm = None if self.head_norm is None else self.head_norm[index][:, None]
-        return self.split(linear(normalized, self.weight, self.bias, index=index), cos, sin,
-                          head_norm)
+        return self.split(linear(normalized, self.weight, self.bias, index=index),
+                          cos, sin, head_norm)
 
     def split(self, y: Tensor, cos: Tensor, sin: Tensor,
               head_norm: Tensor | None = None) -> list[Tensor]:
@@ -354,6 +359,11 @@ class Projection:
         return [heads[i] for i in self._order]
 
 
+def _stacked(tensors: list[Tensor]) -> Tensor:
+    """Per-layer tensors as a stack: one layer's as a view (no copy), several stacked once."""
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
 class FeedForward(nn.Module):
     """SwiGLU: `w2(silu(w1 x) * w3 x)` (w1 gate, w3 up, w2 down)."""
 
@@ -363,11 +373,11 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
-    def fused_weight(self, norm: RMSNorm) -> Tensor:
-        """`[w1; w3] · diag(norm.weight)`: gate and up projections of `norm(x)` in one matmul
-        of the normalized `x` (the norm's weight folded into the columns)."""
-        return torch.cat([self.w1.weight, self.w3.weight]) * norm.weight
-
+    def fused_rows(self, norm: RMSNorm) -> list[tuple[Tensor, Tensor]]:
+        """`[w1; w3] · diag(norm.weight)` as `fused_stack` rows: gate and up projections of
+        `norm(x)` in one matmul of the normalized `x` (the norm's weight folded into the
+        columns)."""
+        return [(self.w1.weight, norm.weight), (self.w3.weight, norm.weight)]
 
 
 class Attention(nn.Module):
@@ -402,23 +412,23 @@ class Attention(nn.Module):
     def input_rows(self, norm: RMSNorm) -> list[Rows]:
         """Rows of the projections taken from this layer's normed input (spec §2): queries
         `N_qk(W_Q·xn + f)` and construction K/V `proj(xn)`, with no encodings."""
-        return [Rows(self.wq.weight * norm.weight, self.f_q, self.num_heads, self.q_norm),
-                Rows(self.wk.weight * norm.weight, None, self.num_kv_heads, self.k_norm),
-                Rows(self.wv.weight * norm.weight, None, self.num_kv_heads, None, rotary=False)]
+        w = norm.weight
+        return [Rows(self.wq.weight, w, self.f_q, self.num_heads, self.q_norm),
+                Rows(self.wk.weight, w, None, self.num_kv_heads, self.k_norm),
+                Rows(self.wv.weight, w, None, self.num_kv_heads, None, rotary=False)]
 
     def finished_rows(self, norm: RMSNorm) -> list[Rows]:
         """Rows of this layer's finished K/V (spec §2): the same norm and K/V weights applied to
         the layer's normed OUTPUT, plus `e_K`/`e_V`."""
-        return [Rows(self.wk.weight * norm.weight, self.e_k, self.num_kv_heads, self.k_norm),
-                Rows(self.wv.weight * norm.weight, self.e_v, self.num_kv_heads, None,
-                     rotary=False)]
+        w = norm.weight
+        return [Rows(self.wk.weight, w, self.e_k, self.num_kv_heads, self.k_norm),
+                Rows(self.wv.weight, w, self.e_v, self.num_kv_heads, None, rotary=False)]
 
     def depth_slope(self) -> Tensor | None:
         """λ_{l,h} = lambda_max · sigmoid(θ_{l,h}) per head, or None without depth bias."""
         if self.depth_bias is None:
             return None
         return self.lambda_max * torch.sigmoid(self.depth_bias)
-
 
 
 @dataclass(frozen=True)
@@ -430,7 +440,7 @@ class BranchWeights:
     out: StackedWeight
     """W_O."""
     gate_up: StackedWeight
-    """`feed_forward.fused_weight(ffn_norm)`: gate and up with the norm's weight folded in."""
+    """`feed_forward.fused_rows(ffn_norm)`: gate and up with the norm's weight folded in."""
     down: StackedWeight
     """w2."""
     cells: slice
@@ -455,7 +465,8 @@ def residual_branches(x: Tensor, o: Tensor, weights: BranchWeights, *,
         # No dropout call at p = 0: in training it would still launch a kernel per branch.
         return F.dropout(delta, dropout) if dropout else delta
 
-    a, normalized = kernels.add_rms_normalize(x, branch(stacked_linear(o, weights.out, sel)), eps)
+    a, normalized = kernels.add_rms_normalize(
+        x, branch(stacked_linear(o, weights.out, sel)), eps, dtype=matmul_dtype(x))
     gate_up = stacked_linear(normalized.flatten(1, 2), weights.gate_up, sel)
     return a, branch(stacked_linear(kernels.swiglu(gate_up), weights.down, sel))
 
@@ -477,9 +488,8 @@ class TransformerLayer(nn.Module):
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.feed_forward = FeedForward(config.d_model, config.hidden_dim)
 
-    def pass_weights(self, *, accumulate: bool = True) -> "BranchWeights":
-        """This layer's branch weights for one pass (fused, shared by the pass's calls;
-        `accumulate` as in `StackedWeight`)."""
-        return BranchWeights(*(StackedWeight.one(w, accumulate=accumulate) for w in (
-            self.attention.wo.weight, self.feed_forward.fused_weight(self.ffn_norm),
+    def pass_weights(self) -> "BranchWeights":
+        """This layer's branch weights for one pass (fused; gradients by autograd)."""
+        return BranchWeights(*(StackedWeight.one(w) for w in (
+            self.attention.wo.weight, fused_stack([self.feed_forward.fused_rows(self.ffn_norm)])[0],
             self.feed_forward.w2.weight)), cells=slice(0, 1))

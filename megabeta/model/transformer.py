@@ -16,30 +16,26 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from megabeta.model.attention import (
-    NO_BIAS,
-    AttentionBackend,
-    DocumentBounds,
-    KeySet,
-    PassDocuments,
-    select_attention,
-)
-from megabeta.model.cache import DecodeCache, KVBuffer
+from megabeta.model.attention.backend import NO_BIASES, AttentionBackend, Reads
+from megabeta.model.attention.select import select_attention
+from megabeta.model.cache import DecodeCache
 from megabeta.model.config import ConfigError, ModelConfig
 from megabeta.model.documents import document_starts
-from megabeta.model.execution import ExecutionConfig
 from megabeta.model.elementwise import select_elementwise_kernels
+from megabeta.model.execution import ExecutionConfig
+from megabeta.model.executor import Executor
 from megabeta.model.layers import (
     BranchWeights,
     ElementwiseKernels,
     Projection,
     RMSNorm,
     TransformerLayer,
-    residual_branches,
+    autocast_dtype,
+    matmul_dtype,
     rope_tables,
 )
+from megabeta.model.wave import Body, OwnKeys
 from megabeta.model.loss import IGNORE_INDEX, linear_cross_entropy
 
 LOSS_CHUNK = 512
@@ -53,8 +49,6 @@ class ParallelPlan:
 
     fsdp_units: tuple[nn.Module, ...]
     """Submodules sharded as FSDP units of their own (the root is one more)."""
-    compile: Callable[[], None]
-    """torch.compile the arm's repeated work in place (state-dict names kept)."""
 
 
 class DecoderLM(nn.Module):
@@ -79,24 +73,16 @@ class DecoderLM(nn.Module):
         self._select_kernels()
 
     def parallel_plan(self) -> ParallelPlan:
-        """One FSDP unit per layer; compiled: the residual branches (`branches`: output
-        projection, norm, SwiGLU, dropout), with dynamic shapes (decoding feeds one token at a
-        time); the fused input projections and attention stay eager."""
-        return ParallelPlan(tuple(self.layers), self._compile_branches)
-
-    def _compile_branches(self) -> None:
-        self._residual_branches = torch.compile(residual_branches, dynamic=True)
-
-    _residual_branches: Callable[..., tuple[Tensor, Tensor]] = staticmethod(residual_branches)
-    """`layers.residual_branches`, compiled where the arm compiles its branches."""
+        """One FSDP unit per layer."""
+        return ParallelPlan(tuple(self.layers))
 
     def branches(self, x: Tensor, o: Tensor, weights: BranchWeights) -> tuple[Tensor, Tensor]:
-        """The residual branches of the cells `x [n, B, c, d]` (`layers.residual_branches`):
-        the stream after attention and the SwiGLU branch, with this model's kernels and, in
-        training, its dropout."""
-        return self._residual_branches(x, o, weights, kernels=self.elementwise_kernels,
-                                       eps=self.config.norm_eps,
-                                       dropout=self.config.dropout if self.training else 0.0)
+        """The residual branches of the cells `x [n, B, c, d]` (`layers.residual_branches`,
+        compiled where the executor compiles): the stream after attention and the SwiGLU
+        branch, with this model's kernels and, in training, its dropout."""
+        return self.executor.branches(x, o, weights, kernels=self.elementwise_kernels,
+                                      eps=self.config.norm_eps,
+                                      dropout=self.config.dropout if self.training else 0.0)
 
     # ---- parameters -----------------------------------------------------------------------------
     def init_weights(self) -> None:
@@ -115,9 +101,9 @@ class DecoderLM(nn.Module):
 
     # ---- execution ------------------------------------------------------------------------------
     def _select_kernels(self) -> None:
-        """Choose the attention backend (attention/select.py) and the elementwise kernels
-        (elementwise.py) for the parameters' device, once: here and whenever the model moves to
-        another device (`_apply`), never per call."""
+        """Choose the attention backend (attention/select.py), the elementwise kernels
+        (elementwise.py) and the executor (executor.py) for the parameters' device, once: here
+        and whenever the model moves to another device (`_apply`), never per call."""
         c = self.config
         device = self.tok_embeddings.weight.device
         self.kernels_device = device
@@ -126,6 +112,14 @@ class DecoderLM(nn.Module):
             self.execution.elementwise_kernels, device=device)
         self.attention_backend: AttentionBackend = select_attention(
             self.execution.attention, device=device, dropout=c.dropout, head_dim=c.head_dim)
+        if self.execution.cuda_graphs and c.dropout:
+            raise ConfigError(f"execution.cuda_graphs = true replays the pass with fixed random "
+                              f"numbers; model.dropout = {c.dropout} draws new ones every step: "
+                              f"set execution.cuda_graphs = false")
+        self.executor = Executor(self.execution, backend=self.attention_backend, device=device,
+                                 layers=c.num_layers)
+        self.body = Body(self.attention_backend, self.elementwise_kernels, c.norm_eps)
+        """What the layer body reads of this model (model/wave.py)."""
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "DecoderLM":
         # `to`, `cuda`, `cpu`, `to_empty`, dtype casts all end here: the device may have changed.
@@ -152,23 +146,13 @@ class DecoderLM(nn.Module):
 
     # ---- helpers for subclasses -----------------------------------------------------------------
     def _document_starts(self, documents: Tensor | None, tokens: Tensor) -> Tensor | None:
-        """The pass's document starts (`documents.document_starts`), once the backend is known
-        to apply them."""
-        if documents is not None and not self.attention_backend.capabilities.documents:
-            raise ConfigError(f"execution.attention = {self.attention_backend.name!r} has no "
-                              "document mask (documents=, data.document_mask): use explicit")
+        """The pass's document starts (`documents.document_starts`)."""
         return document_starts(documents, tokens)
 
     def _check_length(self, length: int) -> None:
         if length > self.config.max_seq_len:
             raise ValueError(f"sequence of {length} tokens exceeds model.max_seq_len = "
                              f"{self.config.max_seq_len}; raise max_seq_len or shorten the input")
-
-    def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call `fn`, recomputing it in backward when activation checkpointing is on."""
-        if self.execution.activation_checkpoint != "none" and torch.is_grad_enabled():
-            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        return fn(*args, **kwargs)
 
     def head(self, h: Tensor, targets: Tensor | None) -> Tensor:
         """Logits of final hidden states `h [B, T, d]`, or the mean next-token loss over the
@@ -205,12 +189,6 @@ class DecoderLM(nn.Module):
             cache.weights = (stamp, build())
         return cache.weights[1]
 
-    def _kv_buffers(self, batch: int, count: int, capacity: int) -> list[KVBuffer]:
-        p = self.tok_embeddings.weight
-        return [KVBuffer(batch, self.config.num_kv_heads, capacity,
-                         self.config.head_dim, p.dtype, p.device)
-                for _ in range(count)]
-
     def _capacity(self, capacity: int | None) -> int:
         capacity = self.config.max_seq_len if capacity is None else capacity
         self._check_length(capacity)
@@ -235,37 +213,33 @@ class StandardTransformer(DecoderLM):
         """How many times the stack is applied (the looped arm repeats it)."""
         return 1
 
-    def _weights(self) -> list[tuple[Projection, BranchWeights]]:
-        """Per layer of the stack, its fused input projection and branch weights
-        (layers.Projection, layers.BranchWeights), built once per pass."""
+    def _applications(self, dtype: torch.dtype | None = None
+                      ) -> list[tuple[Projection, BranchWeights]]:
+        """Per layer application, its fused input projection (in the compute `dtype`) and branch
+        weights (layers.Projection, layers.BranchWeights), built once per pass."""
         c = self.config
-        return [(Projection(layer.attention.input_rows(layer.attention_norm), c.head_dim,
-                            self.elementwise_kernels),
-                 layer.pass_weights())
-                for layer in self.layers]
+        weights = [(Projection(layer.attention.input_rows(layer.attention_norm), c.head_dim,
+                               self.elementwise_kernels, dtype=dtype),
+                    layer.pass_weights())
+                   for layer in self.layers]
+        return weights * self._repeats()
 
-    def _layer(self, weights: tuple[Projection, BranchWeights], x: Tensor,
-               cos: Tensor, sin: Tensor, cache: KVBuffer | None,
-               documents: PassDocuments | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """One layer on tokens with RoPE tables `cos/sin`; earlier tokens' KVs come from `cache`;
-        `documents`: the pass's documents (spec §7: block-causal attention), or None."""
+    def _layer(self, weights: tuple[Projection, BranchWeights], x: Tensor, cos: Tensor,
+               sin: Tensor, lower: Tensor | None, own: OwnKeys | None = None,
+               application: int = 0) -> Tensor:
+        """One layer on the tokens `x [B, n, d]` (RoPE tables `cos/sin`): one cell of n tokens
+        (spec §4.1: c = T), reading the earlier tokens' K/V from `own` when decoding; `lower
+        [B, n]`: the queries' document bounds (spec §7), or None."""
         projection, branches = weights
         kernels, eps = self.elementwise_kernels, self.config.norm_eps
-        q, k, v = projection(kernels.rms_normalize(x, eps), cos, sin)
-        keys = KeySet(k=k, v=v, documents=None if documents is None
-                      else DocumentBounds(documents.starts, 0, documents))
-        if cache is not None:
-            keys.prefix_k, keys.prefix_v = cache.view()
+        q, k, v = (t[None] for t in projection(kernels.rms_normalize(x, eps, dtype=matmul_dtype(x)), cos, sin))
+        if own is not None:
+            k, v = own.extend(application, k, v)
         dropout = self.config.dropout if self.training else 0.0
-        o = self.attention_backend.attend(q, keys, NO_BIAS, layer=0, dropout_p=dropout)
-        # One cell: heads concatenated per token, `[1, B·n, H·d_h]`.
-        a, mlp = self.branches(
-            x[None], o.transpose(1, 2).reshape(1, -1, o.shape[1] * o.shape[3]), branches)
-        return (a + mlp).squeeze(0), k, v
-
-    def _applications(self) -> list[tuple[Projection, BranchWeights]]:
-        """The layers' fused weights in the order the layers are applied."""
-        return self._weights() * self._repeats()
+        reads = Reads((0,), None, None if lower is None else lower[None])
+        o = self.attention_backend.attend(q, k, v, reads, NO_BIASES, dropout_p=dropout)
+        a, mlp = self.branches(x[None], o.reshape(1, -1, o.shape[3] * o.shape[4]), branches)
+        return (a + mlp).squeeze(0)
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None,
                 documents: Tensor | None = None) -> Tensor:
@@ -273,28 +247,27 @@ class StandardTransformer(DecoderLM):
         `documents [B, T]`: the tokens' document ids (spec §7), None: one document."""
         self._check_length(tokens.shape[1])
         starts = self._document_starts(documents, tokens)
-        # One block of T tokens: the mask is block-causal over the whole sequence.
-        masked = None if starts is None else PassDocuments(starts, tokens.shape[1])
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope(0, tokens.shape[1], x)
-        for weights in self._applications():
-            x = self._run(lambda h, weights=weights:
-                          self._layer(weights, h, cos, sin, None, masked)[0], x)
+        for weights in self._applications(autocast_dtype(x.device)):
+            x = self.executor.layer(lambda h, weights=weights:
+                                    self._layer(weights, h, cos, sin, starts), x)
         return self.head(x, targets)
 
     def new_cache(self, batch: int, capacity: int | None = None) -> DecodeCache:
         capacity = self._capacity(capacity)
-        return DecodeCache(0, capacity, self._kv_buffers(batch, len(self.layers) * self._repeats(), capacity))
+        c, p = self.config, self.tok_embeddings.weight
+        shape = (len(self.layers) * self._repeats(), batch, c.num_kv_heads, capacity, c.head_dim)
+        return DecodeCache(0, capacity, p.new_empty(shape), p.new_empty(shape))
 
     @torch.no_grad()
     def extend(self, tokens: Tensor, cache: DecodeCache) -> Tensor:
         cache.reserve(tokens.shape[1])
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope(cache.position, tokens.shape[1], x)
-        applications = self.decode_weights(cache, self._applications)
-        for weights, buffer in zip(applications, cache.construction):
-            x, k, v = self._layer(weights, x, cos, sin, buffer)
-            buffer.append(k, v)
+        own = OwnKeys(cache.construction_k, cache.construction_v, cache.position)
+        for application, weights in enumerate(self.decode_weights(cache, self._applications)):
+            x = self._layer(weights, x, cos, sin, None, own, application)
         cache.position += tokens.shape[1]
         return self.logits(x)
 

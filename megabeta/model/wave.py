@@ -1,143 +1,150 @@
-"""One wave of (block, layer) cells (spec §5): the layer body of beta12, written once, over a
-stack of n cells. Both schedules run it: the wavefront's waves hold up to ⌈L/p⌉ cells
-(wavefront.py), a block of the block schedule is L waves of one cell (block_schedule.py, the
-wavefront's plan at a period of L), and decoding runs that block step.
+"""One wave of (block, layer) cells (spec §5): beta12's layer body, written once, over a stack of
+n cells. Every pass runs it: the plan's waves (model/plan.py: up to ⌈L/p⌉ cells on the
+wavefront, one cell a wave on the block schedule) and decoding (model/cache.py: a wave of one
+cell per layer on the new tokens of the current block).
 
 Where a cell ends. Layer m's finished K/V are projections of its output, which is layer m+1's
-input: they come out of layer m+1's fused input projection (beta12.PassWeights). On the
-wavefront they are first read one wave after cell (b, m), by cell (b+1, m-k), which runs in
-the same wave as (b, m+1): so a cell is layer l's attention and MLP followed by layer l+1's
-fused input projection (layer l's finished K/V, layer l+1's queries and construction K/V), and
-the last layer's cell ends with `last_finished`. A block enters at layer 0 with its plain input
-projection (`enter`): on the wavefront computed by the wave before the one it enters, so that
-the carried cells' and its queries and construction K/V become the next wave's stacked inputs in
-one copy; on the block schedule at the start of its own block step.
+input: they come out of layer m+1's fused input projection (pass_weights.PassWeights). So a
+cell is layer l's attention and MLP followed by layer l+1's fused input projection (layer l's
+finished K/V, layer l+1's queries and construction K/V); the last layer's cell ends with
+`last_finished`. A block enters at layer 0 with its plain input projection, at the start of the
+wave that holds its first cell.
 
 Batching. A wave's cells hold different layers' weights. Each kind of weight is stacked once
-per pass in reverse layer order (`beta12.PassWeights`): a wave's cells, blocks ascending and
-layers descending by the period, read one strided view of each stack, and each projection of
-the wave is one batched matmul (`layers.stacked_linear`, which adds the stacks' gradients in
-place instead of a zero-filled stack per wave). Norms, SwiGLU and the residual adds run once
-on the stacked cells, the split into heads and RoPE once on the cells' tokens laid end to end.
-The wave's attention is one `attend_wave` call of the model's backend on the cells' stacked
-queries and construction K/V `[n, B, H, c, d_h]`, each cell reading its layer's key set at its
-block's start and its layer's biases (strided views of the pass's stacks, beta12.PassBiases):
-on `cpu_fused` one own-keys kernel and one finished-groups kernel for the whole wave
-(attention/merged.py, `merged_cells`), on `triton` one launch each way
-(attention/triton_backend.py); a wave of one cell attends as a block does (`attend`), and
-`explicit` attends cell by cell.
+per pass in reverse layer order: a wave's cells, blocks ascending and layers descending by the
+period, read one strided view of each stack, and each projection of the wave is one batched
+matmul (`layers.stacked_linear`). Norms, SwiGLU and the residual adds run once on the stacked
+cells, the split into heads and RoPE once on the cells' tokens laid end to end. The attention is
+one call of the model's backend on the cells' stacked queries and construction K/V
+`[n, B, H, c, d_h]`, each cell reading its layer's key set at its block's start (`Reads`).
 
-Nothing here reads which blocks the cells are on (`Wave.first`): a compiled step serves every
-wave of its kind.
+Nothing here reads which blocks the cells are on but the tensors' contents: a compiled unit
+serves every unit of its kind.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-from megabeta.model.attention.backend import split_cells
-from megabeta.model.layers import stacked_linear
-
-if TYPE_CHECKING:  # only for annotations: beta12 imports this module
-    from megabeta.model.beta12 import Beta12Transformer, PassWeights
+from megabeta.model.attention.backend import AttentionBackend, Reads
+from megabeta.model.layers import (
+    BranchWeights,
+    ElementwiseKernels,
+    matmul_dtype,
+    residual_branches,
+    stacked_linear,
+)
+from megabeta.model.pass_weights import PassWeights
+from megabeta.model.plan import Wave
 
 QKV = tuple[Tensor, Tensor, Tensor]
 """A wave's cells' queries, construction keys and values, stacked `[n, B, heads, c, d_h]`."""
 
 
 @dataclass(frozen=True)
-class Wave:
-    """One wave's cells: blocks `first`, `first + 1`, … at `layers` (descending by p)."""
+class Body:
+    """What the layer body needs of its model, fixed when the model is placed on its device."""
 
-    first: int
-    """The first (oldest) cell's block."""
-    layers: list[int]
-    top: int
-    """L - 1."""
-    entering: bool
-    """Whether the newest cell is a block at layer 0 (its input projection runs first)."""
-    period: int
-    finished: bool = True
-    """Whether the cells' finished K/V are wanted. False only for a wave of one cell whose
-    block nobody reads (the last block of a block-schedule pass): its next input projections
-    are the plain ones, and it ends without `last_finished`."""
-
-    @property
-    def cells(self) -> list[tuple[int, int]]:
-        """(block, layer) per cell, oldest first."""
-        return [(self.first + i, l) for i, l in enumerate(self.layers)]
-
-    @property
-    def exits(self) -> bool:
-        """Whether the oldest cell is at the last layer (its block leaves after this wave)."""
-        return self.layers[0] == self.top
-
-    def stack(self) -> slice:
-        """The cells' layers in a stack of all L layers in reverse order."""
-        return slice(self.top - self.layers[0], self.top - self.layers[-1] + 1, self.period)
-
-    def next_stack(self) -> slice:
-        """The next input projections of the cells below the top (layers l+1 ≥ 1) in the stack
-        of layers L-1 … 1."""
-        below = self.layers[1:] if self.exits else self.layers
-        return slice(self.top - 1 - below[0], self.top - below[-1], self.period)
+    attention: AttentionBackend
+    kernels: ElementwiseKernels
+    eps: float
+    branches: Callable[..., tuple[Tensor, Tensor]] = residual_branches
+    """`layers.residual_branches` (compiled where the executor compiles it)."""
 
 
 @dataclass
-class WaveOutput:
-    """What one wave hands on (`run_wave`): the next wave's inputs, the finished K/V to
-    publish and the leaving block's hidden states."""
+class Carried:
+    """The continuing cells' state between two waves: residual streams `x [n, B, c, d]` and the
+    next layer's queries and construction K/V (`QKV`)."""
 
-    x: Tensor | None
-    """The next wave's residual streams `[n, B, c, d]`: the continuing cells' and the entering
-    block's embeddings (None: none)."""
-    qkv: QKV | None
-    """Their queries and construction K/V (layer l+1's for a continuing cell of layer l,
-    layer 0's for the entering block)."""
-    finished: list[tuple[Tensor, Tensor]]
-    """Every cell's finished K, V (oldest cell first)."""
-    hidden: Tensor | None
-    """The leaving block's final hidden states `[B, c, d]`."""
+    x: Tensor
+    q: Tensor
+    k: Tensor
+    v: Tensor
+
+    def tensors(self) -> list[Tensor]:
+        return [self.x, self.q, self.k, self.v]
 
 
 @dataclass(frozen=True)
 class Entering:
-    """The block that enters the next wave at layer 0: its embeddings `[B, c, d]` and RoPE
-    tables `[c, d_h]`."""
+    """A block entering at layer 0: its embeddings `[B, c, d]` and RoPE tables `[c, d_h]`."""
 
     x: Tensor
     cos: Tensor
     sin: Tensor
 
 
-def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], wave: Wave,
-             weights: "PassWeights", cos: Tensor, sin: Tensor, entering: Entering | None, *,
-             dropout: float, copy_next: bool = True) -> WaveOutput:
-    """One wave's cells (module doc). `x`, `qkv`: the cells' residual streams and queries and
-    construction KVs (stacked, oldest cell first); `views`: each cell's history view;
-    `cos/sin [n, c, d_h]`: the cells' RoPE tables; `entering`: the block that enters the next
-    wave, whose layer-0 projection is laid next to the continuing cells' here. `copy_next`:
-    hand on the continuing cells' next inputs as copies (`_stack_cells`), for a next wave that
-    is a recompute unit of its own; within a block step, whose block is the unit, they stay
-    views (one copy fewer per cell)."""
-    kernels, eps = model.elementwise_kernels, model.config.norm_eps
-    attention = model.attention_backend
-    n, batch, c, d = x.shape
-    q, k, v = qkv
-    keys = [view.key_set(l, k_i, v_i) for view, l, k_i, v_i in zip(views, wave.layers,
-                                                                   split_cells(k), split_cells(v))]
+@dataclass
+class WaveOutput:
+    """What one wave hands on: the next wave's carried state, the finished K/V of its cells
+    (oldest first; none in a pass of one block) and the leaving block's hidden states."""
+
+    carried: Carried | None
+    finished: list[tuple[Tensor, Tensor]]
+    hidden: Tensor | None
+    """The leaving block's final hidden states `[B, c, d]`."""
+
+
+@dataclass
+class OwnKeys:
+    """Decoding: the current block's construction K/V buffers `[L, B, H_kv, c, d_h]` and how many
+    of its tokens came before the new ones (the new queries' own keys are rows [0, offset + n))."""
+
+    keys: Tensor
+    values: Tensor
+    offset: int
+
+    def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write one cell's new construction K/V `[1, B, H_kv, n, d_h]`; its own keys so far."""
+        end = self.offset + k.shape[3]
+        self.keys[layer, :, :, self.offset:end] = k[0]
+        self.values[layer, :, :, self.offset:end] = v[0]
+        return self.keys[layer, None, :, :, :end], self.values[layer, None, :, :, :end]
+
+
+def enter(body: Body, weights: PassWeights, x: Tensor, cos: Tensor, sin: Tensor) -> QKV:
+    """A block's layer-0 queries and construction K/V `[B, heads, n, d_h]` each, from its
+    embeddings `x [B, n, d]` (RoPE tables `[n, d_h]`)."""
+    normalized = body.kernels.rms_normalize(x, body.eps, dtype=matmul_dtype(x))
+    return tuple(weights.input(0, False)(normalized, cos, sin))
+
+
+def run_wave(body: Body, weights: PassWeights, wave: Wave, carried: Carried | None,
+             entering: Tensor | None, reads: Reads, cos: Tensor, sin: Tensor, *,
+             dropout: float, copy_next: bool = False, joining: Entering | None = None,
+             own: OwnKeys | None = None) -> WaveOutput:
+    """One wave's cells (module doc). Either `carried`, the state the wave before handed on
+    (the entering block's already joined), or `entering`, the embeddings `[B, c, d]` of the
+    one block that enters at layer 0 in this wave; `cos/sin [n, c, d_h]`: the cells' RoPE
+    tables, oldest first; `copy_next`: hand on the next state as copies (at a unit's end, whose successor keeps it until backward) rather than views of
+    the projections' outputs, which also hold the finished K/V; `joining`: the block that
+    enters in the next wave, projected at this one's end and concatenated to the state handed
+    on (model/plan.py; the concatenation is the copy); `own`: decoding's construction
+    buffers."""
+    if (carried is None) == (entering is None):
+        raise ValueError("run_wave: give the state handed on or one entering block, not both")
+    if entering is not None:
+        x = entering[None]
+        q, k, v = (t[None] for t in enter(body, weights, entering, cos[-1], sin[-1]))
+    else:
+        x, q, k, v = carried.tensors()
+    n, batch, c = x.shape[:3]
+    if own is not None:
+        k, v = own.extend(wave.layers[0], k, v)
     sel = wave.stack()
-    o = attention.attend_wave(q, k, v, keys, weights.pass_biases.wave(sel), layers=wave.layers,
-                              dropout_p=dropout).reshape(n, batch * c, -1)
-    x, mlp = model.branches(x, o, weights.branches(sel))
+    biases = weights.biases(sel, rows_wanted=body.attention.capabilities.bias_rows)
+    o = body.attention.attend(q, k, v, reads, biases, dropout_p=dropout)
+    x, mlp = body.branches(x, o.reshape(n, batch * c, -1), weights.branches(sel),
+                           kernels=body.kernels, eps=body.eps, dropout=dropout)
     if wave.exits and not wave.finished:
-        # The last layer of a block whose finished K/V nobody reads: its stream, no norm.
-        return WaveOutput(None, None, [], (x + mlp).squeeze(0))
-    x, normalized = kernels.add_rms_normalize(x, mlp, eps)
+        # The last layer of a pass of one block: its stream, no norm (the head norms it).
+        return WaveOutput(None, [], (x + mlp).squeeze(0))
+    x, normalized = body.kernels.add_rms_normalize(x, mlp, body.eps, dtype=matmul_dtype(x))
     finished: list[tuple[Tensor, Tensor]] = []
     hidden = None
     if wave.exits:
@@ -150,45 +157,25 @@ def run_wave(model: "Beta12Transformer", x: Tensor, qkv: QKV, views: list[Any], 
             # gradient per part and their sum.
             (hidden, x), (leaving, normalized) = (t.split([1, n - 1]) for t in (x, normalized))
             hidden, leaving = hidden.squeeze(0), leaving.squeeze(0)
-        finished.append(tuple(weights.last_finished(leaving, cos[0], sin[0])))
-    continuing = None
+        fk, fv = weights.last_finished(leaving, cos[0], sin[0])
+        finished.append((fk, fv))
+    nxt = None
     if len(x):
         below = int(wave.exits)
-        continuing, fin = _next_inputs(normalized, weights, wave, cos[below:], sin[below:])
+        parts, fin = _next_inputs(normalized, weights, wave, cos[below:], sin[below:])
         finished += fin
-    block = None
-    if entering is not None:
-        block = enter(model, weights, entering)
-        x = torch.cat([x, entering.x[None]]) if len(x) else entering.x[None]
-    return WaveOutput(x if len(x) else None, _stack_cells(continuing, block, c, copy=copy_next),
-                      finished, hidden)
-
-
-def enter(model: "Beta12Transformer", weights: "PassWeights", block: Entering) -> QKV:
-    """A block's layer-0 queries and construction K/V `[B, heads, c, d_h]` each."""
-    normalized = model.elementwise_kernels.rms_normalize(block.x, model.config.norm_eps)
-    return tuple(weights.input(0, False)(normalized, block.cos, block.sin))
-
-
-def _stack_cells(continuing: QKV | None, entering: QKV | None, cell_tokens: int, *,
-                 copy: bool) -> QKV | None:
-    """The next wave's queries and construction K/V stacked per cell `[n, B, heads, c, d_h]`:
-    the continuing cells' (`[B, heads, n'·c, d_h]`, cells end to end: the projection's
-    outputs), then the entering block's (`[B, heads, c, d_h]`). The continuing cells' are
-    views of tensors that also hold their finished K/V, which are copied into the history:
-    what the next wave keeps (and its checkpoint holds until backward) is a copy, one per
-    tensor (the concatenation where a block enters), so that their storage goes once they are
-    published; without `copy` (within a block step) the views themselves."""
-    if continuing is None:
-        return None if entering is None else tuple(t[None] for t in entering)
-    if entering is None:
-        # Copied in the projection's layout and stacked as a view: the attention kernels take
-        # the strides, and the gradient comes back in that layout (stacked contiguously, it
-        # would be copied back in backward).
-        return tuple(_cells(t.clone(memory_format=torch.contiguous_format) if copy else t,
-                            cell_tokens) for t in continuing)
-    return tuple(torch.cat([_cells(t, cell_tokens), e[None]])
-                 for t, e in zip(continuing, entering))
+        if joining is not None:
+            entered = enter(body, weights, joining.x, joining.cos, joining.sin)
+            x = torch.cat([x, joining.x[None]])
+            q, k, v = (torch.cat([_cells(t, c), e[None]]) for t, e in zip(parts, entered))
+        else:
+            # x needs no copy: a view of the stream, whose leaving row is kept anyway (hidden).
+            # Copied in the projection's layout: the attention kernels take the strides, and
+            # the gradient comes back in that layout.
+            q, k, v = (_cells(t.clone(memory_format=torch.contiguous_format) if copy_next else t,
+                              c) for t in parts)
+        nxt = Carried(x, q, k, v)
+    return WaveOutput(nxt, finished, hidden)
 
 
 def _cells(t: Tensor, cell_tokens: int) -> Tensor:
@@ -196,12 +183,12 @@ def _cells(t: Tensor, cell_tokens: int) -> Tensor:
     return t.unflatten(2, (-1, cell_tokens)).movedim(2, 0)
 
 
-def _next_inputs(normalized: Tensor, weights: "PassWeights", wave: Wave, cos: Tensor,
+def _next_inputs(normalized: Tensor, weights: PassWeights, wave: Wave, cos: Tensor,
                  sin: Tensor) -> tuple[QKV, list[tuple[Tensor, Tensor]]]:
     """The next layer's fused input projection of the wave's cells below the top,
     `normalized [n, B, c, d]`: their next queries and construction K/V (`[B, heads, n·c, d_h]`,
-    the cells' tokens end to end), and per cell its own finished K/V (none where the wave's
-    are not wanted: the next layer's plain projection)."""
+    the cells' tokens end to end), and per cell its own finished K/V (none in a pass of one
+    block: the next layer's plain projection)."""
     n, batch, c, d = normalized.shape
     if not wave.finished:
         # One cell: squeezed, not indexed (an index's backward fills a zero tensor).
@@ -222,3 +209,4 @@ def _next_inputs(normalized: Tensor, weights: "PassWeights", wave: Wave, cos: Te
     return (q, k, v), list(zip(fk, fv))
 
 
+__all__ = ["Body", "Carried", "Entering", "OwnKeys", "QKV", "WaveOutput", "enter", "run_wave"]

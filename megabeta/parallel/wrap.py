@@ -1,7 +1,9 @@
-"""Parallelisms applied to a plain model, in a fixed order: compile, then DDP or FSDP2.
+"""Parallelisms applied to a plain model: DDP or FSDP2.
 
 The model code applies none of them; each arm declares only its plan (`DecoderLM.parallel_plan`:
-its FSDP units and what torch.compile compiles), so nothing here branches on a model class. One
+its FSDP units), so nothing here branches on a model class. (Checkpointing, compile and CUDA
+graphs are the model's executor's, applied when it is placed on its device, the same under
+every engine: megabeta/model/executor.py.) One
 fact about beta_1.2 shapes the FSDP2 plan: the block loop calls every layer's submodules T/c
 times per step and never calls `layer.forward`, so per-layer FSDP units would otherwise gather
 their parameters on every call (or not at all). Instead every layer unit is unsharded ONCE, by a
@@ -18,13 +20,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def apply_compile(model: nn.Module) -> None:
-    """torch.compile the model's repeated work in place, as its arm plans it (`parallel_plan`:
-    beta12 compiles its block step, ONE graph for every full block; the other arms their
-    residual branches)."""
-    model.parallel_plan().compile()
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:

@@ -16,8 +16,8 @@ from megabeta.model import ConfigError
 
 EPILOG = """overrides:
   --SECTION.KEY=VALUE   any config field, e.g. --optim.lr=3e-4 --train.steps=1000
-                        (how the model runs: --execution.attention=auto|explicit|
-                        cpu_flash|cpu_fused|triton,
+                        (how the model runs: --execution.attention=auto|reference|
+                        cpu|triton,
                         --execution.schedule=block|wavefront,
                         --execution.activation_checkpoint=none|block|wave)
   --run_dir=DIR         where config, metrics.jsonl, tb/ and checkpoints/ go

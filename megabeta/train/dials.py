@@ -5,61 +5,59 @@ Per layer l and head h: the depth-bias slope λ_{l,h} = lambda_max·sigmoid(θ_{
 probe batch, the share of attention mass each group of keys receives: each finished source
 layer m = l + d (d = 0 … k), the in-block keys, and the self slot.
 
-The shares come from the model's own `explicit` attention (spec §3's softmax written out):
-`MassRecorder` is that backend, attending a second time with the values replaced by group
-indicators, so that the output IS each group's probability mass; the model is run through its
-decoding path (`prefill`, block by block, history as pieces) with this backend held for the
-call. Nothing in the model knows it is measured.
+The shares come from the `reference` backend (spec §3's softmax written out): `MassRecorder` is
+that backend, also summing each query's probabilities per group of its key set
+(`reference.key_set`); the model is run through its decoding path (`prefill`, block by block)
+with this backend held for the call. Nothing in the model knows it is measured.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterator
 
 import torch
 from torch import Tensor, nn
 
-from megabeta.model.attention.backend import AttentionBias, KeySet
-from megabeta.model.attention.explicit import ExplicitAttention
+from megabeta.model.attention.backend import Biases, Reads
+from megabeta.model.attention.reference import ReferenceAttention, key_set, scores
 
 
-class MassRecorder(ExplicitAttention):
-    """The explicit backend, also summing each query's attention mass per group and layer."""
+class MassRecorder(ReferenceAttention):
+    """The reference backend, also summing each query's attention mass per group and layer."""
 
     def __init__(self, head_dim: int) -> None:
         super().__init__(head_dim)
         self.mass: dict[tuple[int, str], Tensor] = {}
         self.queries: dict[int, int] = {}
 
-    def attend(self, q: Tensor, keys: KeySet, bias: AttentionBias, *, layer: int,
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, reads: Reads, biases: Biases, *,
                dropout_p: float) -> Tensor:
-        out = super().attend(q, keys, bias, layer=layer, dropout_p=dropout_p)
-        batch, kv_heads, n = keys.k.shape[:3]
-        # The probe feeds whole blocks from their start: the history is finished groups only
-        # (no decoding prefix). Values: one indicator column per finished group (by depth
-        # offset), then the identity over the block for the construction keys, whose diagonal
-        # is the self slot and the rest the in-block keys.
-        groups = sorted({offset for offset, _, _ in keys.finished})
-        width = len(groups)
-        finished = []
-        for offset, k, v in keys.finished:
-            indicator = v.new_zeros(batch, kv_heads, v.shape[2], width + n)
-            indicator[..., groups.index(offset)] = 1
-            finished.append((offset, k, indicator))
-        own = keys.v.new_zeros(batch, kv_heads, n, width + n)
-        own[..., width:] = torch.eye(n, dtype=own.dtype, device=own.device)
-        indicators = KeySet(keys.k, own, finished=finished)
-        mass = super().attend(q, indicators, bias, layer=layer, dropout_p=0.0)
-        square = mass[..., width:]
-        self_mass = square.diagonal(dim1=-2, dim2=-1).sum()
-        shares = {f"finished_d{g}": mass[..., i].sum() for i, g in enumerate(groups)}
-        shares["in_block"] = square.sum() - self_mass
-        shares["self"] = self_mass
-        for name, value in shares.items():
-            key = (layer, name)
-            self.mass[key] = self.mass.get(key, 0.0) + value.double()
-        self.queries[layer] = self.queries.get(layer, 0) + q.numel() // q.shape[-1]
+        out = super().attend(q, k, v, reads, biases, dropout_p=dropout_p)
+        c, nk = q.shape[3], k.shape[3]
+        starts = reads.starts(c) if reads.history is not None else [0] * len(reads.layers)
+        for i, (layer, start) in enumerate(zip(reads.layers, starts)):
+            keys = key_set(q[i], k[i], v[i], reads, biases, i, start)
+            p = torch.softmax(scores(q[i], keys, None if reads.lower is None
+                                     else reads.lower[i]), dim=-1)
+            shares: dict[str, Tensor] = {}
+            column = 0
+            for kind, offset, width in keys.groups:
+                if kind == "finished":
+                    name = f"finished_d{offset}"
+                    shares[name] = shares.get(name, 0.0) + p[..., column:column + width].sum()
+                else:
+                    own = p[..., column:column + width]
+                    # Query r is own key nk - c + r: its self slot.
+                    diagonal = own.diagonal(offset=nk - c, dim1=-2, dim2=-1).sum()
+                    shares["self"] = diagonal
+                    shares["in_block"] = own.sum() - diagonal
+                column += width
+            for name, value in shares.items():
+                key = (layer, name)
+                self.mass[key] = self.mass.get(key, 0.0) + value.double()
+            self.queries[layer] = self.queries.get(layer, 0) + q[i].numel() // q.shape[-1]
         return out
 
     def shares(self) -> dict[str, float]:
@@ -70,13 +68,15 @@ class MassRecorder(ExplicitAttention):
 
 @contextlib.contextmanager
 def _held(model: nn.Module, backend: MassRecorder) -> Iterator[None]:
-    """`backend` as the model's attention for the duration; its own back afterwards."""
-    own = model.attention_backend
+    """`backend` as the model's attention for the duration (what its layer body reads); its
+    own back afterwards."""
+    own, body = model.attention_backend, model.body
     model.attention_backend = backend
+    model.body = dataclasses.replace(body, attention=backend)
     try:
         yield
     finally:
-        model.attention_backend = own
+        model.attention_backend, model.body = own, body
 
 
 @contextlib.contextmanager

@@ -1,7 +1,5 @@
-"""The GPU device check (megabeta/bench/gpu.py) on CPU: its quick run writes a complete report,
-with the device checks (tests/gpu, a child pytest) reported as a section of it: on a CPU all
-collected and skipped, and a failing check listed as FAILED. The checks themselves are tested on
-CPU in tests/integration/test_device_checks_cpu.py."""
+"""The GPU timing script (megabeta/bench/gpu.py) on CPU: its quick run writes a complete report
+and says what did not run (the device's exactness checks are tests: `pytest -m gpu tests`)."""
 
 from __future__ import annotations
 
@@ -34,23 +32,6 @@ def test_quick_cpu_run_reports_every_section_and_says_what_did_not_run(
     versions = {row["item"]: row["value"] for row in data["sections"]["versions"]["rows"]}
     assert versions["torch"] == torch.__version__
     assert any(item.startswith("execution.attention = triton") for item in versions)
-    # The device checks: collected (the quick ones: no full_size) and, without CUDA, skipped.
-    checks = data["sections"]["checks"]
-    assert "gpu and not full_size" in checks["notes"][0]
-    junit = (tmp_path / "checks.xml").read_text()
-    assert "test_block_attention_matches_float64_reference" in junit
-    assert "full_size" not in junit and "t19" not in junit
-    summary = data["summary"]
-    if torch.cuda.is_available():
-        assert summary["passed"] > 0
-    else:
-        assert (summary["passed"], summary["failed"]) == (0, 0) and summary["skipped"] >= 30
-        assert checks["rows"] == []
-        skipped, = checks["not_run"]
-        assert skipped["what"] == f"{summary['skipped']} checks"
-        assert "no CUDA device" in skipped["why"]
-    assert f"checks: 0 passed, 0 FAILED, 0 expected failures, {summary['skipped']} skipped" \
-        in markdown
     not_run = {item["what"]: item["why"] for s in data["sections"].values()
                for item in s["not_run"]}
     assert "CUDA" in not_run["mode graphed (execution.cuda_graphs = true)"]
@@ -75,70 +56,10 @@ def test_quick_cpu_run_reports_every_section_and_says_what_did_not_run(
     assert article["beta_1.2_test"]["article_s_per_batch"] == 0.876
 
 
-STAND_IN_CHECKS = """
-import pytest
-
-pytestmark = pytest.mark.gpu
-
-
-def test_right(record_property):
-    record_property("worst", "out 1e-07")
-    record_property("tol", 0.0001)
-
-
-def test_wrong():
-    assert 0.5 <= 1e-4, "worst out 0.5 > tol 0.0001"
-
-
-def test_too_big():
-    pytest.skip("skipped for time")
-
-
-@pytest.mark.xfail(reason="bf16 parameters")
-def test_expected_to_miss(record_property):
-    record_property("worst", "d bias 0.12")
-    assert 0.12 <= 0.05
-
-
-@pytest.mark.full_size
-def test_t19():
-    pass
-"""
-
-
-def test_checks_section_reports_each_outcome_and_lists_a_failure(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stand-in checks (a pass with its recorded error, a failure, an expected failure, a skip,
-    a full-size check that --quick leaves out): rows for those that ran, the failure on top of
-    gpu.md, the skip counted with its reason."""
-    checks = tmp_path / "repo" / "tests" / "gpu"
-    checks.mkdir(parents=True)
-    (checks / "test_stand_in.py").write_text(STAND_IN_CHECKS)
-    monkeypatch.setattr(gpu, "CHECKS_DIR", checks)
-    monkeypatch.delenv("OUT", raising=False)
-    report = gpu.main(["--device", "cpu", "--quick", "--out", str(tmp_path / "out"),
-                       "--sections", "checks"])
-    assert report.summary() == dict(passed=1, failed=1, xfailed=1, skipped=1, not_run=5,
-                                    errors=0)
-    rows = {r["check"].split("::")[-1]: r for r in report.sections["checks"]["rows"]}
-    assert set(rows) == {"test_right", "test_wrong", "test_expected_to_miss"}
-    assert (rows["test_expected_to_miss"]["outcome"], rows["test_expected_to_miss"]["worst"],
-            rows["test_expected_to_miss"]["why"]) == ("xfailed", "d bias 0.12", "bf16 parameters")
-    assert (rows["test_right"]["outcome"], rows["test_right"]["worst"]) == ("passed", "out 1e-07")
-    assert rows["test_wrong"]["outcome"] == "failed"
-    assert "worst out 0.5 > tol 0.0001" in rows["test_wrong"]["why"]
-    assert report.sections["checks"]["not_run"][0] == dict(what="1 check",
-                                                          why="skipped for time")
-    markdown = (tmp_path / "out" / "gpu.md").read_text()
-    assert "- **FAILED**: check test_stand_in::test_wrong" in markdown
-    assert "1 passed, 1 FAILED, 1 expected failures, 1 skipped" in markdown
-    assert "test_wrong" in (tmp_path / "out" / "checks.log").read_text()
-
-
-def test_the_old_check_sections_name_their_replacement(capsys) -> None:
+def test_unknown_sections_are_refused_with_the_choices(capsys) -> None:
     with pytest.raises(SystemExit):
-        gpu.parse_args(["--sections", "kernels,speed"])
-    assert "now tests in section checks" in capsys.readouterr().err
+        gpu.parse_args(["--sections", "checks,speed"])
+    assert "pytest -m gpu tests" in capsys.readouterr().err
 
 
 def test_a_failing_section_is_recorded_and_the_rest_still_runs(
@@ -147,13 +68,13 @@ def test_a_failing_section_is_recorded_and_the_rest_still_runs(
         raise RuntimeError("checks exploded")
 
     monkeypatch.delenv("OUT", raising=False)
-    monkeypatch.setitem(gpu.SECTION_FUNCTIONS, "checks", broken)
+    monkeypatch.setitem(gpu.SECTION_FUNCTIONS, "versions", broken)
     monkeypatch.setitem(gpu.SECTION_FUNCTIONS, "wavefront",
                         lambda run: run.report.note("wavefront", "wavefront ran"))
     report = gpu.main(["--device", "cpu", "--quick", "--out", str(tmp_path),
-                       "--sections", "checks,wavefront"])
+                       "--sections", "versions,wavefront"])
     data = json.loads((tmp_path / "gpu.json").read_text())
-    assert data["sections"]["checks"]["errors"][0]["error"] == "RuntimeError: checks exploded"
+    assert data["sections"]["versions"]["errors"][0]["error"] == "RuntimeError: checks exploded"
     assert data["sections"]["wavefront"]["notes"] == ["wavefront ran"]
     assert report.summary()["errors"] == 1
     assert data["sections"]["speed"]["not_run"] == [dict(what="the whole section",

@@ -2,8 +2,8 @@
 
 The command runs in a subprocess without `TRITON_INTERPRET` (this suite's conftest sets it, and
 the interpreter's kernels do not compile). What it must find: every kernel of every variant
-compiles; no forward kernel spills; the bfloat16 backward does not spill at head widths 64 and
-200; the float32 backward spills under 1 KiB a thread (stores, and loads). The document-masked
+compiles; no kernel of a 16-bit variant spills (the split-K partial sums are float32 there too);
+a float32 variant's kernels spill under 1.25 KiB a thread (stores, and loads). The document-masked
 attention kernels (spec §7) are compiled for a representative subset of the variants here
 (`--masked subset`: both head widths, float32 and bfloat16, both schedules), all of them by the
 command's default.
@@ -50,9 +50,10 @@ def _check_findings(stdout: str, builds: list[dict], arch: int) -> None:
     assert match, last
     assert int(match.group(1)) == len(builds) and all(b["error"] is None for b in builds)
     assert {b["kernel"] for b in builds} == {
-        "_forward_kernel", "_backward_kernel", "_rms_forward_kernel", "_rms_backward_kernel",
-        "_split_rope_forward_kernel", "_split_rope_backward_kernel", "_swiglu_forward_kernel",
-        "_swiglu_backward_kernel"}
+        "_forward_kernel", "_merge_kernel", "_backward_kernel", "_reduce_kernel",
+        "_history_kernel", "_history_reduce_kernel", "_rms_forward_kernel",
+        "_rms_backward_kernel", "_split_rope_forward_kernel", "_split_rope_backward_kernel",
+        "_swiglu_forward_kernel", "_swiglu_backward_kernel"}
     attention = [b for b in builds if b["kernel"] in ("_forward_kernel", "_backward_kernel")]
     # The variants reached: every dtype and both head widths, with and without the self slot,
     # both schedules.
@@ -69,12 +70,14 @@ def _check_findings(stdout: str, builds: list[dict], arch: int) -> None:
                       for dtype in ("float32", "bfloat16") for width in ("64", "200")}, masked
     labels = {v for b in builds for v in b["variants"]}
     assert any("wavefront" in v for v in labels) and any("num_kv_heads" in v for v in labels)
-    spills = {(b["kernel"], b["params"]): max(b["spill_stores"], b["spill_loads"])
+    spills = {(b["kernel"], b["params"], tuple(b["variants"])): max(b["spill_stores"],
+                                                                     b["spill_loads"])
               for b in builds}
-    assert not [k for k, s in spills.items() if s and "backward" not in k[0]], spills
+    # The training precisions (bf16, fp16 and their float32 partial sums) never spill; float32
+    # models (the exactness path: IEEE products on CUDA cores) spill little.
     assert not [k for k, s in spills.items()
-                if s and k[0] == "_backward_kernel" and not k[1].startswith("float32")], spills
-    assert max(spills.values()) < 1024
+                if s and not all(v.split()[1] == "float32" for v in k[2])], spills
+    assert max(spills.values()) < 1280
     assert all(b["registers"] <= 255 and b["shared"] <= 232448 for b in builds)
     # Tensor cores where the dtype has them: wgmma on sm_90 at head width 64.
     assert any(b["mma"] == "wgmma" for b in attention if "D=64" in b["params"]

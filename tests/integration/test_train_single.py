@@ -80,9 +80,9 @@ def test_resume_accepts_execution_changes(full_run: Path, tiny_data, tmp_path: P
     done = launch([*TINY, f"--data.path={prefix}", f"--data.tokenizer={tokenizer}",
                    f"--run_dir={tmp_path}", "--train.steps=12", "--optim.lr=1e-2",
                    f"--resume={full_run / 'checkpoints' / 'step_00000009'}",
-                   "--execution.activation_checkpoint=none", "--execution.attention=explicit",
+                   "--execution.activation_checkpoint=none", "--execution.attention=reference",
                    "--model.max_seq_len=256"])
-    assert "attention explicit" in done.stdout
+    assert "attention reference" in done.stdout
     resumed, full = losses(tmp_path), losses(full_run)
     assert sorted(resumed) == [10, 11, 12]
     for step in resumed:

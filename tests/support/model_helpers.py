@@ -21,9 +21,8 @@ def _runs_here(name: str) -> bool:
 
 ATTENTION = [name for name in BACKENDS if name != "triton" and _runs_here(name)]
 """Every registered attention backend that runs natively on this CPU
-(`attention/select.BACKENDS`): Triton's runs here only under its interpreter, in the tests of
-its own (tests/integration/test_model_triton.py), whatever TRITON_INTERPRET another test
-module set."""
+(`attention/select.BACKENDS`), the reference first: Triton's runs here only under its
+interpreter, in float32 (tests/unit/model/test_equivalence.py gives it rows of its own)."""
 
 
 def tiny_config(**overrides: Any) -> ModelConfig:
@@ -53,12 +52,13 @@ def randomise(model: DecoderLM, seed: int = 0, matrices: bool = False) -> Decode
 
 def tiny_model(dtype: torch.dtype = torch.float64, seed: int = 0, attention: str = "auto",
                activation_checkpoint: str = "none", elementwise_kernels: str = "auto",
-               schedule: str = "block", **overrides: Any) -> DecoderLM:
+               schedule: str = "block", compile: bool = False, **overrides: Any) -> DecoderLM:
     """`tiny_config(**overrides)` with randomised weights, run with the attention backend, cell
-    kernels, schedule and activation checkpointing given."""
+    kernels, schedule, activation checkpointing and compile given."""
     torch.manual_seed(seed)
     execution = ExecutionConfig(attention=attention, activation_checkpoint=activation_checkpoint,
-                                elementwise_kernels=elementwise_kernels, schedule=schedule)
+                                elementwise_kernels=elementwise_kernels, schedule=schedule,
+                                compile=compile)
     return randomise(build_model(tiny_config(**overrides), execution).to(dtype), seed)
 
 
@@ -71,9 +71,9 @@ def assert_trains_like(model: DecoderLM, reference: DecoderLM, *, steps: int, le
                        before_step: Callable[[int], None] = lambda step: None,
                        documents: torch.Tensor | None = None) -> None:
     """`steps` training steps (batch 2 of `length` tokens) of `model` and `reference`: the same
-    losses and parameter gradients within `tolerance` (assert_close's rtol/atol), and no
-    gradient where the reference has none. `before_step(n)` runs before step n; `documents`:
-    the batches' document ids (spec §7), or None."""
+    losses and parameter gradients within `tolerance` (assert_close's rtol/atol); a missing
+    gradient counts as zero. `before_step(n)` runs before step n; `documents`: the batches'
+    document ids (spec §7), or None."""
     kwargs = {} if documents is None else {"documents": documents}
     for step in range(steps):
         before_step(step)
@@ -86,6 +86,21 @@ def assert_trains_like(model: DecoderLM, reference: DecoderLM, *, steps: int, le
         torch.testing.assert_close(loss, want, **tolerance)
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             if q.grad is None:
-                assert p.grad is None, name
+                assert p.grad is None or not p.grad.any(), name
             else:
-                torch.testing.assert_close(p.grad, q.grad, **tolerance, msg=name)
+                got = torch.zeros_like(q.grad) if p.grad is None else p.grad
+                torch.testing.assert_close(got, q.grad, **tolerance, msg=name)
+
+
+def graphed(model: DecoderLM, capture: Any) -> DecoderLM:
+    """`model` with `execution.cuda_graphs = true`, its pass recorded by `capture` (on a CPU
+    `megabeta.model.graphs.EagerCapture`, the stand-in for CUDA graphs)."""
+    from dataclasses import replace
+
+    from megabeta.model.executor import Executor
+
+    model.execution = replace(model.execution, cuda_graphs=True)
+    model.executor = Executor(model.execution, backend=model.attention_backend,
+                              device=model.kernels_device, layers=model.config.num_layers,
+                              capture=capture)
+    return model

@@ -44,22 +44,24 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, hist_k: Tensor, hist_v: Ten
                     perturb: str | None = None,
                     lower: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(output `[B, H, n, d]`, log-sum-exp of the scores `[B, H, n]`), computed in the inputs'
-    dtype (float64 for a reference). `q [B, H, n, d]`, `k, v [B, H_kv, n, d]`, `shift [G, H]`,
+    dtype (float64 for a reference). `q [B, H, n, d]`, `k, v [B, H_kv, nk, d]` (nk >= n: the
+    block's own keys from its start, query r being own key nk - n + r), `shift [G, H]`,
     `self_bias [1]` or None (no self slot). Rows of the history a block does not read are never
     touched, so they may hold garbage."""
     if perturb not in (None, *PERTURBATIONS):
         raise ValueError(f"unknown perturbation {perturb!r}; one of {PERTURBATIONS}")
-    heads, n = q.shape[1], q.shape[2]
+    heads, n, nk = q.shape[1], q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     own = q @ _per_query_head(k, heads).transpose(-1, -2) * scale
+    # Query r is own key nk - n + r (a decoding prefix of the block comes first).
+    diagonal = torch.ones(n, nk, dtype=torch.bool, device=q.device).tril(nk - n).triu(nk - n)
     if self_bias is not None:
         bias = self_bias + (0.5 if perturb == "self_bias" else 0.0)
-        diagonal = torch.eye(n, dtype=torch.bool, device=q.device)
         own = own + torch.where(diagonal, bias, torch.zeros((), dtype=q.dtype, device=q.device))
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(
-        1 if perturb == "causal" else 0)
+    causal = torch.ones(n, nk, dtype=torch.bool, device=q.device).tril(
+        nk - n + (1 if perturb == "causal" else 0))
     scores, values = [own.masked_fill(~causal, float("-inf"))], [_per_query_head(v, heads)]
-    positions = [torch.arange(start, start + n)]
+    positions = [torch.arange(start, start + nk)]
     sign = 1.0 if perturb == "shift_sign" else -1.0
     for g, source in enumerate(sources):
         rows = group_rows(source, layer, start, window)

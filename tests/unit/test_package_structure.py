@@ -10,7 +10,7 @@ from support import REPO
 
 PACKAGE = REPO / "megabeta"
 
-CUSTOM_BACKWARDS_CEILING = 10
+CUSTOM_BACKWARDS_CEILING = 8
 """Custom backward implementations in megabeta/model and megabeta/kernels (autograd Functions
 plus `register_autograd` calls). Each is a gradient written by hand that every new capability
 must extend; the count may go down, never up."""
@@ -21,45 +21,30 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _module_level_imports(path: Path, modules: set[str]) -> set[str]:
-    """The megabeta modules `path` imports when it is imported (not inside functions, not under
-    `if TYPE_CHECKING:`)."""
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """Every megabeta module `path` imports: at module level, inside functions and under
+    `if TYPE_CHECKING:` alike (an annotation-only or deferred import is still a dependency)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            if isinstance(node, ast.If) and not _is_type_checking(node):
-                visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                found.add(base)
-                found.update(f"{base}.{a.name}" for a in node.names)
-
-    visit(tree.body)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
     return {m for m in found if m in modules and m != name}
 
 
 def _import_graph() -> dict[str, set[str]]:
     paths = [p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts]
     modules = {_module_name(p) for p in paths}
-    return {_module_name(p): _module_level_imports(p, modules) for p in paths}
+    return {_module_name(p): _imports(p, modules) for p in paths}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -90,14 +75,26 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_import_graph_has_no_cycle() -> None:
+    """Counting every import (`_imports`): no module imports upward."""
     graph = _import_graph()
     assert "megabeta.model.beta12" in graph and graph["megabeta.model.beta12"]
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
 def test_the_cycle_finder_finds_one() -> None:
-    """The check above can fail: a cycle planted in a copy of the graph is reported."""
+    """The check above can fail: a cycle planted in a copy of the graph is reported, and an
+    import inside a function or under `if TYPE_CHECKING:` counts."""
     graph = _import_graph()
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+              "    from megabeta.model import beta12\n"
+              "def f():\n    import megabeta.model.layers\n")
+    planted = REPO / "megabeta" / "model" / "_planted_for_test.py"
+    try:
+        planted.write_text(source)
+        assert _imports(planted, set(graph)) == {"megabeta.model", "megabeta.model.beta12",
+                                                 "megabeta.model.layers"}
+    finally:
+        planted.unlink()
     graph["megabeta.model.layers"] = graph["megabeta.model.layers"] | {"megabeta.model.beta12"}
     cycle = _cycle(graph)
     assert cycle is not None and cycle[0] == cycle[-1] and "megabeta.model.layers" in cycle
@@ -129,5 +126,5 @@ def _custom_backwards() -> list[str]:
 
 def test_hand_written_gradients_do_not_grow() -> None:
     found = _custom_backwards()
-    assert any(f.endswith(":_Publish") for f in found), found  # the scan sees them
+    assert any(f.endswith(":_ByHandLinear") for f in found), found  # the scan sees them
     assert len(found) <= CUSTOM_BACKWARDS_CEILING, "\n".join(found)

@@ -1,20 +1,16 @@
-"""beta_1.2's attention (spec §3): the key-set interface (`backend.py`), its implementations
-(`explicit.py`, `merged.py`, `triton_backend.py`) and the choice among them (`select.py`)."""
+"""beta_1.2's attention (spec §3): the interface (`backend.py`), its implementations
+(`reference.py`, `cpu.py`, `triton_backend.py`) and the choice among them (`select.py`)."""
 
 from megabeta.model.attention.backend import (
-    NO_BIAS,
+    NO_BIASES,
     AttentionBackend,
-    AttentionBias,
+    Biases,
     BiasRows,
-    DocumentBounds,
-    GroupBatch,
+    Capabilities,
     KeyLayout,
-    KeySet,
-    PassDocuments,
-    StoredHistory,
-    WaveBias,
+    Reads,
 )
 from megabeta.model.attention.select import select_attention
 
-__all__ = ["AttentionBackend", "AttentionBias", "BiasRows", "DocumentBounds", "NO_BIAS", "GroupBatch", "KeyLayout",
-           "KeySet", "PassDocuments", "StoredHistory", "WaveBias", "select_attention"]
+__all__ = ["AttentionBackend", "Biases", "BiasRows", "Capabilities", "KeyLayout", "NO_BIASES",
+           "Reads", "select_attention"]

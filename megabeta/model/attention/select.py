@@ -1,7 +1,6 @@
 """The one place an attention backend is chosen: from `execution.attention`, the device and
-the attention dropout, when a model is built or moved
-(`DecoderLM._select_kernels`). What each backend can do is declared by the backend
-(`Capabilities`); this module reads it."""
+the attention dropout, when a model is built or moved (`DecoderLM._select_kernels`). What each
+backend can do is declared by the backend (`Capabilities`); this module reads it."""
 
 from __future__ import annotations
 
@@ -10,30 +9,28 @@ from typing import Protocol
 
 import torch
 
-from megabeta.kernels import finished_groups
+from megabeta.kernels import cpu_attention
 from megabeta.model.attention.backend import AttentionBackend
-from megabeta.model.attention.explicit import ExplicitAttention
-from megabeta.model.attention.merged import CpuMergedAttention
-import megabeta.model.attention.merged_op  # noqa: F401  (registers history attention's "cpu_fused")
-from megabeta.model.elementwise import require_triton, triton_runs_on
+from megabeta.model.attention.reference import ReferenceAttention
 from megabeta.model.config import ConfigError
+from megabeta.model.elementwise import require_triton, triton_runs_on
 
 
 def auto_attention(*, device: torch.device, dropout: float) -> str:
-    """The fastest exact backend for this device and dropout: on CPU `cpu_fused` where its
-    kernels build, else `cpu_flash`; on CUDA `triton`; `explicit` with attention dropout, on
-    other devices, and on CUDA without Triton (with a warning: it is slow)."""
+    """The fastest exact backend for this device and dropout: on CPU `cpu` where its kernels
+    build; on CUDA `triton`; `reference` with attention dropout, on other devices, and where
+    neither runs (with a warning on CUDA: it is slow)."""
     if dropout:
-        return "explicit"
-    if device.type == "cpu":
-        return "cpu_fused" if finished_groups.build() else "cpu_flash"
+        return "reference"
+    if device.type == "cpu" and cpu_attention.build():
+        return "cpu"
     if device.type == "cuda":
         if triton_runs_on(device):
             return "triton"
-        warnings.warn("execution.attention = auto on CUDA without Triton: the explicit backend "
+        warnings.warn("execution.attention = auto on CUDA without Triton: the reference backend "
                       "runs (slow, the whole score matrix per block); pip install "
                       "'megabeta[gpu]'", stacklevel=2)
-    return "explicit"
+    return "reference"
 
 
 def select_attention(name: str, *, device: torch.device, dropout: float,
@@ -47,26 +44,24 @@ def select_attention(name: str, *, device: torch.device, dropout: float,
     caps = backend.capabilities
     if dropout and not caps.dropout:
         raise ConfigError(f"{setting} has no attention dropout (model.dropout = {dropout}): "
-                          "use auto or explicit")
+                          "use auto or reference")
     if caps.devices is not None and device.type not in caps.devices:
         raise ConfigError(f"{setting} runs on {' or '.join(sorted(caps.devices))} only, this "
                           f"model is on {device}: use auto")
     return backend
 
 
-def _explicit(head_dim: int, *, device: torch.device, setting: str) -> AttentionBackend:
-    return ExplicitAttention(head_dim)
+def _reference(head_dim: int, *, device: torch.device, setting: str) -> AttentionBackend:
+    return ReferenceAttention(head_dim)
 
 
-def _cpu_flash(head_dim: int, *, device: torch.device, setting: str) -> AttentionBackend:
-    return CpuMergedAttention(head_dim, fused_kernels=False)
-
-
-def _cpu_fused(head_dim: int, *, device: torch.device, setting: str) -> AttentionBackend:
-    if not finished_groups.build():
+def _cpu(head_dim: int, *, device: torch.device, setting: str) -> AttentionBackend:
+    if not cpu_attention.build():
         raise ConfigError(f"{setting}: the fused CPU kernels could not be built here (the "
-                          "warning above says why): use cpu_flash or auto")
-    return CpuMergedAttention(head_dim, fused_kernels=True)
+                          "warning above says why): use reference or auto")
+    from megabeta.model.attention.cpu import CpuAttention
+
+    return CpuAttention(head_dim)
 
 
 def _triton(head_dim: int, *, device: torch.device, setting: str) -> AttentionBackend:
@@ -83,7 +78,6 @@ class BackendFactory(Protocol):
         it cannot run there (what it needs is missing)."""
 
 
-BACKENDS: dict[str, BackendFactory] = {"explicit": _explicit, "cpu_flash": _cpu_flash,
-                                       "cpu_fused": _cpu_fused, "triton": _triton}
+BACKENDS: dict[str, BackendFactory] = {"reference": _reference, "cpu": _cpu, "triton": _triton}
 """Every `execution.attention` value but `auto`, and how its backend is made: a new backend is
 its module and one entry here (`execution.ATTENTION_BACKENDS` lists these names)."""

@@ -94,10 +94,10 @@ def test_a_renamed_key_still_loads_under_its_new_name(tmp_path: Path) -> None:
 
 
 def test_execution_section_is_apart_from_the_model() -> None:
-    config = load_config(None, ["--execution.attention=explicit",
+    config = load_config(None, ["--execution.attention=reference",
                                 "--execution.activation_checkpoint=block"])
     assert (config.execution.attention, config.execution.activation_checkpoint) == (
-        "explicit", "block")
+        "reference", "block")
     assert "attention" not in config.model.identity()
     with pytest.raises(ConfigError, match="execution.activation_checkpoint = 'layer': must be one"):
         load_config(None, ["--execution.activation_checkpoint=layer"])

@@ -243,6 +243,33 @@ def test_swiglu_matches_torch_and_float64(dtype: torch.dtype, shape: tuple[int, 
     _check(got, [torch_ref, exact], mutated, dtype)
 
 
+@pytest.mark.parametrize("implementation", ["torch", "triton"])
+def test_normalized_rows_come_in_the_matmuls_dtype(implementation: str) -> None:
+    """`dtype=`: the normalized rows written in the dtype of the matmul that reads them (bf16
+    under autocast), equal to the float32 rows cast; the bf16 gradient they bring back is read
+    as the cast's backward would hand it, so every input gradient equals the cast pipeline's.
+    Bit for bit, but for Triton's CPU interpreter, which rounds to bf16 toward zero (one unit
+    in the last place; compiled kernels round to nearest even, as torch does)."""
+    bf16 = (dict(rtol=0, atol=0) if implementation == "torch" or torch.cuda.is_available()
+            else dict(rtol=2 ** -7, atol=0))
+    x = _rand(2, 3, 40, seed=30).requires_grad_()
+    delta = _rand(2, 3, 40, seed=31).bfloat16().requires_grad_()
+    weights = [_rand(2, 3, 40, seed=32), _rand(2, 3, 40, seed=33).bfloat16()]
+    a, y = elementwise.add_rms_normalize(x, delta, EPS, implementation, dtype=torch.bfloat16)
+    x_ref, delta_ref = (t.detach().clone().requires_grad_() for t in (x, delta))
+    a_ref, y32 = elementwise.add_rms_normalize(x_ref, delta_ref, EPS)
+    y_ref = y32.bfloat16()
+    assert (a.dtype, y.dtype) == (torch.float32, torch.bfloat16)
+    torch.testing.assert_close(y, y_ref, **bf16)
+    ((a * weights[0]).sum() + (y * weights[1]).sum()).backward()
+    ((a_ref * weights[0]).sum() + (y_ref * weights[1]).sum()).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(delta.grad, delta_ref.grad, **bf16)
+    alone = elementwise.rms_normalize(x.detach(), EPS, implementation, dtype=torch.bfloat16)
+    torch.testing.assert_close(alone, elementwise.rms_normalize(x.detach(), EPS).bfloat16(),
+                               **bf16)
+
+
 # ---- every op ----------------------------------------------------------------------------------
 
 def _cases() -> dict[str, tuple[Callable[..., object], tuple]]:
@@ -259,6 +286,12 @@ def _cases() -> dict[str, tuple[Callable[..., object], tuple]]:
         "rms_normalize_backward_add": (tc._rms_normalize_backward_op,
                                        (_rand(2, 3, 40, seed=26), _rand(2, 3, 40, seed=27),
                                         _rand(2, 3, 40, seed=28), EPS)),
+        "rms_normalize_backward_two": (tc._rms_normalize_backward_op,
+                                       (_rand(2, 3, 40, seed=26).bfloat16(),
+                                        _rand(2, 3, 40, seed=27), _rand(2, 3, 40, seed=28), EPS,
+                                        torch.bfloat16)),
+        "rms_normalize_bf16": (tc._rms_normalize_op, (_rand(2, 3, 40, seed=10), EPS,
+                                                      torch.bfloat16)),
         "split_heads_rope": (tc.split_heads_rope_forward,
                              (_rand(2, 5, 5 * HEAD_DIM, seed=13), cos, sin, 3, HEAD_DIM)),
         "split_heads_rope_backward": (tc.split_heads_rope_backward,
@@ -313,3 +346,59 @@ def test_the_model_reaches_the_ops() -> None:
     assert all(ops.implementation(f"megabeta::{name}") is not None for name in (
         "rms_normalize", "add_rms_normalize", "rms_normalize_backward", "split_heads_rope",
         "split_heads_rope_backward", "swiglu", "swiglu_backward"))
+
+
+# ---- on a CUDA GPU (`pytest -m gpu`) -------------------------------------------------------------
+
+GPU_SHAPES = {
+    "small": dict(rows=(2, 9, 40), heads=(2, 9, 3, 2, 8), gate_up=(2, 9, 2 * 24)),
+    # t19_flash's widths: d 1600, d_h 200, hidden 3200; one c = 32 block's fused projection:
+    # 24 rotary heads, 16 plain.
+    "t19": dict(rows=(4, 32, 1600), heads=(4, 32, 24, 16, 200), gate_up=(4, 32, 2 * 3200)),
+}
+GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+"""max |kernel - float64 reference| over max |reference|, per output and gradient."""
+
+
+def _bf16_exact(t: Tensor) -> Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("size", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("name", ["rms_normalize", "add_rms_normalize", "split_heads_rope",
+                                  "swiglu"])
+def test_on_a_gpu_matches_float64(name: str, size: str, dtype: torch.dtype) -> None:
+    """Each Triton kernel on the GPU, forward and backward, against the torch implementation
+    in float64 on bf16-representable inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    shapes = GPU_SHAPES[size]
+    batch, n, rotary, plain, head_dim = shapes["heads"]
+    cos, sin = (_bf16_exact(t) for t in layers.rope_tables(head_dim, 100, n, THETA))
+    rope = dict(rotary_heads=rotary, head_dim=head_dim)
+    cases = {
+        "rms_normalize": ([shapes["rows"]], lambda x, **k: elementwise.rms_normalize(x, EPS, **k)),
+        "add_rms_normalize": ([shapes["rows"]] * 2,
+                              lambda x, d, **k: elementwise.add_rms_normalize(x, d, EPS, **k)),
+        "split_heads_rope": ([(batch, n, (rotary + plain) * head_dim)],
+                             lambda y, **k: elementwise.split_heads_rope(
+                                 y, cos.to(y), sin.to(y), **rope, **k)),
+        "swiglu": ([shapes["gate_up"]], lambda x, **k: elementwise.swiglu(x, **k)),
+    }
+    input_shapes, fn = cases[name]
+    gen = torch.Generator().manual_seed(1)
+    inputs = [_bf16_exact(torch.randn(*s, generator=gen, dtype=torch.float64))
+              for s in input_shapes]
+    reference = fn(*inputs)
+    outs = reference if isinstance(reference, tuple) else (reference,)
+    weights = [_bf16_exact(torch.randn(o.shape, generator=gen, dtype=torch.float64))
+               for o in outs]
+    want = _value_and_grads(fn, inputs, weights)
+    cuda = [t.to("cuda", dtype) for t in inputs]
+    got = _value_and_grads(lambda *xs: fn(*xs, **TRITON), cuda,
+                           [w.to("cuda", dtype) for w in weights])
+    for g, w in zip(got[0] + got[1], want[0] + want[1]):
+        error = (g.double().cpu() - w).abs().max() / w.abs().max().clamp(min=1e-30)
+        assert error <= GPU_TOL[dtype], (name, float(error))

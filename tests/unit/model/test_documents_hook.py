@@ -48,7 +48,7 @@ class RecordingEngine:
 
 
 # The spec's softmax written out: these tests need no JIT-built CPU kernel.
-EXPLICIT = "--execution.attention=explicit"
+EXPLICIT = "--execution.attention=reference"
 
 
 class Plain(nn.Module):
@@ -67,7 +67,7 @@ def test_a_model_without_documents_is_refused():
 
 @pytest.mark.parametrize("arch", ["beta12", "standard", "looped"])
 def test_every_arm_takes_documents(arch):
-    model = build_model(tiny_config(arch=arch), ExecutionConfig(attention="explicit"))
+    model = build_model(tiny_config(arch=arch), ExecutionConfig(attention="reference"))
     assert takes_documents(model)
     require_document_mask_support(model)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megabeta.model.layers import (StackedWeight, apply_rope, linear, rms_normalize, rope_tables,
-                                   stacked_linear)
+from megabeta.model.layers import (StackedWeight, apply_rope, linear, rms_normalize,
+                                   rope_tables, stacked_linear)
 
 
 def _heads(*shape: int) -> torch.Tensor:
@@ -64,11 +64,9 @@ def test_rope_computes_in_the_tables_precision_and_keeps_the_input_dtype() -> No
 
 @pytest.mark.parametrize("dtype,autocast", [(torch.float64, False), (torch.bfloat16, True),
                                             (torch.float32, True)])
-def test_shared_weight_gradients_sum_over_its_calls(dtype: torch.dtype, autocast: bool) -> None:
-    """`linear` with a weight of one layer (`StackedWeight.one`): the weight's and bias's
-    gradients over three calls equal
-    autograd's through F.linear (accumulated in place where the dtypes allow, under bf16
-    autocast with fp32 weights by autograd), and reach the parameters once."""
+def test_one_layers_weight_is_f_linear(dtype: torch.dtype, autocast: bool) -> None:
+    """`linear` with a weight of one layer (`StackedWeight.one`, gradients by autograd): the
+    weight's and bias's gradients over three calls equal autograd's through F.linear."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(5, 4, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
     b = torch.randn(5, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
@@ -82,30 +80,43 @@ def test_shared_weight_gradients_sum_over_its_calls(dtype: torch.dtype, autocast
     tol = dict(atol=0, rtol=1e-12) if dtype == torch.float64 else dict(atol=0.1, rtol=0.02)
     torch.testing.assert_close(w.grad, want_w, **tol)
     torch.testing.assert_close(b.grad, want_b, **tol)
-    assert shared_w.grad is None and shared_b.grad is None  # handed out, not kept
 
 
-@pytest.mark.parametrize("dtype,autocast", [(torch.float64, False), (torch.float32, True)])
-def test_stacked_weight_gradients_add_through_strided_views(dtype: torch.dtype,
-                                                            autocast: bool) -> None:
-    """`stacked_linear` on views of one stack (the wavefront's waves; the whole stack first, so
-    that the gradient starts from that product, then strided and single layers): weight and
-    bias gradients equal autograd's through plain batched matmuls."""
+@pytest.mark.parametrize("even", [True, False], ids=["even", "uneven"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_by_hand_stacks_form_the_passes_gradient_in_one_product(dtype: torch.dtype,
+                                                                even: bool) -> None:
+    """By-hand stacks (beta12's passes): calls on strided views of one stack keep their input
+    and output-gradient rows; one product over the pass gives the stack's and the bias's
+    gradients, as autograd gives them through plain batched matmuls (in bf16: one rounding of
+    the pass's sum). A call whose output takes no part in the loss adds nothing; entries that
+    saw unequal numbers of rows (`uneven`) take the per-entry path."""
     gen = torch.Generator().manual_seed(1)
-    w = torch.randn(4, 5, 3, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
-    b = torch.randn(4, 5, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
-    sels = [slice(0, 4), slice(0, 4, 2), slice(1, 4, 2), slice(2, 3)]
-    xs = [torch.randn(len(range(4)[sel]), 6, 3, generator=gen, dtype=torch.float64).to(dtype)
-          for sel in sels]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        stack, bias = StackedWeight(w * 2), StackedWeight(b * 3)
-        loss = sum((stacked_linear(x, stack, sel, bias) * (i + 1)).sum()
-                   for i, (x, sel) in enumerate(zip(xs, sels)))
-        want = sum((torch.baddbmm((b * 3)[sel].unsqueeze(1), x, (w * 2)[sel].transpose(1, 2))
-                    * (i + 1)).sum() for i, (x, sel) in enumerate(zip(xs, sels)))
-    want_w, want_b = torch.autograd.grad(want, (w, b))
+    layers, rows = 4, 6
+    w = torch.randn(layers, 5, 3, generator=gen, dtype=torch.float64).to(dtype)
+    b = torch.randn(layers, 5, generator=gen, dtype=torch.float64).to(dtype)
+    calls = [slice(0, 4, 2), slice(1, 4, 2), slice(0, 4, 2), slice(1, 4, 2),
+             *(slice(e, e + 1) for e in (0, 0, 1, 1, 2, 2, 3, 3))]
+    if not even:
+        calls = calls[:-1]
+    xs = [torch.randn(len(range(layers)[sel]), rows, 3, generator=gen,
+                      dtype=torch.float64).to(dtype) for sel in calls]
+    stack, bias = StackedWeight(w, by_hand=True), StackedWeight(b, by_hand=True)
+    ws, bs = w.clone().requires_grad_(), b.clone().requires_grad_()
+    leaves = [x.clone().requires_grad_() for x in xs]
+    loss = want = 0
+    for i, (sel, x) in enumerate(zip(calls, leaves)):
+        loss = loss + (stacked_linear(x, stack, sel, bias) * (i + 1)).sum()
+        want = want + (torch.baddbmm(bs[sel].unsqueeze(1), x.detach(),
+                                     ws[sel].transpose(1, 2)) * (i + 1)).sum()
+    # Outside the loss: its backward never runs.
+    stacked_linear(torch.randn(1, rows, 3, dtype=dtype), stack, slice(2, 3), bias)
     loss.backward()
+    want_w, want_b = torch.autograd.grad(want, (ws, bs))
     tol = dict(atol=0, rtol=1e-12) if dtype == torch.float64 else dict(atol=0.1, rtol=0.02)
-    torch.testing.assert_close(w.grad, want_w, **tol)
-    torch.testing.assert_close(b.grad, want_b, **tol)
-    assert stack.grad is None and bias.grad is None
+    torch.testing.assert_close(stack.gradient(), want_w, **tol)
+    torch.testing.assert_close(bias.bias_gradient(), want_b, **tol)
+    want_x = [torch.bmm(torch.full((len(range(layers)[sel]), rows, 5), float(i + 1),
+                                   dtype=dtype), w[sel]) for i, sel in enumerate(calls)]
+    for x, want_dx in zip(leaves, want_x):
+        torch.testing.assert_close(x.grad, want_dx, **tol)

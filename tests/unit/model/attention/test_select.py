@@ -8,61 +8,58 @@ import torch
 
 import megabeta.model.attention.select as select
 import megabeta.model.transformer as transformer
-from megabeta.kernels import finished_groups
+from megabeta.kernels import cpu_attention
 from megabeta.model import ConfigError, ExecutionConfig
 from support.model_helpers import tiny_model, tokens
 
 
 def test_auto_picks_by_device_and_dropout() -> None:
-    fused = "cpu_fused" if finished_groups.build() else "cpu_flash"
+    fused = "cpu" if cpu_attention.build() else "reference"
     assert tiny_model().attention_backend.name == fused
-    assert tiny_model(dropout=0.1).attention_backend.name == "explicit"
+    assert tiny_model(dropout=0.1).attention_backend.name == "reference"
     assert tiny_model(arch="standard").attention_backend.name == fused
-    # Another device: the kernels of the cpu backends are not there.
-    assert tiny_model().to("meta").attention_backend.name == "explicit"
+    # Another device: the CPU kernels are not there.
+    assert tiny_model().to("meta").attention_backend.name == "reference"
 
 
-@pytest.mark.parametrize("name", ["explicit", "cpu_flash", "cpu_fused"])
+@pytest.mark.parametrize("name", ["reference", "cpu"])
 def test_named_backend_is_held(name: str) -> None:
     model = tiny_model(attention=name)
     assert model.attention_backend.name == name
-    assert model.double().attention_backend.name == name  # a cast re-selects the same
+    assert model.double().attention_backend.name == name  # a cast keeps it
 
 
-@pytest.mark.parametrize("name,replacement", [("sdpa", "explicit"), ("cuda_flash", "triton")])
-def test_removed_backend_names_its_replacement(name: str, replacement: str) -> None:
-    with pytest.raises(ConfigError, match=f"execution.attention = '{name}' was removed: use "
+@pytest.mark.parametrize("name,replacement", [
+    ("explicit", "reference"), ("cpu_flash", "cpu"), ("cpu_fused", "cpu"),
+    ("sdpa", "reference"), ("cuda_flash", "triton")])
+def test_old_backend_names_name_their_replacement(name: str, replacement: str) -> None:
+    with pytest.raises(ConfigError, match=f"execution.attention = '{name}' is gone: use "
                                           f"{replacement}"):
         ExecutionConfig(attention=name)
 
 
 def test_what_a_backend_declares_is_what_the_model_enforces() -> None:
-    """The chooser and the static-step check read the backends' capabilities, not names."""
+    """The chooser and the executor read the backends' capabilities, not names."""
     caps = {name: tiny_model(attention=name).attention_backend.capabilities
-            for name in ("explicit", "cpu_flash", "cpu_fused")}
-    assert caps["explicit"].dropout and caps["explicit"].devices is None
-    assert not caps["cpu_flash"].static_step and caps["cpu_fused"].static_step
+            for name in ("reference", "cpu")}
+    assert caps["reference"].dropout and caps["reference"].devices is None
+    assert not caps["reference"].traced and caps["cpu"].traced
     for name, cap in caps.items():
-        model = tiny_model(attention=name)
-        if cap.static_step:
-            model.compile_steps()
+        if cap.traced:
+            tiny_model(attention=name, compile=True)
         else:
             with pytest.raises(ConfigError, match=f"execution.attention = '{name}'"):
-                model.compile_steps()
+                tiny_model(attention=name, compile=True)
 
 
-@pytest.mark.parametrize("name,kw,message", [
-    ("cpu_fused", dict(dropout=0.2), "execution.attention = 'cpu_fused' has no attention dropout"),
-    ("cpu_flash", dict(dropout=0.2), "execution.attention = 'cpu_flash' has no attention dropout"),
-])
-def test_impossible_choice_is_a_config_error(name: str, kw: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        tiny_model(attention=name, **kw)
+def test_impossible_choice_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="execution.attention = 'cpu' has no attention dropout"):
+        tiny_model(attention="cpu", dropout=0.2)
 
 
 def test_cpu_backend_refuses_another_device() -> None:
-    with pytest.raises(ConfigError, match="'cpu_fused' runs on cpu only.*meta"):
-        tiny_model(attention="cpu_fused").to("meta")
+    with pytest.raises(ConfigError, match="'cpu' runs on cpu only.*meta"):
+        tiny_model(attention="cpu").to("meta")
 
 
 def test_unknown_backend_names_the_choices() -> None:
@@ -91,14 +88,15 @@ def _on_cuda(name: str, monkeypatch: pytest.MonkeyPatch, *, triton: bool,
                                    head_dim=8).name
 
 
-def test_auto_on_cuda_prefers_triton_then_explicit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_on_cuda_prefers_triton_then_the_reference(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")
     assert _on_cuda("auto", monkeypatch, triton=True) == "triton"
-    assert _on_cuda("auto", monkeypatch, triton=True, dropout=0.1) == "explicit"
+    assert _on_cuda("auto", monkeypatch, triton=True, dropout=0.1) == "reference"
     with pytest.warns(UserWarning, match="without Triton.*megabeta\\[gpu\\]"):
-        assert _on_cuda("auto", monkeypatch, triton=False) == "explicit"
-    with pytest.raises(ConfigError, match="'cpu_fused' runs on cpu only, this model is on cuda"):
-        _on_cuda("cpu_fused", monkeypatch, triton=True)
+        assert _on_cuda("auto", monkeypatch, triton=False) == "reference"
+    with pytest.raises(ConfigError, match="'cpu' runs on cpu only, this model is on cuda"):
+        _on_cuda("cpu", monkeypatch, triton=True)
 
 
 def test_triton_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:

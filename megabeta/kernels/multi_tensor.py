@@ -1,0 +1,30 @@
+"""Copies of many tensors at once: one multi-tensor launch per pair of dtypes
+(`torch._foreach_copy_`), where a copy each would be a launch each on a GPU. Used where a pass
+moves many small tensors: a unit's finished K/V into the history, the state a unit hands on,
+and a graphed pass's inputs and outputs."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+def copy_all(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:
+    """`d.copy_(s)` for each pair, one multi-tensor launch per pair of dtypes
+    (`torch._foreach_copy_`): on a GPU each copy alone would be a launch."""
+    groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
+    for d, s in zip(dst, src, strict=True):
+        to, of = groups.setdefault((d.dtype, s.dtype), ([], []))
+        to.append(d)
+        of.append(s)
+    for to, of in groups.values():
+        torch._foreach_copy_(to, of)
+
+
+def cloned(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Copies of `tensors` in their layouts (`copy_all`: one launch per dtype)."""
+    out = [torch.empty_like(t) for t in tensors]
+    copy_all(out, tensors)
+    return out
