@@ -42,10 +42,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.tasks import TaskManager
 
 from data_tools.tokenizer import Tokenizer
-from megabeta.checkpoint.export import load_model, read_source
-from megabeta.infer.cli import (UsageError, check_vocabulary, load_model_tokenizer,
-                                resolve_tokenizer, warn_notes)
 from megabeta.infer.generate import generate
+from megabeta.infer.loading import UsageError, load_checkpoint
 from megabeta.model import DecoderLM
 
 GENERATION_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
@@ -238,19 +236,6 @@ class MegabetaLM(TemplateLM):
         return [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
 
 
-def load_checkpoint(checkpoint: str, *, tokenizer: str = "", force_tokenizer: bool = False,
-                    device: str | torch.device = "cpu") -> tuple[DecoderLM, Tokenizer]:
-    """The model of an export or checkpoint directory on `device` and its tokenizer: the one
-    recorded with it, or `tokenizer` when that is the same file (or `force_tokenizer`)."""
-    source = read_source(checkpoint)
-    warn_notes(source)
-    path, _ = resolve_tokenizer(source, tokenizer, force_tokenizer, need_file=True)
-    processor = load_model_tokenizer(path)
-    model = load_model(checkpoint, device=device)
-    check_vocabulary(processor, path, model)
-    return model, processor
-
-
 # ---- tasks -----------------------------------------------------------------------------------------
 @dataclass
 class HarnessTasks:
@@ -348,4 +333,4 @@ def write_results(results: dict[str, Any], path: Path) -> Path:
 
 
 __all__ = ["MegabetaLM", "HarnessTasks", "find_tasks", "check_limit", "run_tasks",
-           "metric_values", "table", "write_results", "load_checkpoint"]
+           "metric_values", "table", "write_results"]
