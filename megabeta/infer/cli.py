@@ -222,6 +222,51 @@ def _lm_eval(args: argparse.Namespace, device: torch.device) -> int:
     return 0
 
 
+LM_EVAL_DESCRIPTION = """usage: megabeta lm-eval [lm-eval's flags]
+
+The lm-evaluation-harness's own command line (`lm_eval`/`lm-eval`, every flag as it documents
+them) with the megabeta model registered as `megabeta`:
+
+  megabeta lm-eval --model megabeta --model_args checkpoint=m.safetensors \\
+      --tasks hellaswag,arc_easy --batch_size 16 --device cuda:0 --output_path results/
+
+model_args: checkpoint=PATH (an export or a checkpoint directory; required), tokenizer=PATH
+and force_tokenizer=True (another copy of the model's tokenizer), seed=N (sampled generation),
+max_gen_toks=N. The harness's --device defaults to cuda:0; without CUDA the model runs on the
+CPU (with a warning). A harness with plugin discovery also finds the model from its own
+command, `lm_eval --model megabeta ...` (the package's `lm_eval.models` entry point); lm-eval
+0.4.13 has none. Needs pip install 'megabeta[eval]'. The harness's help follows
+(`megabeta lm-eval run --help`: every flag of a run).
+"""
+
+
+def lm_eval_main(argv: list[str] | None = None) -> int:
+    """`megabeta lm-eval`: the harness's command line, run in this process with `MegabetaLM`
+    registered, without the harness's noise (`quiet_harness`)."""
+    from megabeta.extras import require
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]) or not argv:
+        print(LM_EVAL_DESCRIPTION, file=sys.stderr)
+    try:
+        require("lm_eval", "eval", "megabeta lm-eval")
+    except ConfigError as err:
+        return _fail(str(err))
+    from lm_eval.__main__ import cli_evaluate
+
+    from megabeta.infer.lm_eval import quiet_harness  # registers the model
+
+    # The harness's parser reads sys.argv (and inserts `run` when no subcommand is named).
+    saved = sys.argv
+    sys.argv = ["megabeta lm-eval", *argv]
+    try:
+        with quiet_harness():
+            cli_evaluate()
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def _eval_settings(args: argparse.Namespace, source: ModelSource) -> tuple[list[str], int, float]:
     """data paths, seq_len, val_fraction: the flags, else the run's, else the fallbacks."""
     run = source.data
