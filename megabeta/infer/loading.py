@@ -41,9 +41,9 @@ def resolve_tokenizer(source: ModelSource, given: str, force: bool,
                              + (f", or leave it out to use {recorded}" if recorded_path else ""))
         sha = file_sha256(given)
         if recorded_sha and sha != recorded_sha and not force:
-            raise UsageError(f"--tokenizer {given} ({short_hash(sha)}) is not the tokenizer the model "
-                             f"was trained with, {recorded}: its token ids would stand for other "
-                             "text. Leave out --tokenizer to use the recorded one, or pass "
+            raise UsageError(f"--tokenizer {given} ({short_hash(sha)}) is not the tokenizer the "
+                             f"model was trained with, {recorded}: its token ids would stand for "
+                             "other text. Leave out --tokenizer to use the recorded one, or pass "
                              "--force-tokenizer to use this one anyway")
         return given, sha
     if not recorded_path:

@@ -38,9 +38,11 @@ log = logging.getLogger("megabeta")
 MEMORY_HISTORY_ENTRIES = 100_000
 """Allocator events kept while recording (torchtitan's default): bounded host memory."""
 
-_KINETO_MARKER = re.compile(rb"^(USDT|STAGE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp:\d+\] ")
-"""Kineto's own marker lines (`USDT:2026-12-06 17:05:29 8132:8132 SyncActivityProfilerHandler.cpp:52]
-profiler_start`), printed from C++ to the process's stderr whatever KINETO_LOG_LEVEL says."""
+_KINETO_MARKER = re.compile(
+    rb"^(USDT|STAGE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp:\d+\] ")
+"""Kineto's own marker lines (`USDT:2026-12-06 17:05:29 8132:8132
+SyncActivityProfilerHandler.cpp:52] profiler_start`), printed from C++ to the process's stderr
+whatever KINETO_LOG_LEVEL says."""
 
 
 @contextlib.contextmanager

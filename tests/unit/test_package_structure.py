@@ -42,18 +42,24 @@ def _module_level_imports(path: Path, modules: set[str]) -> set[str]:
                 visit(node.orelse)
             elif isinstance(node, ast.Try):
                 visit(node.body)
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                found.add(base)
-                found.update(f"{base}.{a.name}" for a in node.names)
+            else:
+                found.update(_imported(node, package))
 
     visit(tree.body)
     return {m for m in found if m in modules and m != name}
+
+
+def _imported(node: ast.AST, package: str) -> set[str]:
+    """The modules (and names, as `module.name`) an import statement of `package` names."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    if not isinstance(node, ast.ImportFrom):
+        return set()
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+    return {base} | {f"{base}.{a.name}" for a in node.names}
 
 
 def _every_import(path: Path, modules: set[str]) -> set[str]:
@@ -62,17 +68,7 @@ def _every_import(path: Path, modules: set[str]) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names)
+    found = {m for node in ast.walk(tree) for m in _imported(node, package)}
     return {m for m in found if m in modules and m != name}
 
 

@@ -204,7 +204,7 @@ def test_without_lm_eval_the_flag_names_the_extra(exported, monkeypatch, capsys)
            "pip install 'megabeta[eval]'" in err
 
 
-# ---- the same at any batch size, bitwise -----------------------------------------------------------
+# ---- the same at any batch size, bitwise ---------------------------------------------------------
 def test_results_are_bitwise_the_same_at_any_batch_size(tokenizer):
     """In float32, a forward pass over a width that ends inside a block rounds the partial
     block's positions differently, and differently again in a batch (the perplexities of batch 1
@@ -225,7 +225,7 @@ def test_results_are_bitwise_the_same_at_any_batch_size(tokenizer):
         (rolled, scored)
 
 
-# ---- the harness's own command line ----------------------------------------------------------------
+# ---- the harness's own command line --------------------------------------------------------------
 def test_the_harness_finds_the_model_by_its_entry_point():
     """`lm_eval --model megabeta`: the package declares the model in the harness's plugin group
     `lm_eval.models`, which a harness with plugin discovery registers as a lazy placeholder
