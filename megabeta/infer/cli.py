@@ -227,11 +227,12 @@ LM_EVAL_DESCRIPTION = """usage: megabeta lm-eval [lm-eval's flags]
 The lm-evaluation-harness's own command line (`lm_eval`/`lm-eval`, every flag as it documents
 them) with the megabeta model registered as `megabeta`:
 
-  megabeta lm-eval --model megabeta --model_args checkpoint=m.safetensors \\
+  megabeta lm-eval --model megabeta --model_args pretrained=m.safetensors \\
       --tasks hellaswag,arc_easy --batch_size 16 --device cuda:0 --output_path results/
 
-model_args: checkpoint=PATH (an export or a checkpoint directory; required), tokenizer=PATH
-and force_tokenizer=True (another copy of the model's tokenizer), seed=N (sampled generation),
+model_args: pretrained=PATH or checkpoint=PATH (an export or a checkpoint directory; required;
+the harness names the --output_path folder after pretrained=), tokenizer=PATH and
+force_tokenizer=True (another copy of the model's tokenizer), seed=N (sampled generation),
 max_gen_toks=N. The harness's --device defaults to cuda:0; without CUDA the model runs on the
 CPU (with a warning). A harness with plugin discovery also finds the model from its own
 command, `lm_eval --model megabeta ...` (the package's `lm_eval.models` entry point); lm-eval

@@ -72,7 +72,8 @@ def _positive_int(name: str, value: Any) -> int:
 class MegabetaLM(TemplateLM):
     """A megabeta model as the harness sees it.
 
-    `checkpoint`: an export (.safetensors) or checkpoint directory, or a loaded model;
+    `checkpoint` (or `pretrained`, the harness's name for it): an export (.safetensors) or
+    checkpoint directory, or a loaded model;
     `tokenizer`: its tokenizer file (default: the one recorded with the checkpoint, which another
     one may replace only with `force_tokenizer`), or a loaded `Tokenizer` (required with a loaded
     model). `batch_size`: requests per forward pass (a number; the result is the same for any).
@@ -84,8 +85,15 @@ class MegabetaLM(TemplateLM):
     def __init__(self, checkpoint: str | DecoderLM = "", tokenizer: str | Tokenizer = "",
                  force_tokenizer: bool = False, batch_size: int | str | None = 8,
                  max_batch_size: int | None = None, device: str | None = None,
-                 seed: int = 1234, max_gen_toks: int = 256) -> None:
+                 seed: int = 1234, max_gen_toks: int = 256, pretrained: str = "") -> None:
         super().__init__()
+        if pretrained:
+            # The harness's usual name for the model's path, from which its --output_path
+            # names the results' folder (with `checkpoint=` it draws a random name).
+            if checkpoint:
+                raise UsageError("model_args: checkpoint= and pretrained= name the same thing; "
+                                 "give one")
+            checkpoint = pretrained
         del max_batch_size  # the harness passes it for batch_size "auto", which is not offered
         self.batch_size = _positive_int("batch_size", 8 if batch_size is None else batch_size)
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)

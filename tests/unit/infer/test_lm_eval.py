@@ -243,9 +243,10 @@ def test_the_harness_finds_the_model_by_its_entry_point():
 
 
 def test_megabeta_lm_eval_is_the_harness_command_line(exported, tmp_path, monkeypatch, capfd):
-    """`megabeta lm-eval` takes the harness's own flags, with the model registered; with the
-    harness's default --device (cuda:0) on a machine without CUDA the model runs on the CPU
-    with one warning. Neither git's `fatal: not a git repository` (the harness's git probe, run
+    """`megabeta lm-eval` takes the harness's own flags, with the model registered (its path as
+    `pretrained=`, which the harness names its --output_path folder after); with the harness's
+    default --device (cuda:0) on a machine without CUDA the model runs on the CPU with one
+    warning. Neither git's `fatal: not a git repository` (the harness's git probe, run
     outside a repository) nor the harness's warnings about a task YAML without `aggregation` or
     `higher_is_better` reach the terminal."""
     include = write_tasks(tmp_path / "tasks")
@@ -253,11 +254,15 @@ def test_megabeta_lm_eval_is_the_harness_command_line(exported, tmp_path, monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     try:
         status = main(["lm-eval", "--model", "megabeta", "--model_args",
-                       f"checkpoint={exported}", "--tasks", "mb_choice,mb_rolling",
-                       "--include_path", str(include), "--limit", "3", "--batch_size", "2"])
+                       f"pretrained={exported}", "--tasks", "mb_choice,mb_rolling",
+                       "--include_path", str(include), "--limit", "3", "--batch_size", "2",
+                       "--output_path", str(tmp_path / "results")])
     except SystemExit as exit_:
         status = exit_.code
     out, err = capfd.readouterr()
+    # `pretrained=` (the harness's name for the model's path) names the results' folder.
+    (folder,) = (tmp_path / "results").iterdir()
+    assert folder.name.endswith("m.safetensors") and list(folder.glob("results_*.json"))
     assert status in (0, None), err
     assert "mb_choice" in out and "mb_rolling" in out and "word_perplexity" in out, out
     assert err.count("no CUDA") == 1 and "running on the CPU" in err, err
