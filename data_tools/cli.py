@@ -115,6 +115,11 @@ def _run_train_tokenizer(args: argparse.Namespace) -> int:
                f"{sidecar['lines_seen']:,} lines; pad {sidecar['pad_id']}, bos "
                f"{sidecar['bos_id']}, eos {sidecar['eos_id']}, unk {sidecar['unk_id']}; sha256 "
                f"{sidecar['sha256']}")
+    if sidecar["vocab_size"] < args.vocab_size:
+        # sentencepiece refuses a size its sample cannot fill; tokenizers' BPE stops short.
+        print(f"warning: --vocab-size {args.vocab_size} asked for, but the sample has no pair "
+              f"left to merge at {sidecar['vocab_size']} tokens: the tokenizer has "
+              f"{sidecar['vocab_size']}; give more text, or ask for that size", file=sys.stderr)
     _warn_skipped(report)
     return 0
 
