@@ -93,10 +93,9 @@ class DocumentCounts:
         """The counts a sidecar's ``report`` holds (``documents`` is not among them: 0)."""
         cut = [CutFile(**entry) for entry in report.get("cut_files", [])]
         if not cut and report.get("bad_files_cut"):  # a report written before the list existed
-            cut = [CutFile("(not recorded)", "damaged, read up to the damage", None)
-                   ] * report["bad_files_cut"]
-            cut[0] = CutFile(*(report.get("first_bad_file") or "(not recorded): damaged"
-                               ).split(": ", 1), None)
+            path, _, problem = (report.get("first_bad_file") or "").partition(": ")
+            cut = [CutFile(path or "(not recorded)", problem or "damaged", None)]
+            cut += [CutFile("(not recorded)", "damaged", None)] * (report["bad_files_cut"] - 1)
         return cls(empty=report.get("empty_documents_skipped", 0),
                    first_empty=report.get("first_empty_document"),
                    undecodable=report.get("undecodable_documents", 0),
