@@ -202,6 +202,9 @@ def test_without_lm_eval_the_flag_names_the_extra(exported, monkeypatch, capsys)
     err = refused(capsys, "eval", f"--checkpoint={exported}", "--lm-eval", "hellaswag")
     assert "--lm-eval needs lm-evaluation-harness (lm-eval), which is not installed: " \
            "pip install 'megabeta[eval]'" in err
+    err = refused(capsys, "lm-eval", "--model", "megabeta", "--tasks", "hellaswag")
+    assert "megabeta lm-eval needs lm-evaluation-harness (lm-eval), which is not installed: " \
+           "pip install 'megabeta[eval]'" in err
 
 
 # ---- the same at any batch size, bitwise ---------------------------------------------------------
