@@ -73,8 +73,9 @@ def _add_read_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--skip-bad", action="store_true",
                        help="skip a record that is not JSON, lacks the --text-key field (or "
                             "--segments-key) or is null, and the rest of a file that turns out "
-                            "corrupt (.gz, .zst, .parquet) or has no --text-key column, counting "
-                            "them, instead of stopping with an error naming the file and "
+                            "corrupt or cut short (.gz, .zst, .parquet) or has no --text-key "
+                            "column, counting them (each damaged file with the records read "
+                            "from it), instead of stopping with an error naming the file and "
                             "line/row")
 
 
