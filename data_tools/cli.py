@@ -14,6 +14,7 @@ from data_tools.corpus import ACCEPTED, BAD_UTF8_POLICIES, SPLIT_MODES, ReadOpti
 from data_tools.inspect_dataset import InspectConfig, inspect
 from data_tools.merge import MergeConfig, merge
 from data_tools.mpi import MPI_MODES, FailedElsewhere
+from data_tools.report import report_lines
 from data_tools.tokenize_corpus import TokenizeConfig, TokenizeResult, tokenize
 from data_tools.train_tokenizer import (
     MODEL_TYPES,
@@ -72,8 +73,9 @@ def _add_read_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--skip-bad", action="store_true",
                        help="skip a record that is not JSON, lacks the --text-key field (or "
                             "--segments-key) or is null, and the rest of a file that turns out "
-                            "corrupt (.gz, .zst, .parquet) or has no --text-key column, counting "
-                            "them, instead of stopping with an error naming the file and "
+                            "corrupt or cut short (.gz, .zst, .parquet) or has no --text-key "
+                            "column, counting them (each damaged file with the records read "
+                            "from it), instead of stopping with an error naming the file and "
                             "line/row")
 
 
@@ -88,7 +90,7 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replace existing output files instead of refusing")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar or summary (the bar is also off when stderr is not "
-                             "a terminal)")
+                             "a terminal); what was skipped or cut is still said")
 
 
 def _say(args: argparse.Namespace, *lines: str) -> None:
@@ -114,30 +116,20 @@ def _run_train_tokenizer(args: argparse.Namespace) -> int:
                f"{sidecar['lines_seen']:,} lines; pad {sidecar['pad_id']}, bos "
                f"{sidecar['bos_id']}, eos {sidecar['eos_id']}, unk {sidecar['unk_id']}; sha256 "
                f"{sidecar['sha256']}")
-    _warn_skipped(args, report)
+    if sidecar["vocab_size"] < args.vocab_size:
+        # sentencepiece refuses a size its sample cannot fill; tokenizers' BPE stops short.
+        print(f"warning: --vocab-size {args.vocab_size} asked for, but the sample has no pair "
+              f"left to merge at {sidecar['vocab_size']} tokens: the tokenizer has "
+              f"{sidecar['vocab_size']}; give more text, or ask for that size", file=sys.stderr)
+    _warn_skipped(report)
     return 0
 
 
-def _warn_skipped(args: argparse.Namespace, report: dict) -> None:
-    if report.get("empty_documents_skipped"):
-        _say(args, f"warning: {report['empty_documents_skipped']} empty document(s) skipped "
-                   f"(first at {report['first_empty_document']})")
-    if report.get("bad_records_skipped"):
-        _say(args, f"warning: {report['bad_records_skipped']} bad record(s) skipped (first at "
-                   f"{report['first_bad_record']}); --skip-bad was given")
-    if report.get("bad_files_cut"):
-        _say(args, f"warning: {report['bad_files_cut']} unreadable file(s) read only up to the "
-                   f"damage, the rest skipped (first: {report['first_bad_file']}); --skip-bad was "
-                   "given")
-    if report.get("empty_documents_kept"):
-        _say(args, f"note: {report['empty_documents_kept']} empty document(s) written without "
-                   "tokens (--keep-empty)")
-    if report.get("undecodable_documents"):
-        action = ("bad bytes replaced by U+FFFD" if report["undecodable_policy"] == "replace"
-                  else "skipped")
-        _say(args, f"warning: {report['undecodable_documents']} document(s) with undecodable "
-                   f"UTF-8, {action} (first at {report['first_undecodable_document']}); "
-                   "--on-bad-utf8 chooses")
+def _warn_skipped(report: dict) -> None:
+    """What was skipped, repaired or cut, on stderr even with --quiet: nothing given is dropped
+    without a count."""
+    for line in report_lines(report):
+        print(line, file=sys.stderr)
 
 
 def _run_tokenize(args: argparse.Namespace) -> int:
@@ -156,10 +148,18 @@ def _summarize_tokenize(args: argparse.Namespace, result: TokenizeResult) -> Non
     _say(args, f"wrote {args.output_prefix}{_files_written(sidecar)}: "
                f"{sidecar['num_documents']:,} documents, {sidecar['num_tokens']:,} "
                f"{sidecar['dtype']} tokens{_scored(sidecar)} from "
-               f"{result.input_bytes / 1e6:,.1f} MB in {seconds:.1f} s "
+               f"{_size(result.input_bytes)} in {seconds:.1f} s "
                f"({sidecar['num_documents'] / seconds:,.0f} docs/s, "
-               f"{result.input_bytes / 1e6 / seconds:,.2f} MB/s)")
-    _warn_skipped(args, sidecar["report"])
+               f"{_size(result.input_bytes / seconds)}/s)")
+    _warn_skipped(sidecar["report"])
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the unit that shows them: kB below a megabyte (117.3 kB, not 0.1 MB)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes:,.0f} bytes"
 
 
 def _files_written(sidecar: dict) -> str:

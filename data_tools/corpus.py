@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from data_tools.extras import require_extra
+from data_tools.report import CutFile, DocumentCounts
 from megabeta.data.errors import DataError
 
 SPLIT_MODES = ("none", "line", "paragraph")
@@ -141,41 +142,100 @@ class _UntilCorrupt(io.RawIOBase):
     keeps the error (``error``). Each read is one ``read1`` of the decompressor (one read of the
     compressed file, of its fixed size), so what was decoded before the damage is delivered
     rather than lost with the failing call, and how much that is depends on the file alone, not
-    on ``--chunk-mb``, the worker count or the ranks."""
+    on ``--chunk-mb``, the worker count or the ranks. ``at_end`` checks, once the decompressor
+    says the data ended, that the file did not end early (a decompressor that reports the end
+    of a file cut short as the end of its data); what it returns is the error."""
 
-    def __init__(self, inner: BinaryIO, errors: tuple[type[BaseException], ...]) -> None:
+    def __init__(self, inner: BinaryIO, errors: tuple[type[BaseException], ...],
+                 at_end: Callable[[], str | None] = lambda: None) -> None:
         super().__init__()
-        self.inner, self.errors = inner, errors
-        self.error: BaseException | None = None
+        self.inner, self.errors, self.at_end = inner, errors, at_end
+        self.error: BaseException | str | None = None
+        self.ended = False
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: memoryview) -> int:
-        if self.error is not None:
+        if self.error is not None or self.ended:
             return 0
         try:
             data = self.inner.read1(len(buffer))
         except self.errors as err:
             self.error = err
             return 0
+        if not data:
+            self.ended = True
+            self.error = self.at_end()
+            return 0
         buffer[:len(data)] = data
         return len(data)
+
+
+_ZSTD_MAGIC = 0xFD2FB528
+_ZSTD_SKIPPABLE = 0x184D2A50  # the 16 magic numbers of skippable frames, low 4 bits free
+_ZSTD_RLE_BLOCK = 1
+
+
+def zstd_cut_short(path: Path) -> str | None:
+    """Where the .zst file ``path`` ends inside a frame, or None when its frames are whole.
+
+    zstandard's stream reader delivers a file cut short as if its data ended there. The frames'
+    own lengths tell: each frame is a header (zstandard reads it), blocks of a 3-byte header
+    and a body of the length it gives (1 byte for an RLE block), the last block flagged, then a
+    4-byte checksum if the header says so (RFC 8878 §3.1.1); a skippable frame says its length.
+    Only the headers are read, 3 bytes a block, so this costs little beside decoding."""
+    zstandard = require_extra("zstandard", "zstd", f"{path} (a .zst input)")
+    size = path.stat().st_size
+    with open(path, "rb", buffering=0) as raw:
+        def read(offset: int, count: int) -> bytes:
+            raw.seek(offset)
+            return raw.read(count)
+
+        offset = 0
+        while offset < size:
+            start = offset
+            head = read(offset, 18)  # the longest frame header
+            magic = int.from_bytes(head[:4], "little")
+            if len(head) >= 8 and magic & ~0xF == _ZSTD_SKIPPABLE:
+                offset += 8 + int.from_bytes(head[4:8], "little")
+            elif magic == _ZSTD_MAGIC:
+                try:
+                    offset += zstandard.frame_header_size(head)
+                    checksum = zstandard.get_frame_parameters(head).has_checksum
+                except zstandard.ZstdError:
+                    return f"it ends inside the header of the frame at byte {start:,}"
+                last = False
+                while not last and offset < size:
+                    header = int.from_bytes(read(offset, 3), "little")
+                    last = bool(header & 1)
+                    body = 1 if (header >> 1) & 3 == _ZSTD_RLE_BLOCK else header >> 3
+                    offset += 3 + body
+                offset += 4 if last and checksum else 0
+                if not last:
+                    offset = size + 1
+            else:  # bytes the decoder took for the end of the data
+                return f"bytes {start:,}-{size:,} are not a zstd frame"
+            if offset > size:
+                return (f"the file ends {size:,} bytes in, inside the frame that starts at byte "
+                        f"{start:,}: it was cut short")
+    return None
 
 
 def _decompressed(raw: BinaryIO, file: InputFile) -> tuple[BinaryIO, _UntilCorrupt | None]:
     """The decompressed stream of ``raw``, and what tells where it turned out corrupt (None for
     an uncompressed file)."""
     if file.compression == "gzip":
-        inner, errors = gzip.GzipFile(fileobj=raw, mode="rb"), (gzip.BadGzipFile, EOFError,
-                                                                 zlib.error)
+        # gzip raises EOFError itself on a file cut short.
+        checked = _UntilCorrupt(gzip.GzipFile(fileobj=raw, mode="rb"),
+                                (gzip.BadGzipFile, EOFError, zlib.error))
     elif file.compression == "zstd":
         zstandard = require_extra("zstandard", "zstd", f"{file.path} (a .zst input)")
-        inner = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-        errors = (zstandard.ZstdError, EOFError)
+        checked = _UntilCorrupt(
+            zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True),
+            (zstandard.ZstdError, EOFError), lambda: zstd_cut_short(file.path))
     else:
         return raw, None
-    checked = _UntilCorrupt(inner, errors)
     return io.BufferedReader(checked, _READ_BUFFER), checked
 
 
@@ -190,11 +250,19 @@ class RecordReader:
         self.split = "line" if file.kind == "jsonl" else options.split
         self.text_key = options.text_key
         self.skip_bad = options.skip_bad
-        self.bad_file: str | None = None
-        """With --skip-bad: where this file turned out unreadable (its records before that were
-        read, the rest is skipped); None when it was read whole."""
+        self.records = 0
+        """Records yielded so far."""
+        self._damage: tuple[str, int | None] | None = None
         self._raw: BinaryIO | None = None
         self._rows = (0, 1)  # parquet: rows read, rows in the file
+
+    @property
+    def bad_file(self) -> CutFile | None:
+        """With --skip-bad, once the file is read: where it turned out unreadable and how many
+        of its records were read before (the rest is skipped); None when it was read whole."""
+        if self._damage is None:
+            return None
+        return CutFile(str(self.file.path), self._damage[0], self.records, self._damage[1])
 
     @property
     def position(self) -> int:
@@ -206,9 +274,13 @@ class RecordReader:
     def chunks(self, chunk_bytes: int) -> Iterator[tuple[list, Sequence[int]]]:
         """``(records, start lines)`` of about ``chunk_bytes`` each, in file order; a parquet
         file's records are its text column's values (str, or bytes for a binary column)."""
-        if self.file.kind == "parquet":
-            yield from self._parquet_chunks(chunk_bytes)
-            return
+        chunks = (self._parquet_chunks(chunk_bytes) if self.file.kind == "parquet"
+                  else self._stream_chunks(chunk_bytes))
+        for chunk in chunks:
+            self.records += len(chunk[0])
+            yield chunk
+
+    def _stream_chunks(self, chunk_bytes: int) -> Iterator[tuple[list, Sequence[int]]]:
         found = False
         # A large buffer: readlines through the default 8 KiB one took twice as long.
         with open(self.file.path, "rb", buffering=_READ_BUFFER) as raw:
@@ -222,19 +294,19 @@ class RecordReader:
                 yield chunk
             if cut():
                 where = f"after the record at line {last}" if last else "from its start"
-                self._bad(f"not a readable {self.file.compression} file {where} "
-                          f"({checked.error})", "re-compress it or remove it from --inputs")
+                self._bad(f"not a readable {self.file.compression} file {where}: "
+                          f"{checked.error}", "re-compress it or remove it from --inputs")
                 return
         if not found:
             raise DataError(f"{self.file.path}: contains no text; remove it from --inputs")
 
-    def _bad(self, problem: str, fix: str) -> None:
+    def _bad(self, problem: str, fix: str, records_not_read: int | None = None) -> None:
         """This file is unreadable from here on (corrupt, or no text column): one error naming
         it, or with --skip-bad the rest of it skipped and the file counted."""
         if not self.skip_bad:
             raise DataError(f"{self.file.path}: {problem}; {fix}, or pass --skip-bad to skip "
                             "what cannot be read (counted)")
-        self.bad_file = f"{self.file.path}: {problem}"
+        self._damage = (problem, records_not_read)
 
     def _parquet_chunks(self, chunk_bytes: int) -> Iterator[tuple[list, Sequence[int]]]:
         """Rows of the text column, a batch at a time (pyarrow reads one row group at a time,
@@ -248,21 +320,23 @@ class RecordReader:
             # closed (93 MB held for a 90 MB file), so memory grew with the file.
             parquet = pq.ParquetFile(path, pre_buffer=False)
         except (pa.ArrowException, OSError) as err:
-            self._bad(f"not a readable parquet file ({err})",
-                             "rewrite it or remove it from --inputs")
+            # Its rows cannot be found without the footer, which a file cut short loses.
+            self._bad(f"not a readable parquet file from its start: {err}",
+                      "rewrite it or remove it from --inputs")
             return
+        rows = parquet.metadata.num_rows
         schema = parquet.schema_arrow
         if key not in schema.names:
             self._bad(f"no column {key!r} (columns: {schema.names})",
-                             "pass --text-key with the column that holds the text")
+                      "pass --text-key with the column that holds the text", rows)
             return
         column = schema.field(key).type
         if not any(check(column) for check in (pa.types.is_string, pa.types.is_large_string,
                                               pa.types.is_binary, pa.types.is_large_binary)):
             self._bad(f"column {key!r} holds {column}, not text",
-                             "pass --text-key with the string column that holds the text")
+                      "pass --text-key with the string column that holds the text", rows)
             return
-        self._rows = (0, parquet.metadata.num_rows)
+        self._rows = (0, rows)
         records: list = []
         size = 0
         first = 1
@@ -278,11 +352,13 @@ class RecordReader:
                 self._rows = (self._rows[0] + batch.num_rows, self._rows[1])
         except (pa.ArrowException, OSError) as err:
             # The rows read before are whole (pyarrow decodes a batch or raises), so they stay.
-            self._bad(f"not a readable parquet file after row {first + len(records) - 1} "
-                      f"({err})", "rewrite it or remove it from --inputs")
+            read = first + len(records) - 1
+            where = f"after row {read}" if read else "from its start"
+            self._bad(f"not a readable parquet file {where}: {err}",
+                      "rewrite it or remove it from --inputs", rows - read)
         if records:
             yield records, range(first, first + len(records))
-        elif first == 1 and self.bad_file is None:
+        elif first == 1 and self._damage is None:
             raise DataError(f"{path}: contains no rows; remove it from --inputs")
 
     def __iter__(self) -> Iterator[tuple[bytes, int]]:
@@ -340,56 +416,6 @@ def _strip_eol(line: bytes) -> bytes:
         if line.endswith(b"\r"):
             line = line[:-1]
     return line
-
-
-@dataclass
-class DocumentCounts:
-    """What decoding kept, skipped and repaired; ``first_*`` locate the first case as FILE:LINE."""
-
-    documents: int = 0
-    empty: int = 0
-    first_empty: str | None = None
-    undecodable: int = 0
-    first_undecodable: str | None = None
-    empty_kept: int = 0
-    """Empty documents written (--keep-empty)."""
-    bad: int = 0
-    """Records skipped by --skip-bad (not JSON, no text field, null)."""
-    first_bad: str | None = None
-    bad_files: int = 0
-    """Files --skip-bad read only up to where they turned out unreadable (corrupt .gz, .zst or
-    .parquet; a parquet file without the text column, wholly)."""
-    first_bad_file: str | None = None
-
-    def add_bad_file(self, where: str) -> None:
-        self.bad_files += 1
-        self.first_bad_file = self.first_bad_file or where
-
-    def add(self, later: DocumentCounts) -> None:
-        """Fold in the counts of input that comes after this one's."""
-        self.documents += later.documents
-        self.empty += later.empty
-        self.first_empty = self.first_empty or later.first_empty
-        self.undecodable += later.undecodable
-        self.first_undecodable = self.first_undecodable or later.first_undecodable
-        self.empty_kept += later.empty_kept
-        self.bad += later.bad
-        self.first_bad = self.first_bad or later.first_bad
-        self.bad_files += later.bad_files
-        self.first_bad_file = self.first_bad_file or later.first_bad_file
-
-    def as_report(self, policy: str) -> dict:
-        report = {"empty_documents_skipped": self.empty, "first_empty_document": self.first_empty,
-                  "undecodable_documents": self.undecodable, "undecodable_policy": policy,
-                  "first_undecodable_document": self.first_undecodable}
-        # Only when there are any: the reports of runs without them read as they always have.
-        if self.empty_kept:
-            report["empty_documents_kept"] = self.empty_kept
-        if self.bad:
-            report.update(bad_records_skipped=self.bad, first_bad_record=self.first_bad)
-        if self.bad_files:
-            report.update(bad_files_cut=self.bad_files, first_bad_file=self.first_bad_file)
-        return report
 
 
 class _BadRecord(Exception):

@@ -26,7 +26,6 @@ from multiprocessing.pool import Pool
 import numpy as np
 
 from data_tools.corpus import (
-    DocumentCounts,
     InputFile,
     ReadOptions,
     RecordReader,
@@ -34,6 +33,7 @@ from data_tools.corpus import (
     decode_document,
     decode_segments,
 )
+from data_tools.report import CutFile, DocumentCounts
 from data_tools.tokenizer import Tokenizer, load_tokenizer
 
 _QUEUED_PER_WORKER = 2
@@ -51,8 +51,9 @@ class Chunk:
     file_index: int
     records: list
     lines: Sequence[int]
-    bad_file: str | None = None
-    """--skip-bad: the file turned out unreadable after these records (the last chunk of it)."""
+    bad_file: CutFile | None = None
+    """--skip-bad: the file turned out unreadable after the records of its chunks before (a last
+    chunk of its own, with no records)."""
 
 
 @dataclass
@@ -112,7 +113,7 @@ class _Encoder:
         file = self.setup.files[chunk.file_index]
         counts = DocumentCounts()
         if chunk.bad_file is not None:
-            counts.add_bad_file(chunk.bad_file)
+            counts.cut_files.append(chunk.bad_file)
         decode = decode_segments if self.setup.options.segments_key is not None \
             else decode_document
         documents = []

@@ -17,6 +17,7 @@ from typing import TextIO
 
 import numpy as np
 
+from data_tools.report import report_lines
 from data_tools.tokenizer import load_tokenizer
 from megabeta.data.errors import DataError
 from megabeta.data.format import dtype_code
@@ -44,6 +45,7 @@ def inspect(config: InspectConfig, out: TextIO) -> list[str]:
     dataset = IndexedDataset(config.prefix)
     lengths = document_lengths(dataset)
     _print_counts(dataset, lengths, out)
+    _print_report(dataset, out)
     _print_histogram(lengths, out)
     processor, tokenizer_note = _tokenizer_for(dataset, config.tokenizer)
     vocab_size = processor.vocab_size if processor is not None else dataset.vocab_size
@@ -92,6 +94,16 @@ def _print_counts(dataset: IndexedDataset, lengths: np.ndarray, out: TextIO) -> 
         print(f"length     min {int(lengths.min()):,}  mean {lengths.mean():,.1f}  median "
               f"{float(np.median(lengths)):,.0f}  max {int(lengths.max()):,} tokens per document",
               file=out)
+
+
+def _print_report(dataset: IndexedDataset, out: TextIO) -> None:
+    """What making the dataset skipped, repaired or cut (the sidecar's report)."""
+    if dataset.sidecar is None or "report" not in dataset.sidecar:
+        return
+    lines = [line.removeprefix("warning: ") for line in report_lines(dataset.sidecar["report"])]
+    print(f"input      {lines[0] if lines else 'nothing skipped, repaired or cut'}", file=out)
+    for line in lines[1:]:
+        print(f"           {line}", file=out)
 
 
 def _print_histogram(lengths: np.ndarray, out: TextIO) -> None:

@@ -1,7 +1,8 @@
 """``merge``: concatenate datasets made separately (other machines, other days) into one, in order.
 
 All inputs must hold the same token type and, where they have sidecars, come from the same
-tokenizer model. The output's sidecar sums their counts and lists what was merged. When any input
+tokenizer model. The output's sidecar sums their counts (every count of their reports: what
+was skipped, repaired or cut stays counted) and lists what was merged. When any input
 has a loss mask the output has one too, in which the inputs without a mask score every target
 (what no mask means).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from data_tools.report import merged_report
 from data_tools.writer import IndexedDatasetWriter
 from megabeta.data.errors import DataError
 from megabeta.data.indexed import IndexedDataset
@@ -44,7 +46,7 @@ def merge(config: MergeConfig) -> dict:
             "inputs": [entry for s in sources for entry in (s.sidecar or {}).get("inputs", [])],
             "merged_from": [{"prefix": str(s.paths.prefix), "num_documents": s.num_documents,
                              "num_tokens": s.num_tokens} for s in sources],
-            "report": _summed_reports(sources),
+            "report": merged_report([(s.sidecar or {}).get("report", {}) for s in sources]),
         })
 
 
@@ -67,9 +69,3 @@ def _describe(source: IndexedDataset) -> str:
     if source.sidecar is None:
         return "no sidecar, tokenizer unknown"
     return f"tokenizer sha256 {source.tokenizer_sha256}"
-
-
-def _summed_reports(sources: list[IndexedDataset]) -> dict:
-    keys = ("empty_documents_skipped", "undecodable_documents")
-    reports = [(s.sidecar or {}).get("report", {}) for s in sources]
-    return {key: sum(report.get(key, 0) for report in reports) for key in keys}

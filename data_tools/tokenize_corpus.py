@@ -15,10 +15,11 @@ import time
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
-from data_tools.corpus import DocumentCounts, InputFile, ReadOptions, input_files
+from data_tools.corpus import InputFile, ReadOptions, input_files
 from data_tools.encode import Encoders, EncoderSetup, read_chunks
 from data_tools.mpi import FailedElsewhere, World, mpi_world
 from data_tools.progress import ByteProgress
+from data_tools.report import DocumentCounts, report_lines
 from data_tools.tokenizer import TokenizerInfo, load_tokenizer
 from data_tools.writer import IndexedDatasetWriter
 from megabeta.data.errors import DataError
@@ -151,15 +152,20 @@ def _tokenize_files(files: list[InputFile], prefix: str, config: TokenizeConfig,
             counts.add(encoded.counts)
             progress.advance(0, encoded.counts.documents)
         if not counts.documents and not part:
-            raise _no_documents(files)
+            raise _no_documents(files, counts, config.read.on_bad_utf8)
         sidecar = writer.commit(_sidecar(tokenizer, corpus, config.read, counts))
     return sidecar, counts
 
 
-def _no_documents(files: list[InputFile]) -> DataError:
+def _no_documents(files: list[InputFile], counts: DocumentCounts, policy: str) -> DataError:
+    """No document to write: what was dropped, and why, as the report counts it."""
     names = ", ".join(str(f.path) for f in files)
-    return DataError(f"no documents in {names}: every document was empty or skipped; check "
-                     "--text-key (or --segments-key), --split and --on-bad-utf8")
+    dropped = "; ".join(line.split(":", 1)[1].strip().rstrip(":")
+                        for line in report_lines(counts.as_report(policy)))
+    hint = ("" if counts.bad_files else "; check --text-key (or --segments-key), --split and "
+            "--on-bad-utf8")
+    return DataError(f"no documents in {names}: nothing was kept ({dropped or 'nothing read'})"
+                     f"{hint}")
 
 
 def contiguous_shares(sizes: list[int], parts: int) -> list[range]:
@@ -221,7 +227,7 @@ def _merge_parts(parts: list[str], outcomes: list[tuple[DocumentCounts | None, s
     for counts, _ in outcomes:
         total.add(counts)
     if not total.documents:
-        raise _no_documents(files)
+        raise _no_documents(files, total, config.read.on_bad_utf8)
     with IndexedDatasetWriter(config.output_prefix, token_dtype_for_vocab(tokenizer.vocab_size),
                               overwrite=config.overwrite,
                               loss_mask=config.read.segments_key is not None) as writer:

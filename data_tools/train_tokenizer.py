@@ -30,7 +30,6 @@ import sentencepiece as spm
 
 from data_tools.atomic import AtomicFiles
 from data_tools.corpus import (
-    DocumentCounts,
     InputFile,
     ReadOptions,
     RecordReader,
@@ -39,6 +38,7 @@ from data_tools.corpus import (
 )
 from data_tools.extras import require_extra
 from data_tools.progress import ByteProgress
+from data_tools.report import DocumentCounts
 from megabeta.data.errors import DataError
 from megabeta.data.format import file_sha256
 
@@ -126,7 +126,7 @@ def sample_sentences(files: list[InputFile], options: ReadOptions, max_sentences
             progress.advance(reader.position - position, 1 if text is not None else 0)
             position = reader.position
         if reader.bad_file is not None:
-            counts.add_bad_file(reader.bad_file)
+            counts.cut_files.append(reader.bad_file)
     return TrainingSample(reservoir, seen, counts)
 
 

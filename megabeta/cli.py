@@ -12,6 +12,8 @@ COMMANDS = {
     "export": ("megabeta.checkpoint.export", "consolidate a checkpoint into one safetensors file"),
     "eval": ("megabeta.infer.cli:eval_main", "validation loss and perplexity of a checkpoint"),
     "generate": ("megabeta.infer.cli:generate_main", "continue a prompt with the KV cache"),
+    "lm-eval": ("megabeta.infer.cli:lm_eval_main",
+                "the lm-evaluation-harness's command line with the megabeta model registered"),
     "bench": ("megabeta.bench.__main__", "benchmarks that print figures: bench {model,data,train}"),
     "tasks": ("megabeta.tasks.cli", "synthetic tasks with scored answers: tasks {make,eval}"),
     "ablate": ("megabeta.ablate.cli", "train arms on the same data, summarise mean ± spread"),

@@ -430,7 +430,14 @@ def _coerce(value: Any, kind: Any, name: str) -> Any:
         return _coerce(value, options[0], name)
     if origin is list:
         (item,) = typing.get_args(kind)
-        if isinstance(value, str):
+        if isinstance(value, str) and value.strip().startswith("["):
+            # The TOML spelling of a list, as the config file has it: ["a", "b"].
+            try:
+                value = tomllib.loads(f"value = {value}")["value"]
+            except tomllib.TOMLDecodeError as err:
+                raise ConfigError(f"{name} = {value}: not a TOML list ({err}); or give the "
+                                  "items comma-separated: a,b") from None
+        elif isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(f"{name} = {value!r}: expected a list (comma-separated on the CLI)")

@@ -124,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="held-out task files of `megabeta tasks make`: report the exact-match "
                       "accuracy per task (needs the tokenizer)")
     data.add_argument("--align", choices=("packed", "document"),
-                      help="data.align (default: document for task data, else packed)")
+                      help="data.align of the training runs (default: document for task data, "
+                      "a --data with a loss mask or the state suite's generated data; packed "
+                      "for a corpus, --task-files or not); said at the start")
     data.add_argument("--document-mask", action="store_true",
                       help="data.document_mask for every arm: each token attends only within "
                       "its own document of a packed sample (spec §7), in training and in the "
@@ -166,13 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _sidecar_tokenizer(prefix: str) -> str:
-    """The tokenizer file a dataset's sidecar names, absolute, when it exists; else ""."""
+def _sidecar(prefix: str) -> dict:
+    """A dataset's sidecar (PREFIX.json), or {} when it has none that reads."""
     try:
         sidecar = json.loads(Path(f"{prefix}.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
-        return ""
-    recorded = (sidecar.get("tokenizer") or {}).get("path") or ""
+        return {}
+    return sidecar if isinstance(sidecar, dict) else {}
+
+
+def _sidecar_tokenizer(prefix: str) -> str:
+    """The tokenizer file a dataset's sidecar names, absolute, when it exists; else ""."""
+    recorded = (_sidecar(prefix).get("tokenizer") or {}).get("path") or ""
     if not recorded:
         return ""
     for candidate in (Path(recorded), Path(prefix).parent / recorded):
@@ -182,12 +189,14 @@ def _sidecar_tokenizer(prefix: str) -> str:
 
 
 def _sidecar_vocab(prefix: str) -> int | None:
-    try:
-        sidecar = json.loads(Path(f"{prefix}.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-    vocab = (sidecar.get("tokenizer") or {}).get("vocab_size")
+    vocab = (_sidecar(prefix).get("tokenizer") or {}).get("vocab_size")
     return vocab if isinstance(vocab, int) else None
+
+
+def _masked(prefixes: list[str]) -> bool:
+    """Whether any of the datasets scores only part of its tokens (a loss mask: task data, as
+    `megabeta-data tokenize --segments-key` makes it)."""
+    return any("loss_mask" in _sidecar(prefix) for prefix in prefixes)
 
 
 def _prefixes(flag: str, value: str) -> list[str]:
@@ -285,8 +294,19 @@ def plan(args: argparse.Namespace, say=print) -> tuple[Settings, list, str, dict
     else:
         raise AblationError("--data: required (the prefix of a dataset made by `megabeta-data "
                             "tokenize`); only --suite state generates its own")
-    task_data = bool(task_files) or (task_suite and not args.data)
+    # Samples are cut as the training data wants, whatever is evaluated: task data (a loss mask,
+    # or the state suite's generated data) one document per sample, a corpus packed.
+    generated_data = task_suite and not args.data
+    task_data = generated_data or _masked(data)
     align = args.align or ("document" if task_data else "packed")
+    say(f"data.align = {align}: " + (
+        "--align" if args.align else
+        "the default for the state suite's generated task data" if generated_data else
+        "the default for task data (--data has a loss mask); --align packed packs them"
+        if task_data else "the default for a corpus (--data has no loss mask); --align "
+        "document trains on one document per sample"))
+    scored = ("only the answers (the held-out data's loss mask)"
+              if generated_data or _masked(test_data or data) else "every token (no loss mask)")
     global_batch = args.global_batch or scale.global_batch
     micro_batch = args.micro_batch or min(global_batch, scale.micro_batch)
     if global_batch % (micro_batch * args.nproc):
@@ -323,6 +343,10 @@ def plan(args: argparse.Namespace, say=print) -> tuple[Settings, list, str, dict
         "held-out": (", ".join(test_data) if test_data else
                      f"validation split, val_fraction {settings.val_fraction}")
         + (f"; task files {', '.join(Path(f).name for f in task_files)}" if task_files else ""),
+        "test loss": "mean over the scored targets of "
+                     + (f"--test-data {', '.join(test_data)}" if test_data else
+                        f"the validation split (val_fraction {settings.val_fraction}) of --data")
+                     + f": {scored}",
         "training": f"{batches} batches of {global_batch} x {seq_len} tokens "
                     f"(align {align}), lr {settings.lr if settings.lr is not None else 'base'}, "
                     f"warm-up {settings.warmup_steps if settings.warmup_steps is not None else 'base'}"

@@ -3,9 +3,10 @@
 Left: the training loss per arm over the steps, the mean over seeds as a line and the seeds'
 min-max as a band. Middle: the held-out loss the same way (the trainer's evaluations every
 `--eval-every` steps, on the validation split; with --test-data the final test loss only, as a
-point with its min-max bar). Right: each task's accuracy per arm (the mean over seeds, bars from
-min to max), or the perplexity when there are no tasks. The arms keep their summary order and one
-colour across the panels; the legend names them.
+point with its min-max bar). Right: each task's accuracy per arm (the mean over seeds as a bar, a
+marker and its value, whiskers from min to max, so an accuracy of 0 shows too) with the task's
+chance level as a dashed line, or the perplexity when there are no tasks. The arms keep their
+summary order and one colour across the panels; the legend names them.
 """
 
 from __future__ import annotations
@@ -49,8 +50,17 @@ def arm_curves(out: Path, rows: list[dict], results: list[dict[str, Any]]
     return curves
 
 
-def summary_figure(rows: list[dict], curves: dict[str, dict[str, Curve]], title: str = ""):
-    """The matplotlib Figure of the summary (Agg, never shown); its one legend names the arms."""
+def task_chance(results: list[dict[str, Any]]) -> dict[str, float]:
+    """Each task's chance level, as its results record it (tasks without one left out)."""
+    return {task: score["chance"] for result in results
+            for task, score in result.get("tasks", {}).items()
+            if score.get("chance") is not None}
+
+
+def summary_figure(rows: list[dict], curves: dict[str, dict[str, Curve]], title: str = "",
+                   chance: dict[str, float] | None = None):
+    """The matplotlib Figure of the summary (Agg, never shown); its one legend names the arms.
+    `chance`: task -> chance level, drawn in the accuracy panel."""
     require("matplotlib", "plot", "summary.png of `megabeta ablate`")
     import matplotlib
 
@@ -83,15 +93,16 @@ def summary_figure(rows: list[dict], curves: dict[str, dict[str, Curve]], title:
     train_ax.set(title="training loss (mean over seeds, min-max band)", xlabel="step",
                  ylabel="loss")
     test_ax.set(title="held-out loss (mean over seeds, min-max)", xlabel="step", ylabel="loss")
-    _scores(score_ax, rows, colours)
+    _scores(score_ax, rows, colours, chance or {})
     figure.legend(handles=handles, loc="outside lower center", ncols=min(len(rows), 5))
     if title:
         figure.suptitle(title)
     return figure
 
 
-def _scores(ax, rows: list[dict], colours) -> None:
-    """Task accuracies per arm (grouped bars, min-max whiskers), else perplexity per arm."""
+def _scores(ax, rows: list[dict], colours, chance: dict[str, float]) -> None:
+    """Task accuracies per arm (grouped bars with a marker and the value on each, min-max
+    whiskers, each task's chance level dashed), else perplexity per arm."""
     tasks = sorted({task for row in rows for task in row["task_accuracy"]})
     if not tasks:
         names = [row["arm"] for row in rows]
@@ -104,14 +115,31 @@ def _scores(ax, rows: list[dict], colours) -> None:
         return
     width = 0.8 / max(len(rows), 1)
     for index, row in enumerate(rows):
-        spreads = [row["task_accuracy"].get(task) for task in tasks]
-        spreads = [s for s in spreads if s is not None]
-        positions = [t + (index - (len(rows) - 1) / 2) * width for t in range(len(spreads))]
-        ax.bar(positions, [s.mean or 0.0 for s in spreads], width, yerr=_whiskers(spreads),
-               capsize=3, color=colours(index % 10))
+        shown = [(t, row["task_accuracy"][task]) for t, task in enumerate(tasks)
+                 if row["task_accuracy"].get(task) is not None
+                 and row["task_accuracy"][task].mean is not None]
+        if not shown:
+            continue
+        positions = [t + (index - (len(rows) - 1) / 2) * width for t, _ in shown]
+        means = [spread.mean for _, spread in shown]
+        colour = colours(index % 10)
+        # A bar of height 0 draws nothing: the marker and the value show an accuracy of 0.
+        ax.bar(positions, means, width, yerr=_whiskers([s for _, s in shown]), capsize=3,
+               color=colour)
+        ax.plot(positions, means, "o", color=colour, markeredgecolor="black", markersize=5,
+                clip_on=False)
+        for x, mean in zip(positions, means):
+            ax.annotate(f"{mean:.2f}", (x, mean), xytext=(0, 4), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=8)
+    marked = [(t, chance[task]) for t, task in enumerate(tasks) if task in chance]
+    if marked:
+        ax.hlines([level for _, level in marked], [t - 0.45 for t, _ in marked],
+                  [t + 0.45 for t, _ in marked], colors="black", linestyles="dashed",
+                  linewidth=1, label="chance")
+        ax.legend(loc="upper right", fontsize=8)
     ax.set_xticks(range(len(tasks)), tasks, rotation=20, ha="right")
-    ax.set(title="task accuracy (mean over seeds, min-max)", ylabel="exact-match accuracy",
-           ylim=(0, 1.05))
+    ax.set(title="task accuracy (mean over seeds, min-max)",
+           ylabel="exact-match accuracy", ylim=(0, 1.1))
 
 
 def _whiskers(spreads: list) -> list[list[float]]:
@@ -123,7 +151,7 @@ def _whiskers(spreads: list) -> list[list[float]]:
 def write_plot(out: Path, rows: list[dict], results: list[dict[str, Any]],
                title: str = "") -> Path:
     """summary.png under `out` (written atomically); MissingExtra without matplotlib."""
-    figure = summary_figure(rows, arm_curves(out, rows, results), title)
+    figure = summary_figure(rows, arm_curves(out, rows, results), title, task_chance(results))
     path = out / "summary.png"
     temp = path.with_name(f".{path.name}.tmp.png")
     figure.savefig(temp, format="png")
@@ -131,4 +159,4 @@ def write_plot(out: Path, rows: list[dict], results: list[dict[str, Any]],
     return path
 
 
-__all__ = ["arm_curves", "summary_figure", "write_plot"]
+__all__ = ["arm_curves", "summary_figure", "task_chance", "write_plot"]

@@ -338,7 +338,7 @@ class Evaluator:
         self.processor = None
         self.documents = []
         if s.task_files:
-            from megabeta.infer.cli import UsageError, load_model_tokenizer
+            from megabeta.infer.loading import UsageError, load_model_tokenizer
             from megabeta.tasks.document import TaskFileError
             from megabeta.tasks.evaluate import read_encoded
 

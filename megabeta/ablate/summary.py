@@ -98,10 +98,13 @@ def markdown(rows: list[dict], header: dict[str, Any]) -> str:
     lines += [f"- **{key}**: {value}" for key, value in header.items()]
     accuracy = _has_accuracy(rows)
     tasks = sorted({t for row in rows for t in row["task_accuracy"]})
+    # What the test loss is over: the header's account (the held-out set and whether a loss
+    # mask scores only the answers), not assumed from the presence of task accuracies.
+    test_loss = header.get("test loss", "mean over the scored targets of the held-out set")
     lines += ["", "± is the sample standard deviation over seeds (n − 1); Δ columns are paired "
-              "by seed against the reference arm (marked *). Test loss: mean over the scored "
-              "targets of the held-out set" + (" (the answers); accuracy: exact match per "
-              "answer, averaged over the tasks" if accuracy else "; perplexity = exp(loss)")
+              f"by seed against the reference arm (marked *). Test loss: {test_loss}"
+              + ("; accuracy: exact match per answer of the task files, averaged over the tasks"
+                 if accuracy else "; perplexity = exp(loss)")
               + ". s/batch: mean over the logged training steps but the first; tokens/s = "
               "global batch x seq_len / s/batch.", ""]
     columns = ["arm", "parameters", "seeds", "test loss", "Δ loss"]

@@ -5,14 +5,18 @@ trace format) open in ui.perfetto.dev or TensorBoard's profiler view, which need
 draws the same flame chart without one (matplotlib, `megabeta[plot]`): one lane per thread (CUDA
 streams included), time in ms from the trace's first event, each operator a bar at its nesting
 depth, the operators with the most self time (their time minus that of the operators they
-called) coloured and listed in the legend with their totals, the others grey; names are written
-in the bars wide enough to hold them.
+called) coloured and listed in the legend with their totals (a long name shortened around where
+it differs from the others listed, so a forward and a backward kernel never read the same), the
+others grey; names are written in the bars wide enough to hold them. The steps' boundaries (the
+`ProfilerStep#<n>` annotations that `megabeta train`'s profiler and torch's scheduled profiler
+record) are dashed lines marked with the step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +27,10 @@ PROG = "megabeta bench trace"
 WIDTH, HEIGHT, DPI = 16.0, 8.0, 100
 """The picture's size in inches and its resolution: 1600 x 800 pixels."""
 GREY = "#c8c8c8"
+STEP_MARK = "ProfilerStep#"
+"""The name prefix of a step's annotation in a trace (torch.profiler's own)."""
+LEGEND_CHARS = 48
+"""The longest operator name in the legend; a longer one is shortened."""
 
 
 class TraceError(ValueError):
@@ -43,9 +51,11 @@ class Span:
     self_time: float = 0.0
 
 
-def read_trace(path: str | Path) -> tuple[list[Span], dict[tuple, str]]:
-    """The trace's spans with their nesting depth and self time, and the lanes' names.
-    TraceError naming the file for anything that is not a Chrome trace of operators."""
+def read_trace(path: str | Path) -> tuple[list[Span], dict[tuple, str], list[Span]]:
+    """The trace's spans with their nesting depth and self time, the lanes' names, and the
+    steps (`ProfilerStep#<n>` annotations, in time order; not among the spans, whose depths
+    they would all shift). TraceError naming the file for anything that is not a Chrome trace
+    of operators."""
     path = Path(path)
     hint = ("pass a Chrome trace of a profiled run, RUN/profile/step_<n>/rank<R>.pt.trace.json "
             "(written with [profile] steps = \"A-B\")")
@@ -66,10 +76,14 @@ def read_trace(path: str | Path) -> tuple[list[Span], dict[tuple, str]]:
     complete = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"
                 and e.get("cat") != "Trace" and isinstance(e.get("ts"), (int, float))
                 and isinstance(e.get("dur"), (int, float))]
+    steps = sorted((Span(str(e["name"]), (e.get("pid"), e.get("tid")), float(e["ts"]),
+                         float(e["dur"])) for e in complete
+                    if str(e.get("name", "")).startswith(STEP_MARK)), key=lambda s: s.start)
+    complete = [e for e in complete if not str(e.get("name", "")).startswith(STEP_MARK)]
     if not complete:
         raise TraceError(f"{path}: a trace without complete (\"X\") events, nothing to draw; "
                          f"{hint}")
-    return _nest(complete), names
+    return _nest(complete), names, steps
 
 
 def _nest(events: list[dict]) -> list[Span]:
@@ -109,13 +123,40 @@ def top_operators(spans: list[Span], count: int) -> list[tuple[str, float, int]]
     return [(name, total, int(calls)) for name, (total, calls) in ranked]
 
 
+def legend_labels(names: list[str], width: int = LEGEND_CHARS) -> dict[str, str]:
+    """A label of at most about `width` characters per name, different names different labels:
+    a long name keeps its start and, when its first `width` characters are another's too, the
+    part around where it differs from the closest of them (kernels' names share long template
+    prefixes: `...elementwise_kernel<...silu_kernel...>` and `...silu_backward_kernel...`)."""
+    labels: dict[str, str] = {}
+    for name in names:
+        shared = max((len(os.path.commonprefix([name, other])) for other in names
+                      if other != name), default=0)
+        if len(name) <= width:
+            labels[name] = name
+        elif shared < width - 1:
+            labels[name] = name[:width - 1] + "…"
+        else:
+            head = width // 3
+            tail = width - head - 2
+            start = max(head, min(shared - tail // 3, len(name) - tail))
+            labels[name] = (name[:head] + "…" + name[start:start + tail]
+                            + ("…" if start + tail < len(name) else ""))
+    seen: dict[str, int] = defaultdict(int)
+    for name in names:  # windows that still coincide: numbered
+        seen[labels[name]] += 1
+        if seen[labels[name]] > 1:
+            labels[name] += f" ({seen[labels[name]]})"
+    return labels
+
+
 def render_trace(path: str | Path, out: str | Path, *, top: int = 10, max_depth: int = 8,
                  zoom: tuple[float, float] | None = None) -> Path:
     """Draw the trace at `path` as a WIDTH x HEIGHT inch PNG at `out`, returned: above, the
     whole trace; below, the window `zoom` (ms from the first event; default: a twelfth of the
     trace from the first call of the top operator) with the operators' names. Lanes of spans
     nested up to `max_depth` levels, the `top` operators by self time coloured."""
-    spans, lane_names = read_trace(path)
+    spans, lane_names, steps = read_trace(path)
     require("matplotlib", "plot", PROG)
     import matplotlib
 
@@ -126,7 +167,7 @@ def render_trace(path: str | Path, out: str | Path, *, top: int = 10, max_depth:
     leaders = top_operators(spans, top)
     palette = matplotlib.colormaps["tab10" if top <= 10 else "tab20"]
     colours = {name: palette(i % palette.N) for i, (name, _, _) in enumerate(leaders)}
-    origin = min(span.start for span in spans)
+    origin = min(span.start for span in spans + steps)
     end_ms = (max(span.start + span.duration for span in spans) - origin) / 1e3
     if zoom is None:
         first = min((s for s in spans if s.name == leaders[0][0]), key=lambda s: s.start)
@@ -136,14 +177,17 @@ def render_trace(path: str | Path, out: str | Path, *, top: int = 10, max_depth:
     figure = Figure(figsize=(WIDTH, HEIGHT), dpi=DPI, layout="constrained")
     whole, detail = figure.subplots(2, 1, height_ratios=[1, 1.4])
     _draw(whole, spans, lane_names, colours, origin, (0.0, end_ms), max_depth, labels=False)
+    _mark_steps(whole, steps, origin, (0.0, end_ms))
     whole.axvspan(*zoom, color="black", alpha=0.08)
     whole.set_title(f"{Path(path).name}: {end_ms:.1f} ms, {len(spans):,} events, callers above "
                     f"callees; the shaded window is drawn below", fontsize=10)
     _draw(detail, spans, lane_names, colours, origin, zoom, max_depth, labels=True)
+    _mark_steps(detail, steps, origin, zoom)
     detail.set_title(f"{zoom[0]:.1f}-{zoom[1]:.1f} ms", fontsize=10)
     detail.set_xlabel("time from the trace's first event (ms)")
-    figure.legend(handles=[Patch(color=colours[name], label=f"{name[:48]}: {total / 1e3:.1f} ms "
-                                                            f"self, {calls} calls")
+    labels = legend_labels([name for name, _, _ in leaders])
+    figure.legend(handles=[Patch(color=colours[name], label=f"{labels[name]}: {total / 1e3:.1f} "
+                                                            f"ms self, {calls} calls")
                            for name, total, calls in leaders] +
                   [Patch(color=GREY, label="other operators")],
                   loc="outside lower center", ncols=3, fontsize=8,
@@ -153,6 +197,20 @@ def render_trace(path: str | Path, out: str | Path, *, top: int = 10, max_depth:
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out)
     return out
+
+
+def _mark_steps(ax, steps: list[Span], origin: float, window: tuple[float, float]) -> None:
+    """A dashed line where each step starts (and the last one ends), with the step's number."""
+    low, high = window
+    edges = [((s.start - origin) / 1e3, s.name.removeprefix(STEP_MARK)) for s in steps]
+    if steps:
+        edges.append(((steps[-1].start + steps[-1].duration - origin) / 1e3, None))
+    for x, number in edges:
+        if low <= x <= high:
+            ax.axvline(x, color="black", linestyle="dashed", linewidth=0.8)
+        if number is not None and low <= x < high:
+            ax.annotate(f"step {number}", (x, 0), xycoords=("data", "axes fraction"),
+                        xytext=(3, 3), textcoords="offset points", fontsize=8)
 
 
 def _draw(ax, spans: list[Span], lane_names: dict[tuple, str], colours: dict[str, tuple],
@@ -222,4 +280,5 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {out}")
 
 
-__all__ = ["Span", "TraceError", "main", "read_trace", "render_trace", "top_operators"]
+__all__ = ["Span", "TraceError", "legend_labels", "main", "read_trace", "render_trace",
+           "top_operators"]

@@ -16,12 +16,14 @@ from pathlib import Path
 
 import torch
 
-from data_tools.tokenizer import Tokenizer, load_tokenizer
 from megabeta.checkpoint import CheckpointError
 from megabeta.checkpoint.export import ModelSource, load_model, read_source
-from megabeta.data import DataError, GlobalSampler, build_train_val, file_sha256
+from megabeta.data import DataError, GlobalSampler, build_train_val
 from megabeta.infer.evaluate import evaluate
 from megabeta.infer.generate import cut_at_token, generate, stop_at_token
+from megabeta.infer.loading import (UsageError, check_vocabulary, load_checkpoint,
+                                    load_model_tokenizer, resolve_tokenizer, short_hash,
+                                    warn_notes)
 from megabeta.model import ConfigError
 from megabeta.model.documents import require_document_mask_support
 
@@ -29,66 +31,9 @@ FALLBACK_VAL_FRACTION = 0.01
 """`eval --val-fraction` when the checkpoint records no run config."""
 
 
-class UsageError(ValueError):
-    """Bad input to `eval` or `generate`; the message names the flag or file and what to do."""
-
-
 def _fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2
-
-
-def _short(sha256: str | None) -> str:
-    return f"sha256 {sha256[:16]}…" if sha256 else "sha256 unknown"
-
-
-def resolve_tokenizer(source: ModelSource, given: str, force: bool,
-                      need_file: bool) -> tuple[str, str | None]:
-    """(path, sha256) of the tokenizer to use with `source`'s model: `given` (--tokenizer) when
-    it is the one the model was trained with (or `force`), else the recorded one. `need_file`:
-    the file itself is needed (generate), not only its hash (eval); path "" when not needed and
-    not found. UsageError saying what to pass otherwise."""
-    recorded_path = source.tokenizer.get("path", "")
-    recorded_sha = source.tokenizer.get("sha256")
-    recorded = f"{recorded_path} ({_short(recorded_sha)}, recorded with {source.path})"
-    if given:
-        if not Path(given).is_file():
-            raise UsageError(f"--tokenizer {given}: no such file; pass the tokenizer file "
-                             "(.model or tokenizer.json) the training data was tokenized with"
-                             + (f", or leave it out to use {recorded}" if recorded_path else ""))
-        sha = file_sha256(given)
-        if recorded_sha and sha != recorded_sha and not force:
-            raise UsageError(f"--tokenizer {given} ({_short(sha)}) is not the tokenizer the model "
-                             f"was trained with, {recorded}: its token ids would stand for other "
-                             "text. Leave out --tokenizer to use the recorded one, or pass "
-                             "--force-tokenizer to use this one anyway")
-        return given, sha
-    if not recorded_path:
-        if not need_file:
-            return "", None
-        raise UsageError(f"{source.path} records no tokenizer (its run named no data.tokenizer "
-                         "and its data has no sidecar naming one); pass --tokenizer PATH "
-                         "(.model or tokenizer.json), the tokenizer its training data was "
-                         "tokenized with")
-    if not Path(recorded_path).is_file():
-        if not need_file:
-            return "", recorded_sha
-        raise UsageError(f"the model's tokenizer {recorded} is not found; pass --tokenizer "
-                         "PATH (.model or tokenizer.json), a copy of that file"
-                         + (f" (its {_short(recorded_sha)})" if recorded_sha else ""))
-    sha = file_sha256(recorded_path)
-    if recorded_sha and sha != recorded_sha and not force:
-        raise UsageError(f"{recorded_path} has changed since the model was trained with it "
-                         f"({_short(sha)} now, {_short(recorded_sha)} recorded with "
-                         f"{source.path}); pass --tokenizer with the original model, or "
-                         "--force-tokenizer to use the file as it is")
-    return recorded_path, recorded_sha or sha
-
-
-def warn_notes(source: ModelSource) -> None:
-    """Print what `read_source` could not read (its notes) as warnings."""
-    for note in source.notes:
-        print(f"warning: {note}", file=sys.stderr)
 
 
 # ---- eval ----------------------------------------------------------------------------------------
@@ -250,7 +195,6 @@ def _lm_eval(args: argparse.Namespace, device: torch.device) -> int:
     """`eval --lm-eval TASKS`: every input checked (tasks, limit, tokenizer, checkpoint) before
     the model loads, then the harness; its table printed, its results written as JSON."""
     from megabeta.extras import require
-    from megabeta.model import ConfigError
 
     try:
         require("lm_eval", "eval", "--lm-eval")
@@ -260,9 +204,8 @@ def _lm_eval(args: argparse.Namespace, device: torch.device) -> int:
         tasks = harness.find_tasks(args.lm_eval.split(","), args.lm_eval_include)
         output = Path(args.lm_eval_output) if args.lm_eval_output else lm_eval_output(
             args.checkpoint)
-        model, tokenizer = harness.load_checkpoint(args.checkpoint, tokenizer=args.tokenizer,
-                                                   force_tokenizer=args.force_tokenizer,
-                                                   device=device)
+        model, tokenizer = load_checkpoint(args.checkpoint, tokenizer=args.tokenizer,
+                                           force_tokenizer=args.force_tokenizer, device=device)
         lm = harness.MegabetaLM(model, tokenizer, batch_size=args.batch_size, seed=args.seed)
         results = harness.run_tasks(lm, tasks, limit=limit, num_fewshot=args.num_fewshot,
                                     bootstrap_iters=args.bootstrap_iters)
@@ -276,6 +219,52 @@ def _lm_eval(args: argparse.Namespace, device: torch.device) -> int:
     except OSError as err:
         return _fail(f"--lm-eval-output {output}: cannot write it ({err})")
     print(f"wrote {output}")
+    return 0
+
+
+LM_EVAL_DESCRIPTION = """usage: megabeta lm-eval [lm-eval's flags]
+
+The lm-evaluation-harness's own command line (`lm_eval`/`lm-eval`, every flag as it documents
+them) with the megabeta model registered as `megabeta`:
+
+  megabeta lm-eval --model megabeta --model_args pretrained=m.safetensors \\
+      --tasks hellaswag,arc_easy --batch_size 16 --device cuda:0 --output_path results/
+
+model_args: pretrained=PATH or checkpoint=PATH (an export or a checkpoint directory; required;
+the harness names the --output_path folder after pretrained=), tokenizer=PATH and
+force_tokenizer=True (another copy of the model's tokenizer), seed=N (sampled generation),
+max_gen_toks=N. The harness's --device defaults to cuda:0; without CUDA the model runs on the
+CPU (with a warning). A harness with plugin discovery also finds the model from its own
+command, `lm_eval --model megabeta ...` (the package's `lm_eval.models` entry point); lm-eval
+0.4.13 has none. Needs pip install 'megabeta[eval]'. The harness's help follows
+(`megabeta lm-eval run --help`: every flag of a run).
+"""
+
+
+def lm_eval_main(argv: list[str] | None = None) -> int:
+    """`megabeta lm-eval`: the harness's command line, run in this process with `MegabetaLM`
+    registered, without the harness's noise (`quiet_harness`)."""
+    from megabeta.extras import require
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]) or not argv:
+        print(LM_EVAL_DESCRIPTION, file=sys.stderr)
+    try:
+        require("lm_eval", "eval", "megabeta lm-eval")
+    except ConfigError as err:
+        return _fail(str(err))
+    from lm_eval.__main__ import cli_evaluate
+
+    from megabeta.infer.lm_eval import quiet_harness  # registers the model
+
+    # The harness's parser reads sys.argv (and inserts `run` when no subcommand is named).
+    saved = sys.argv
+    sys.argv = ["megabeta lm-eval", *argv]
+    try:
+        with quiet_harness():
+            cli_evaluate()
+    finally:
+        sys.argv = saved
     return 0
 
 
@@ -323,8 +312,8 @@ def _check_data_tokenizer(data, expected: str | None, source: ModelSource, force
     if data.tokenizer_sha256 != expected:
         made_with = (data.sources[0].sidecar or {}).get("tokenizer", {}).get("path", "?")
         raise UsageError(f"{prefix} was tokenized with {made_with} "
-                         f"({_short(data.tokenizer_sha256)}), not with the model's tokenizer "
-                         f"({_short(expected)}, recorded with {source.path}): the loss would "
+                         f"({short_hash(data.tokenizer_sha256)}), not with the model's tokenizer "
+                         f"({short_hash(expected)}, recorded with {source.path}): the loss would "
                          "mean nothing. Evaluate on data tokenized with the model's tokenizer, "
                          "or pass --force-tokenizer")
 
@@ -402,24 +391,6 @@ def generate_main(argv: list[str] | None = None) -> int:
         new = cut_at_token(new, eod)
     print(args.prompt + tokenizer.decode(new.tolist()))
     return 0
-
-
-def load_model_tokenizer(path: str) -> Tokenizer:
-    """The tokenizer in `path`, a sentencepiece .model or a Hugging Face tokenizer.json
-    (`data_tools.tokenizer.load_tokenizer`); UsageError when it is not one or its extra is
-    missing."""
-    try:
-        return load_tokenizer(path)
-    except DataError as err:
-        raise UsageError(f"--tokenizer: {err}") from None
-
-
-def check_vocabulary(tokenizer: Tokenizer, tokenizer_path: str, model) -> None:
-    """UsageError when the tokenizer has ids beyond the model's vocabulary."""
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise UsageError(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} pieces, more "
-                         f"than the model's vocabulary ({model.config.vocab_size}); pass the "
-                         "tokenizer the model was trained with")
 
 
 def _check_context(prompt_tokens: int, new_tokens: int, source: ModelSource) -> None:

@@ -11,26 +11,37 @@ and KV-cache decoding, as the harness's HF model does:
   `max_length + 1` tokens kept (contexts longer than the window are cut from the left), and the
   continuation's log-probabilities under one forward pass summed; also whether each of its
   tokens is the greedy one. Requests run longest first, `batch_size` per forward pass, right-
-  padded: the model is causal, so the padding changes no scored position and the result does not
-  depend on the batch size.
+  padded to a whole number of blocks: the model is causal, so the padding changes no scored
+  position, and since no request's scored positions then lie in a partial block, which float
+  arithmetic rounds differently by width and batch, the result is the same bits at any batch
+  size (where `max_seq_len` is a multiple of `block_size`, as in every shipped config).
 - `loglikelihood_rolling(text)`: the text's tokens in disjoint windows of the model's context
   (the harness's `get_rolling_token_windows`; the first token predicted from the EOS, the
   document separator megabeta's data is tokenized with), their log-likelihoods summed.
 - `generate_until(context, gen_kwargs)`: `megabeta.infer.generate` from the last
   `max_length - max_gen_toks` context tokens, greedy unless `do_sample` (then `temperature`,
   `top_k`, `top_p`), ended at the first stop sequence (`until`) or EOS; requests of the same
-  context length and settings are batched.
+  context length and settings are batched; the prompt's last block may be partial, so a
+  greedy choice between tokens whose logits tie within float rounding may differ by batch size.
 
-`import megabeta.infer.lm_eval` registers the class; the harness's own entry points then find it:
+`import megabeta.infer.lm_eval` registers the class as `megabeta`, and the package declares it in
+the harness's plugin group `lm_eval.models` (pyproject.toml), which a harness with plugin
+discovery reads for `lm_eval --model megabeta`; lm-eval 0.4.13 has none, and `megabeta lm-eval`
+is its command line with the class registered (`megabeta.infer.cli.lm_eval_main`). Python:
 `lm_eval.simple_evaluate(model="megabeta", model_args="checkpoint=m.safetensors", tasks=[...])`.
 `megabeta eval --lm-eval TASKS` and the trainer's `eval.lm_eval_tasks` use `run_tasks`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
+import logging
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,11 +53,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.tasks import TaskManager
 
 from data_tools.tokenizer import Tokenizer
-from megabeta.checkpoint.export import load_model, read_source
-from megabeta.infer.cli import (UsageError, check_vocabulary, load_model_tokenizer,
-                                resolve_tokenizer, warn_notes)
 from megabeta.infer.generate import generate
+from megabeta.infer.loading import UsageError, load_checkpoint
 from megabeta.model import DecoderLM
+from megabeta.storage.durable import write_durably
 
 GENERATION_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
 """The `generation_kwargs` of a task that `generate_until` understands; any other is an error."""
@@ -62,19 +72,28 @@ def _positive_int(name: str, value: Any) -> int:
 class MegabetaLM(TemplateLM):
     """A megabeta model as the harness sees it.
 
-    `checkpoint`: an export (.safetensors) or checkpoint directory, or a loaded model;
+    `checkpoint` (or `pretrained`, the harness's name for it): an export (.safetensors) or
+    checkpoint directory, or a loaded model;
     `tokenizer`: its tokenizer file (default: the one recorded with the checkpoint, which another
     one may replace only with `force_tokenizer`), or a loaded `Tokenizer` (required with a loaded
     model). `batch_size`: requests per forward pass (a number; the result is the same for any).
-    `device`: where a loaded checkpoint runs (default: cuda when available). `seed`: of sampled
-    generation. `max_gen_toks`: new tokens when a task sets none.
+    `device`: where a loaded checkpoint runs (default: cuda when available; a CUDA device on a
+    machine without CUDA, as the harness's command line asks by default, runs on the CPU with a
+    warning). `seed`: of sampled generation. `max_gen_toks`: new tokens when a task sets none.
     """
 
     def __init__(self, checkpoint: str | DecoderLM = "", tokenizer: str | Tokenizer = "",
                  force_tokenizer: bool = False, batch_size: int | str | None = 8,
                  max_batch_size: int | None = None, device: str | None = None,
-                 seed: int = 1234, max_gen_toks: int = 256) -> None:
+                 seed: int = 1234, max_gen_toks: int = 256, pretrained: str = "") -> None:
         super().__init__()
+        if pretrained:
+            # The harness's usual name for the model's path, from which its --output_path
+            # names the results' folder (with `checkpoint=` it draws a random name).
+            if checkpoint:
+                raise UsageError("model_args: checkpoint= and pretrained= name the same thing; "
+                                 "give one")
+            checkpoint = pretrained
         del max_batch_size  # the harness passes it for batch_size "auto", which is not offered
         self.batch_size = _positive_int("batch_size", 8 if batch_size is None else batch_size)
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
@@ -89,7 +108,7 @@ class MegabetaLM(TemplateLM):
                                  ".safetensors or a checkpoint directory)")
             self.model, self.tokenizer = load_checkpoint(
                 str(checkpoint), tokenizer=str(tokenizer), force_tokenizer=force_tokenizer,
-                device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+                device=run_device(device))
         if self.tokenizer.eos_id < 0:
             raise UsageError(f"tokenizer {self.tokenizer.info.path} has no end-of-text token; "
                              "the harness's requests start from it (pass the tokenizer the model "
@@ -134,8 +153,11 @@ class MegabetaLM(TemplateLM):
             inputs = (list(context) + list(continuation))[-(self.max_length + 1):][:-1]
             rows.append((inputs, list(continuation)))
         results: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
+        block = self.model.config.block_size
         for batch in self._longest_first(range(len(rows)), lambda i: len(rows[i][0])):
-            width = max(len(rows[i][0]) for i in batch)
+            # Whole blocks (at most the model's context): no scored position in a partial block.
+            longest = max(len(rows[i][0]) for i in batch)
+            width = min(-(-longest // block) * block, max(self.max_length, longest))
             inputs = torch.full((len(batch), width), max(self.tokenizer.pad_id, 0),
                                 dtype=torch.long)
             for row, index in enumerate(batch):
@@ -238,17 +260,18 @@ class MegabetaLM(TemplateLM):
         return [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
 
 
-def load_checkpoint(checkpoint: str, *, tokenizer: str = "", force_tokenizer: bool = False,
-                    device: str | torch.device = "cpu") -> tuple[DecoderLM, Tokenizer]:
-    """The model of an export or checkpoint directory on `device` and its tokenizer: the one
-    recorded with it, or `tokenizer` when that is the same file (or `force_tokenizer`)."""
-    source = read_source(checkpoint)
-    warn_notes(source)
-    path, _ = resolve_tokenizer(source, tokenizer, force_tokenizer, need_file=True)
-    processor = load_model_tokenizer(path)
-    model = load_model(checkpoint, device=device)
-    check_vocabulary(processor, path, model)
-    return model, processor
+def run_device(given: str | None) -> str:
+    """Where a checkpoint runs: `given`, else cuda when available, else the CPU. A CUDA device
+    on a machine without CUDA (the harness's command line passes `--device cuda:0` unless told
+    otherwise) runs on the CPU, with one warning."""
+    if not given:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if given.startswith("cuda") and not torch.cuda.is_available():
+        print(f"warning: device {given} asked for (the harness's --device defaults to cuda:0), "
+              "but this machine has no CUDA: running on the CPU (--device cpu says so)",
+              file=sys.stderr)
+        return "cpu"
+    return given
 
 
 # ---- tasks -----------------------------------------------------------------------------------------
@@ -307,12 +330,55 @@ def run_tasks(lm: MegabetaLM, tasks: HarnessTasks, *, limit: float | int | None 
     `tasks`. The harness seeds Python's, NumPy's and torch's global generators itself."""
     from lm_eval import simple_evaluate
 
-    results = simple_evaluate(model=lm, tasks=tasks.names, task_manager=tasks.manager,
-                              limit=limit, num_fewshot=num_fewshot, log_samples=False,
-                              bootstrap_iters=bootstrap_iters)
+    with quiet_harness():
+        results = simple_evaluate(model=lm, tasks=tasks.names, task_manager=tasks.manager,
+                                  limit=limit, num_fewshot=num_fewshot, log_samples=False,
+                                  bootstrap_iters=bootstrap_iters)
     if results is None:  # only on ranks other than 0, which megabeta never gives the harness
         raise RuntimeError("lm-eval returned no results")
     return results
+
+
+class _DefaultMetricNotes(logging.Filter):
+    """Drops the harness's two warnings per metric of a task YAML that leaves out `aggregation`
+    or `higher_is_better` (six for a minimal multiple-choice and perplexity task): the metric's
+    registered defaults are what such a task means."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(f"is defined, but {key} is not. using default" in message
+                       for key in ("aggregation", "higher_is_better"))
+
+
+def _quiet_git_hash() -> str | None:
+    """The harness's `get_git_commit_hash` without git's `fatal: not a git repository` on
+    stderr when the working directory is not in a repository: the same probe, its stderr
+    dropped, and the same fallback."""
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        return subprocess.check_output(["git", "describe", "--always"],  # noqa: S607
+                                       stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return get_commit_from_path(os.getcwd())
+
+
+@contextlib.contextmanager
+def quiet_harness() -> Iterator[None]:
+    """A harness run without its noise: git's error from the results' git probe and the
+    warnings about metrics left to their defaults (both say nothing about the model)."""
+    import lm_eval.evaluator as evaluator
+
+    task_log = logging.getLogger("lm_eval.api.task")
+    notes = _DefaultMetricNotes()
+    probe = evaluator.get_git_commit_hash
+    task_log.addFilter(notes)
+    evaluator.get_git_commit_hash = _quiet_git_hash
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = probe
+        task_log.removeFilter(notes)
 
 
 def metric_values(results: dict[str, Any]) -> dict[str, float]:
@@ -338,14 +404,14 @@ def table(results: dict[str, Any]) -> str:
 
 
 def write_results(results: dict[str, Any], path: Path) -> Path:
-    """`results` as JSON (the harness's encoding of what is not JSON), written atomically."""
+    """`results` as JSON (the harness's encoding of what is not JSON), written atomically and
+    durably."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temp.write_text(json.dumps(results, indent=2, default=harness_utils.handle_non_serializable,
-                               ensure_ascii=False) + "\n", encoding="utf-8")
-    temp.replace(path)
+    write_durably(path, (json.dumps(results, indent=2,
+                                    default=harness_utils.handle_non_serializable,
+                                    ensure_ascii=False) + "\n").encode("utf-8"))
     return path
 
 
 __all__ = ["MegabetaLM", "HarnessTasks", "find_tasks", "check_limit", "run_tasks",
-           "metric_values", "table", "write_results", "load_checkpoint"]
+           "metric_values", "table", "write_results", "quiet_harness", "run_device"]

@@ -15,8 +15,8 @@ from data_tools.atomic import AtomicFiles
 from megabeta.checkpoint import CheckpointError
 from megabeta.checkpoint.export import load_model, read_source
 from megabeta.data import DataError
-from megabeta.infer.cli import (UsageError, check_vocabulary, load_model_tokenizer,
-                                resolve_tokenizer, warn_notes)
+from megabeta.infer.loading import (UsageError, check_vocabulary, load_model_tokenizer,
+                                    resolve_tokenizer, warn_notes)
 from megabeta.tasks.document import TaskFileError
 from megabeta.tasks.evaluate import read_encoded, score_encoded
 from megabeta.tasks.make import TASKS, generate_documents, write_task_file

@@ -60,7 +60,7 @@ class DownstreamEvals:
             # Checked on every rank (not only rank 0, which runs them): a bad name stops all.
             require("lm_eval", "eval", "eval.lm_eval_tasks")
             from megabeta.infer import lm_eval as harness
-            from megabeta.infer.cli import UsageError
+            from megabeta.infer.loading import UsageError
 
             try:
                 self.harness = harness.find_tasks(settings.lm_eval_tasks,

@@ -7,13 +7,21 @@ calls return at one set lookup, so an unprofiled run pays nothing measurable.
 
 Traces land in `RUN/profile/step_<n>/rank<R>.pt.trace.json` (n: the range's first step): one
 file per rank that is both a Chrome trace (chrome://tracing, ui.perfetto.dev) and what
-TensorBoard's profiler plugin reads (`tensorboard --logdir RUN/profile`). Rank 0 prints the top
-operators by self time and keeps that table beside its trace (`top_ops.txt`).
+TensorBoard's profiler plugin reads (`tensorboard --logdir RUN/profile`). Each profiled step is
+a `ProfilerStep#<n>` annotation in it (torch's name for step markers, which TensorBoard's step
+view and `megabeta bench trace` read). Rank 0 prints the top operators by self time and keeps
+that table beside its trace (`top_ops.txt`). Kineto's `USDT: ... profiler_start` and
+`profiler_stop` lines, which it prints to stderr at any log level, are left out of the output.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import re
+import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -30,6 +38,34 @@ log = logging.getLogger("megabeta")
 MEMORY_HISTORY_ENTRIES = 100_000
 """Allocator events kept while recording (torchtitan's default): bounded host memory."""
 
+_KINETO_MARKER = re.compile(
+    rb"^(USDT|STAGE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp:\d+\] ")
+"""Kineto's own marker lines (`USDT:2026-12-06 17:05:29 8132:8132
+SyncActivityProfilerHandler.cpp:52] profiler_start`), printed from C++ to the process's stderr
+whatever KINETO_LOG_LEVEL says."""
+
+
+@contextlib.contextmanager
+def without_kineto_markers() -> Iterator[None]:
+    """Around starting or stopping the profiler: the process's stderr (file descriptor 2) is
+    collected meanwhile and written back without kineto's marker lines; anything else written
+    to it then (another thread's log line) comes out as it was, after the call."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as collected:
+        os.dup2(collected.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            collected.seek(0)
+            kept = b"".join(line for line in collected.read().splitlines(keepends=True)
+                            if not _KINETO_MARKER.match(line))
+            if kept:
+                os.write(2, kept)
+
 
 class StepProfiler:
     """torch.profiler over `profile.steps` on this rank; allocator snapshots on CUDA."""
@@ -42,6 +78,7 @@ class StepProfiler:
         self.rank = rank
         self.device = device
         self.profiler: torch.profiler.profile | None = None
+        self.step_mark: torch.profiler.record_function | None = None
         self.range_start = 0
         # History is recorded from the start, not only over the profiled steps: an out-of-memory
         # error may come at any step, and its snapshot is only useful with the events before it.
@@ -53,23 +90,36 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
 
     def begin(self, step: int) -> None:
-        if self.selection is None or self.profiler is not None or not self.selection.starts(step):
+        if self.selection is None:
             return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.profiler = torch.profiler.profile(activities=activities,
-                                               record_shapes=self.config.record_shapes,
-                                               with_stack=self.config.with_stack)
-        self.profiler.start()
-        self.range_start = step
+        if self.profiler is None:
+            if not self.selection.starts(step):
+                return
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities,
+                                                   record_shapes=self.config.record_shapes,
+                                                   with_stack=self.config.with_stack)
+            with without_kineto_markers():
+                self.profiler.start()
+            self.range_start = step
+        # The step's extent in the trace, as torch's own step markers name it.
+        self.step_mark = torch.profiler.record_function(f"ProfilerStep#{step}")
+        self.step_mark.__enter__()
 
     def end(self, step: int, *, last: bool = False) -> None:
         """After step `step`; `last`: the run stops now, so an open range is closed."""
-        if self.profiler is None or not (last or self.selection.ends(step)):
+        if self.profiler is None:
+            return
+        if self.step_mark is not None:
+            self.step_mark.__exit__(None, None, None)
+            self.step_mark = None
+        if not (last or self.selection.ends(step)):
             return
         profiler, self.profiler = self.profiler, None
-        profiler.stop()
+        with without_kineto_markers():
+            profiler.stop()
         folder = self.root / f"step_{self.range_start}"
         folder.mkdir(parents=True, exist_ok=True)
         trace = folder / f"rank{self.rank}.pt.trace.json"
@@ -98,7 +148,8 @@ class StepProfiler:
 
     def close(self) -> None:
         if self.profiler is not None:
-            self.profiler.stop()
+            with without_kineto_markers():
+                self.profiler.stop()
             self.profiler = None
         if self.snapshots:
             torch.cuda.memory._record_memory_history(enabled=None)

@@ -1,22 +1,27 @@
 """A hang watchdog: when a step runs longer than `monitor.hang_seconds`, say which rank holds the
 others up and in which collective, and dump every thread's stack on every rank.
 
-The loop marks where each step is (`Watchdog.enter(step, phase)`: a dictionary write, nothing
+The loop marks where each step is (`Watchdog.enter(step, phase)`: a few attribute writes, nothing
 more). A thread on each rank wakes a few times per `hang_seconds`; once a step overruns, it
 
-1. writes this rank's step and phase to `RUN/hang/` (the run directory is shared by the ranks,
-   as checkpoints need; a file works while the process group is stuck, and is not the
-   rendezvous store, whose client the main thread may be using) and, on rank 0, reads every
-   rank's: the ranks behind the others (an earlier step or phase) are named, with the
-   collective the others wait in; ranks that never answer are named as unresponsive;
-2. dumps all threads' Python stacks (faulthandler) to stderr and `RUN/hang/rank<R>_step<n>.txt`;
+1. dumps all threads' Python stacks (faulthandler) to `RUN/hang/rank<R>_step<n>.txt`, and the
+   launch's first report also to stderr (later ones name the file);
+2. with several ranks, writes this rank's step and phase to `RUN/hang/` (the run directory is
+   shared by the ranks, as checkpoints need; a file works while the process group is stuck, and
+   is not the rendezvous store, whose client the main thread may be using) and, on rank 0,
+   reads every rank's: the ranks behind the others (an earlier step or phase) are named, with
+   the collective the others wait in; ranks that never answer are named as unresponsive. A
+   single process waits for no other rank: its report names the phase and the work in it;
 3. on NCCL, writes the flight recorder's record of the last collectives
    (`RUN/hang/nccl_trace_rank<R>.pkl`); `enable_flight_recorder` turns the recorder on before
    the process group is made.
 
-It reports, once per overrunning step; ending the job is left to the process group's timeout
-(or the scheduler), which then has the reports. The launch's first step is not watched: it
-builds kernels and compiles, and its length says nothing about a hang.
+It reports once per overrunning step; ending the job is left to the process group's timeout
+(or the scheduler), which then has the reports. A reported step that then finishes was slow,
+not hung: the watchdog says so once, with the step's time, and from then on waits twice the
+slowest such step before it reports, so a limit set below the run's step time does not fire
+on every step. The launch's first step is not watched: it builds kernels and compiles, and its
+length says nothing about a hang.
 """
 
 from __future__ import annotations
@@ -45,6 +50,15 @@ PHASES: dict[str, str] = {
 }
 """A step's phases in order, with the collectives each may wait in."""
 ORDER = {name: index for index, name in enumerate(PHASES)}
+WORK: dict[str, str] = {
+    "data": "loading the step's batches",
+    "forward_backward": "the forward and backward passes",
+    "optimizer": "the gradient norm and the update",
+    "log": "logging and the dials",
+    "eval": "the evaluation",
+    "checkpoint": "saving the checkpoint",
+}
+"""What a single process does in each phase (it has no collective to wait in)."""
 
 TRACE_BUFFER_ENTRIES = "2000"
 """Collectives the NCCL flight recorder keeps per rank (torch's docs suggest 2000)."""
@@ -87,12 +101,18 @@ class Watchdog:
 
     def __init__(self, seconds: float, run_dir: Path, rank: int, world_size: int) -> None:
         self.seconds = seconds
+        self.limit = seconds
+        """The time a step may run before it is reported: `seconds`, or twice the slowest
+        reported step that then finished, when that is longer."""
         self.folder = run_dir / "hang"
         self.rank, self.world_size = rank, world_size
         self.step, self.phase, self.since = 0, "data", time.monotonic()
+        self.finished: tuple[int, float] = (0, 0.0)
+        """The last step that ended, and its seconds."""
         self.first: int | None = None
         self.launched = time.time()
         self.reported = -1
+        self.reports = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="megabeta-watchdog", daemon=True)
         self.thread.start()
@@ -101,7 +121,9 @@ class Watchdog:
         """Step `step` (1-based, the one running) is now in `phase`; a new step restarts the
         clock."""
         if step != self.step:
-            self.since = time.monotonic()
+            now = time.monotonic()
+            self.finished = (self.step, now - self.since)
+            self.since = now
         if self.first is None:
             self.first = step
         self.step, self.phase = step, phase
@@ -109,25 +131,55 @@ class Watchdog:
     def _watch(self) -> None:
         while not self.stop.wait(min(1.0, self.seconds / 4)):
             step, phase, since = self.step, self.phase, self.since
+            done, took = self.finished
+            if done == self.reported and took > self.limit:
+                self._slow_not_hung(done, took)
             if (step not in (self.reported, self.first)
-                    and time.monotonic() - since > self.seconds):
+                    and time.monotonic() - since > self.limit):
                 self.reported = step
                 self.report(step, phase, time.monotonic() - since)
 
+    def _slow_not_hung(self, step: int, took: float) -> None:
+        """A reported step finished: a limit below the step time, not a hang."""
+        self.limit = 2 * took
+        if self.rank == 0:
+            log.warning("step %d finished after %.1f s: slow, not hung (monitor.hang_seconds = "
+                        "%g is below this run's step time; raise it above the slowest step). "
+                        "The watchdog now reports a step only after %.1f s, twice that one.",
+                        step, took, self.seconds, self.limit)
+
+    def stacks(self, step: int) -> Path:
+        """Where this rank's stacks of `step` go."""
+        return self.folder / f"rank{self.rank}_step{step}.txt"
+
     def report(self, step: int, phase: str, elapsed: float) -> None:
-        log.error("rank %d: step %d has run %.1f s (monitor.hang_seconds = %g), in %s; it may "
-                  "wait in %s. Dumping every thread's stack.", self.rank, step, elapsed,
-                  self.seconds, phase, PHASES.get(phase, phase))
         self.folder.mkdir(parents=True, exist_ok=True)
-        stacks = self.folder / f"rank{self.rank}_step{step}.txt"
+        stacks = self.stacks(step)
         with open(stacks, "w") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        self.reports += 1
+        # The first report's stacks on stderr too; later ones (a slow run) only in their file.
+        where = (f"Every thread's stack below and in {stacks}" if self.reports == 1
+                 else f"Every thread's stack in {stacks}")
+        limit = (f"monitor.hang_seconds = {self.seconds:g}" if self.limit == self.seconds
+                 else f"limit {self.limit:.1f} s: twice the slowest step so far, "
+                      f"monitor.hang_seconds = {self.seconds:g}")
+        if self.world_size == 1:
+            log.error("step %d has run %.1f s (%s), in %s: %s; a single process waits for no "
+                      "other rank, so this is slow or stuck work. %s.", step, elapsed, limit,
+                      phase, WORK.get(phase, phase), where)
+        else:
+            log.error("rank %d: step %d has run %.1f s (%s), in %s; it may wait in %s. %s.",
+                      self.rank, step, elapsed, limit, phase, PHASES.get(phase, phase), where)
+        if self.reports == 1:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         self._dump_nccl_trace()
-        self._position(step, self.rank).write_text(f"{step} {phase}")
-        if self.rank == 0:
-            log.error("hang at step %d: %s (stacks: %s/rank<R>_step<n>.txt)", step,
-                      name_laggards(self._positions(step), self.world_size), self.folder)
+        if self.world_size > 1:
+            self._position(step, self.rank).write_text(f"{step} {phase}")
+            if self.rank == 0:
+                log.error("hang at step %d: %s (stacks: %s)", step,
+                          name_laggards(self._positions(step), self.world_size),
+                          self.folder / f"rank*_step{step}.txt")
 
     def _position(self, step: int, rank: int) -> Path:
         return self.folder / f"position_step{step}_rank{rank}.txt"
@@ -166,4 +218,4 @@ class Watchdog:
         self.thread.join()
 
 
-__all__ = ["PHASES", "Watchdog", "enable_flight_recorder", "name_laggards"]
+__all__ = ["PHASES", "WORK", "Watchdog", "enable_flight_recorder", "name_laggards"]

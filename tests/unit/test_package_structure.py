@@ -81,6 +81,11 @@ def test_the_import_graph_has_no_cycle() -> None:
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
+def test_inner_imports_are_seen() -> None:
+    """`megabeta lm-eval` imports the harness's module inside a function: the graph has it."""
+    assert "megabeta.infer.lm_eval" in _import_graph()["megabeta.infer.cli"]
+
+
 def test_the_cycle_finder_finds_one() -> None:
     """The check above can fail: a cycle planted in a copy of the graph is reported, and an
     import inside a function or under `if TYPE_CHECKING:` counts."""

@@ -43,7 +43,7 @@ def test_the_trace_is_drawn_at_the_expected_size(trace, tmp_path, capsys):
 
 
 def test_nesting_and_self_time_follow_the_trace(trace):
-    spans, lanes = read_trace(trace)
+    spans, lanes, _ = read_trace(trace)
     steps = [s for s in spans if s.name == "step"]
     assert len(steps) == 3 and all(s.depth == 0 for s in steps)
     linear = next(s for s in spans if s.name == "aten::linear")
@@ -66,3 +66,36 @@ def test_a_file_that_is_no_trace_is_a_clear_error(tmp_path, capsys, content, mes
     err = capsys.readouterr().err
     assert f"{path}: {message}" in err and "RUN/profile/step_<n>/rank<R>.pt.trace.json" in err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_legend_labels_of_long_names_that_share_their_start_differ():
+    """Kernels' names share long template prefixes: cut to their first 48 characters, a forward
+    and a backward kernel read the same in the legend."""
+    from megabeta.bench.trace import LEGEND_CHARS, legend_labels
+
+    stem = "void at::native::vectorized_elementwise_kernel<4, at::native::"
+    names = [stem + "silu_kernel(at::TensorIteratorBase&)::{lambda(float)#1}>",
+             stem + "silu_backward_kernel(at::TensorIteratorBase&)::{lambda(float)#1}>",
+             "aten::mm", "a" * 30 + "b" * 40, "a" * 30 + "c" * 40]
+    labels = legend_labels(names)
+    assert len(set(labels.values())) == len(names), labels
+    assert labels["aten::mm"] == "aten::mm"
+    assert all(len(label) <= LEGEND_CHARS + 5 for label in labels.values()), labels
+    assert "silu_backward" in labels[names[1]] and "silu_k" in labels[names[0]], labels
+
+
+def test_step_boundaries_are_read_from_the_steps_annotations(tmp_path):
+    """`ProfilerStep#<n>` annotations (what `megabeta train`'s profiler records around each
+    step) are the steps, not operators: they nest nothing a level deeper."""
+    events = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{n}", "pid": 1,
+               "tid": 1, "ts": 1000.0 * n, "dur": 900.0} for n in (3, 4)]
+    events += [{"ph": "X", "cat": "cpu_op", "name": op, "pid": 1, "tid": 1, "ts": ts,
+                "dur": 300.0} for op, ts in (("aten::mm", 3100.0), ("aten::add", 4100.0))]
+    path = tmp_path / "rank0.pt.trace.json"
+    path.write_text(__import__("json").dumps({"traceEvents": events}))
+    spans, _, steps = read_trace(path)
+    assert [s.name for s in steps] == ["ProfilerStep#3", "ProfilerStep#4"]
+    assert {s.name: s.depth for s in spans} == {"aten::mm": 0, "aten::add": 0}
+    out = tmp_path / "trace.png"
+    assert bench_main(["trace", str(path), "--out", str(out)]) == 0
+    assert png_size(out) == (int(WIDTH * DPI), int(HEIGHT * DPI))

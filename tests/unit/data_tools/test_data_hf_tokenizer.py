@@ -184,3 +184,15 @@ def test_same_output_for_two_mpi_ranks_over_mixed_inputs(bpe, tmp_path):
     single = IndexedDataset(out / "single")
     assert [single[i].tolist() for i in range(len(single))] == \
         reference_ids(tokenizer_json, docs, eos=2)
+
+
+def test_a_bpe_smaller_than_asked_for_is_said(bpe, tmp_path, capsys):
+    """tokenizers' BPE stops where no pair is left to merge, below --vocab-size and silently
+    (sentencepiece refuses such a size): the difference is said."""
+    _, _, corpus, _ = bpe
+    assert main(["train-tokenizer", "--kind", "bpe", "--inputs", str(corpus), "--vocab-size",
+                 "5000", "--output", str(tmp_path / "big"), "--quiet"]) == 0
+    size = json.loads((tmp_path / "big.tokenizer.meta.json").read_text())["vocab_size"]
+    assert size < 5000
+    assert f"warning: --vocab-size 5000 asked for, but the sample has no pair left to merge at " \
+           f"{size} tokens" in capsys.readouterr().err

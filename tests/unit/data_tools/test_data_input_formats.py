@@ -183,14 +183,18 @@ def test_corrupt_files_stop_with_one_error_or_are_read_up_to_the_damage(base, tm
                      "--output-prefix", str(prefix), "--skip-bad", *extra]) == 0
         outputs.append(dataset_bytes(prefix))
         err = capsys.readouterr().err
-        assert f"3 unreadable file(s) read only up to the damage, the rest skipped (first: {zst}: " \
-               f"not a readable zstd file after the record at line 25" in err, err
+        assert "warning: 3 damaged file(s) read only up to the damage" in err, err
+        assert f"warning:   {zst}: not a readable zstd file after the record at line 25: " in err
+        assert "(25 record(s) read, the rest of the file unread, its length unknown)" in err
     assert outputs[0] == outputs[1]
     report = IndexedDataset(tmp_path / "skip0").sidecar["report"]
     assert report["bad_files_cut"] == 3 and "bad_records_skipped" not in report
     # What was kept: the zst's first frame, then the gz's whole lines before the cut.
     from_gz = IndexedDataset(tmp_path / "skip0").num_documents - 25
     assert 0 < from_gz < len(texts)
+    assert [(cut["path"], cut["records_read"], cut["records_not_read"])
+            for cut in report["cut_files"]] == [(str(zst), 25, None), (str(gz), from_gz, None),
+                                                (str(not_parquet), 0, None)]
     reference = write_jsonl(tmp_path / "kept.jsonl", texts[:25] + texts[:from_gz])
     assert tokenize(model, [reference], tmp_path / "kept") == 0
     assert outputs[0] == dataset_bytes(tmp_path / "kept")
@@ -199,3 +203,169 @@ def test_corrupt_files_stop_with_one_error_or_are_read_up_to_the_damage(base, tm
     with ByteProgress(1, "sample", quiet=True) as progress:
         sample = sample_sentences(input_files(inputs), options, 10_000, 0, progress)
     assert sample.counts.bad_files == 3 and sample.counts.documents == 25 + from_gz
+
+
+def _cut(path: Path, share: float, source: bytes) -> Path:
+    path.write_bytes(source[:int(len(source) * share)])
+    return path
+
+
+@pytest.fixture(scope="module")
+def long_corpus(base, tmp_path_factory):
+    """3,000 documents as JSONL, .jsonl.zst (one frame of many blocks), .jsonl.gz and parquet
+    (row groups of 500), each of about 100 kB compressed."""
+    root = tmp_path_factory.mktemp("long")
+    docs = documents(3000, seed=1)
+    jsonl = write_jsonl(root / "long.jsonl", docs)
+    zst = write_zst(root / "long.jsonl.zst", jsonl)
+    gz = root / "long.jsonl.gz"
+    gz.write_bytes(gzip.compress(jsonl.read_bytes()))
+    return docs, jsonl, zst, gz, write_parquet(root / "long.parquet", docs, row_group_size=500)
+
+
+@pytest.mark.parametrize("suffix, share", [(".jsonl.zst", 0.6), (".jsonl.zst", 0.5),
+                                           (".jsonl.gz", 0.6)])
+def test_a_compressed_file_cut_short_is_a_damaged_file_not_bad_json(base, long_corpus, tmp_path,
+                                                                    capsys, suffix, share):
+    """zstandard's stream reader ends a frame cut short as if the data ended there: the line it
+    cut read as invalid JSON, and with --skip-bad as 1 bad record, the rest of the file dropped
+    uncounted. The damaged file is named, with the line the damage follows; with --skip-bad
+    the records read from it are counted, on stderr and in the sidecar."""
+    _, _, _, model = base
+    docs, _, zst, gz, _ = long_corpus
+    cut = _cut(tmp_path / f"cut{suffix}", share, (zst if suffix.endswith("zst") else gz)
+               .read_bytes())
+    assert tokenize(model, [cut], tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert f"error: {cut}: not a readable {'zstd' if 'zst' in suffix else 'gzip'} file after " \
+           "the record at line " in err, err
+    assert "invalid JSON" not in err and "contains no text" not in err
+    line = int(err.split("after the record at line ")[1].split(":")[0])
+    assert 0 < line < len(docs)
+    assert main(["tokenize", "--tokenizer", str(model), "--inputs", str(cut),
+                 "--output-prefix", str(tmp_path / "skip"), "--skip-bad", "--quiet"]) == 0
+    err = capsys.readouterr().err  # said despite --quiet
+    assert "warning: 1 damaged file(s) read only up to the damage" in err, err
+    assert f"{cut}: not a readable" in err and f"({line:,} record(s) read, the rest of the " \
+           "file unread, its length unknown)" in err
+    dataset = IndexedDataset(tmp_path / "skip")
+    report = dataset.sidecar["report"]
+    assert "bad_records_skipped" not in report and report["bad_files_cut"] == 1
+    assert report["cut_files"][0]["records_read"] == line == dataset.num_documents
+    # The records before the damage are kept, as the same texts in a whole file give them.
+    assert tokenize(model, [write_jsonl(tmp_path / "head.jsonl", docs[:line])],
+                    tmp_path / "head") == 0
+    assert dataset_bytes(tmp_path / "skip") == dataset_bytes(tmp_path / "head")
+
+
+def test_a_zst_cut_inside_its_first_block_is_damaged_from_its_start(base, long_corpus, tmp_path,
+                                                                    capsys):
+    _, _, _, model = base
+    cut = _cut(tmp_path / "small.jsonl.zst", 0.1, long_corpus[2].read_bytes())
+    assert tokenize(model, [cut], tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert f"{cut}: not a readable zstd file from its start: the file ends " in err, err
+    assert "contains no text" not in err and "invalid JSON" not in err
+
+
+def test_zst_frames_whole_or_cut_anywhere(tmp_path):
+    """The frame walk against zstandard's own frames: many frames of every block kind (raw,
+    RLE, compressed), with and without checksums and content sizes, and skippable frames, are
+    whole; the same bytes cut at any byte are not (a cut at a frame boundary is a whole file)."""
+    import random
+
+    from data_tools.corpus import zstd_cut_short
+
+    rng = random.Random(5)
+    text = "".join(documents(300, seed=2)).encode()
+    for trial in range(60):
+        frames, boundaries = b"", {0}
+        for _ in range(rng.randint(1, 3)):
+            body = rng.choice([text[:rng.randint(0, len(text))], bytes(rng.randint(0, 300_000)),
+                               rng.randbytes(rng.randint(0, 150_000))])
+            frames += zstandard.ZstdCompressor(
+                level=rng.choice([1, 3, 19]), write_checksum=rng.random() < 0.5,
+                write_content_size=rng.random() < 0.5).compress(body)
+            if rng.random() < 0.3:
+                skip = rng.randint(0, 40)
+                frames += (0x184D2A5A).to_bytes(4, "little") + skip.to_bytes(4, "little") + \
+                    bytes(skip)
+            boundaries.add(len(frames))
+        path = tmp_path / "t.zst"
+        path.write_bytes(frames)
+        assert zstd_cut_short(path) is None, trial
+        for cut in rng.sample(range(1, len(frames)), 5):
+            path.write_bytes(frames[:cut])
+            assert (zstd_cut_short(path) is None) == (cut in boundaries), (trial, cut)
+    path.write_bytes(zstandard.ZstdCompressor().compress(text) + b"\x00" * 9)
+    assert zstd_cut_short(path) == f"bytes {len(path.read_bytes()) - 9:,}-" \
+                                   f"{len(path.read_bytes()):,} are not a zstd frame"
+
+
+def test_a_damaged_parquet_file_counts_the_rows_not_read(base, long_corpus, tmp_path, capsys):
+    """A parquet file cut short (its footer gone) is damaged from its start, alone an error
+    that says so (not a hint about --text-key); one damaged inside a row group says the row the
+    damage follows and, its footer intact, how many rows were not read."""
+    _, _, _, model = base
+    docs, jsonl, _, _, parquet = long_corpus
+    whole = parquet.read_bytes()
+    cut = _cut(tmp_path / "cut.parquet", 0.6, whole)
+    assert tokenize(model, [cut], tmp_path / "out") == 2
+    assert f"{cut}: not a readable parquet file from its start" in capsys.readouterr().err
+    assert tokenize(model, [cut], tmp_path / "out", "--skip-bad") == 2
+    err = capsys.readouterr().err
+    assert f"error: no documents in {cut}: nothing was kept (1 damaged file(s)" in err, err
+    assert "--text-key" not in err
+    damaged = bytearray(whole)
+    damaged[len(whole) // 2:len(whole) // 2 + 200] = bytes(200)
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(bytes(damaged))
+    assert tokenize(model, [bad], tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: not a readable parquet file after row " in err, err
+    row = int(err.split("after row ")[1].split(":")[0])
+    assert 0 < row < len(docs)
+    assert main(["tokenize", "--tokenizer", str(model), "--inputs", str(cut), str(bad),
+                 str(jsonl), "--output-prefix", str(tmp_path / "skip"), "--skip-bad"]) == 0
+    err = capsys.readouterr().err
+    assert f"({row:,} record(s) read, {len(docs) - row:,} not read)" in err, err
+    dataset = IndexedDataset(tmp_path / "skip")
+    assert dataset.num_documents == row + len(docs)
+    assert [(c["records_read"], c["records_not_read"])
+            for c in dataset.sidecar["report"]["cut_files"]] == [(0, None), (row, len(docs) - row)]
+
+
+def test_inspect_and_merge_keep_what_was_skipped_or_cut(base, long_corpus, tmp_path, capsys):
+    """The sidecar's report is shown by inspect, and merge sums every count of it (the damaged
+    files listed in order), not only the empty and undecodable documents."""
+    _, _, _, model = base
+    docs, jsonl, zst, _, _ = long_corpus
+    cut = _cut(tmp_path / "cut.jsonl.zst", 0.5, zst.read_bytes())
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "fine"}\nnot json\n\n')
+    assert tokenize(model, [cut, broken], tmp_path / "a", "--skip-bad") == 0
+    assert tokenize(model, [broken], tmp_path / "b", "--skip-bad") == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    read = IndexedDataset(tmp_path / "a").sidecar["report"]["cut_files"][0]["records_read"]
+    assert f"input      1 empty document(s) skipped (first at {broken}:3)" in out, out
+    assert f"1 bad record(s) skipped (first at {broken}:2)" in out
+    assert f"{cut}: not a readable zstd file after the record at line {read}" in out
+    assert main(["merge", "--inputs", str(tmp_path / "a"), str(tmp_path / "b"),
+                 "--output-prefix", str(tmp_path / "ab")]) == 0
+    report = IndexedDataset(tmp_path / "ab").sidecar["report"]
+    assert report["empty_documents_skipped"] == 2 and report["bad_records_skipped"] == 2
+    assert report["first_bad_record"] == f"{broken}:2" and report["bad_files_cut"] == 1
+    assert report["cut_files"][0]["path"] == str(cut)
+    assert report["cut_files"][0]["records_read"] == read
+
+
+def test_the_summary_gives_small_inputs_in_kilobytes(base, tmp_path, capsys):
+    _, _, _, model = base
+    corpus = write_jsonl(tmp_path / "small.jsonl", documents(40))
+    assert main(["tokenize", "--tokenizer", str(model), "--inputs", str(corpus),
+                 "--output-prefix", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    size = corpus.stat().st_size
+    assert f"from {size / 1e3:,.1f} kB in " in err and "0.0 MB" not in err, err

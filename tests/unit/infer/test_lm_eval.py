@@ -202,3 +202,81 @@ def test_without_lm_eval_the_flag_names_the_extra(exported, monkeypatch, capsys)
     err = refused(capsys, "eval", f"--checkpoint={exported}", "--lm-eval", "hellaswag")
     assert "--lm-eval needs lm-evaluation-harness (lm-eval), which is not installed: " \
            "pip install 'megabeta[eval]'" in err
+    err = refused(capsys, "lm-eval", "--model", "megabeta", "--tasks", "hellaswag")
+    assert "megabeta lm-eval needs lm-evaluation-harness (lm-eval), which is not installed: " \
+           "pip install 'megabeta[eval]'" in err
+
+
+# ---- the same at any batch size, bitwise ---------------------------------------------------------
+def test_results_are_bitwise_the_same_at_any_batch_size(tokenizer):
+    """In float32, a forward pass over a width that ends inside a block rounds the partial
+    block's positions differently, and differently again in a batch (the perplexities of batch 1
+    and 4 once differed in the 8th digit): batches are padded to whole blocks, so every
+    request's log-likelihood and rolling sum are the same bits at any batch size. The model has
+    tiny_cpu's shape (d 64, 4 heads, 2 layers, c = 16, k = 1, T = 128)."""
+    model = tiny_model(torch.float32, vocab_size=tokenizer.vocab_size, d_model=64, hidden_dim=192,
+                       num_heads=4, num_layers=2, block_size=16, depth_window=1,
+                       max_seq_len=128).eval()
+    texts = [" ".join(["alpha beta gamma delta epsilon model token"] * n) for n in range(1, 9)]
+    pairs = [Request(context, continuation) for context, continuation in TEXTS]
+    rolled, scored = [], []
+    for batch_size in (1, 2, 3, 4, 8):
+        lm = MegabetaLM(model, tokenizer, batch_size=batch_size)
+        rolled.append(lm.loglikelihood_rolling([Request(text) for text in texts]))
+        scored.append(lm.loglikelihood(pairs))
+    assert all(r == rolled[0] for r in rolled) and all(s == scored[0] for s in scored), \
+        (rolled, scored)
+
+
+# ---- the harness's own command line --------------------------------------------------------------
+def test_the_harness_finds_the_model_by_its_entry_point():
+    """`lm_eval --model megabeta`: the package declares the model in the harness's plugin group
+    `lm_eval.models`, which a harness with plugin discovery registers as a lazy placeholder
+    (lm_eval.api.registry.load_plugins); looking the name up then loads the class."""
+    from importlib.metadata import entry_points
+
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import Registry
+
+    found = [ep for ep in entry_points(group="lm_eval.models") if ep.name == "megabeta"]
+    assert len(found) == 1 and found[0].value == "megabeta.infer.lm_eval:MegabetaLM"
+    registry = Registry("model", base_cls=LM)
+    registry.register("megabeta", target=found[0])
+    assert registry.get("megabeta") is MegabetaLM
+
+
+def test_megabeta_lm_eval_is_the_harness_command_line(exported, tmp_path, monkeypatch, capfd):
+    """`megabeta lm-eval` takes the harness's own flags, with the model registered (its path as
+    `pretrained=`, which the harness names its --output_path folder after); with the harness's
+    default --device (cuda:0) on a machine without CUDA the model runs on the CPU with one
+    warning. Neither git's `fatal: not a git repository` (the harness's git probe, run
+    outside a repository) nor the harness's warnings about a task YAML without `aggregation` or
+    `higher_is_better` reach the terminal."""
+    include = write_tasks(tmp_path / "tasks")
+    monkeypatch.chdir(tmp_path)  # not a git repository
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    try:
+        status = main(["lm-eval", "--model", "megabeta", "--model_args",
+                       f"pretrained={exported}", "--tasks", "mb_choice,mb_rolling",
+                       "--include_path", str(include), "--limit", "3", "--batch_size", "2",
+                       "--output_path", str(tmp_path / "results")])
+    except SystemExit as exit_:
+        status = exit_.code
+    out, err = capfd.readouterr()
+    # `pretrained=` (the harness's name for the model's path) names the results' folder.
+    (folder,) = (tmp_path / "results").iterdir()
+    assert folder.name.endswith("m.safetensors") and list(folder.glob("results_*.json"))
+    assert status in (0, None), err
+    assert "mb_choice" in out and "mb_rolling" in out and "word_perplexity" in out, out
+    assert err.count("no CUDA") == 1 and "running on the CPU" in err, err
+    assert "not a git repository" not in err, err
+    assert "is defined, but aggregation is not" not in err
+    assert "is defined, but higher_is_better is not" not in err
+
+
+def test_the_model_given_cuda_without_cuda_runs_on_the_cpu(exported, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    lm = MegabetaLM(str(exported), device="cuda:0")
+    assert lm.device == torch.device("cpu")
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "device cuda:0" in err and "no CUDA" in err, err

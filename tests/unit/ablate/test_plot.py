@@ -1,0 +1,40 @@
+"""summary.png's accuracy panel (megabeta/ablate/plot.py): an accuracy of 0 is drawn (a bar of
+height 0 draws nothing: the marker and the value show it), every bar carries its value, and each
+task's chance level is a dashed line."""
+
+from __future__ import annotations
+
+import pytest
+
+from megabeta.ablate.plot import summary_figure, task_chance
+from megabeta.ablate.summary import summarize
+
+pytest.importorskip("matplotlib")
+
+
+def _result(arm: str, accuracy: dict[str, float]) -> dict:
+    tasks = {task: {"accuracy": value, "chance": chance}
+             for task, (value, chance) in accuracy.items()}
+    return {"arm": arm, "seed": 1, "parameters": 1000, "test": {"loss": 2.0, "ppl": 7.4},
+            "accuracy": sum(v for v, _ in accuracy.values()) / len(accuracy), "tasks": tasks,
+            "train": {"s_per_batch": 0.5, "tokens_per_s": 128.0, "final_loss": 2.1}}
+
+
+def test_a_zero_accuracy_its_value_and_the_chance_level_are_drawn() -> None:
+    results = [_result("standard", {"parity-L8": (0.0, 0.5), "chains-n3": (0.25, 0.1)}),
+               _result("beta_1.2_c8", {"parity-L8": (0.5, 0.5), "chains-n3": (0.0, 0.1)})]
+    rows = summarize(results, ["standard", "beta_1.2_c8"], reference="standard")
+    assert task_chance(results) == {"parity-L8": 0.5, "chains-n3": 0.1}
+    figure = summary_figure(rows, {}, chance=task_chance(results))
+    score = figure.axes[2]
+    # Every arm-task has its value written over it, the zeros included.
+    assert sorted(t.get_text() for t in score.texts) == ["0.00", "0.00", "0.25", "0.50"]
+    # And a marker at its mean: the two zeros are points on the axis, not empty space.
+    points = sorted(float(y) for line in score.lines if line.get_marker() == "o"
+                    for y in line.get_ydata())
+    assert points == [0.0, 0.0, 0.25, 0.5]
+    # Chance: one dashed segment per task at its level (tasks sorted: chains-n3, parity-L8).
+    (chance,) = score.collections[-1:]
+    segments = [(float(seg[0][0]), float(seg[0][1])) for seg in chance.get_segments()]
+    assert [y for _, y in segments] == [0.1, 0.5] and chance.get_label() == "chance"
+    assert [t.get_text() for t in score.get_legend().get_texts()] == ["chance"]
