@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from data_tools.tokenizer import load_tokenizer
-from megabeta.checkpoint.manager import CheckpointError, read_train_state
+from megabeta.checkpoint.manager import STATE_FILE, CheckpointError, read_train_state
 from megabeta.config import load_config
 from megabeta.data import DataError, file_sha256
 from megabeta.extras import require
@@ -69,12 +69,18 @@ def run_config_path(checkpoint: Path) -> Path | None:
     return None
 
 
+_KINDS = ("a checkpoint directory (RUN/checkpoints/step_N), a .safetensors file written by "
+          "`megabeta export` or a folder written by `megabeta export --format hf`")
+
+
 def _check_exists(path: Path) -> None:
+    """CheckpointError unless `path` exists and looks like a model of one of the kinds."""
     if not path.exists():
-        raise CheckpointError(f"--checkpoint {path}: no such file or directory; pass a checkpoint "
-                              "directory (RUN/checkpoints/step_N), a .safetensors file written "
-                              "by `megabeta export` or a folder written by `megabeta export "
-                              "--format hf`")
+        raise CheckpointError(f"--checkpoint {path}: no such file or directory; pass {_KINDS}")
+    if path.is_file() and path.suffix != ".safetensors" or path.is_dir() and not (
+            hf_folder.is_folder(path) or (path / STATE_FILE).exists()
+            or (path / "model").is_dir()):
+        raise CheckpointError(f"--checkpoint {path} is not a model; pass {_KINDS}")
 
 
 def _export_metadata(path: Path) -> dict[str, str]:
@@ -145,6 +151,15 @@ def read_source(path: str | os.PathLike) -> ModelSource:
             # a checkpoint of an older version: only the run config names the tokenizer
             source.tokenizer = {"path": run.data.tokenizer}
     return source
+
+
+def initial_model_config(path: str) -> ModelConfig:
+    """The config of the model `model.init_from` names, read without its weights (the
+    `read_model` of `megabeta.config.load_config`); ConfigError naming the key."""
+    try:
+        return read_source(path).model_config
+    except CheckpointError as err:
+        raise ConfigError(f"model.init_from = {path!r}: {err}") from None
 
 
 def _model_state_from_checkpoint(path: Path, model: DecoderLM, backend: str) -> dict:
@@ -275,9 +290,13 @@ def export_hf(checkpoint: str | os.PathLike, output: str | os.PathLike, *, token
                               f"({source.model_config.vocab_size}); pass the tokenizer the model "
                               "was trained with")
     model = load_model(checkpoint)
-    return hf_folder.write_folder(output, model.state_dict(), model.config, processor,
-                                  data=_run_data(source), source=str(checkpoint),
-                                  max_shard_bytes=shard_bytes)
+    try:
+        return hf_folder.write_folder(output, model.state_dict(), model.config, processor,
+                                      data=_run_data(source), source=str(checkpoint),
+                                      max_shard_bytes=shard_bytes)
+    except OSError as err:
+        raise CheckpointError(f"--output {output}: cannot write the folder ({err}); nothing "
+                              "was left behind") from None
 
 
 EPILOG = """examples:
