@@ -76,11 +76,11 @@ _KINDS = ("a checkpoint directory (RUN/checkpoints/step_N), a .safetensors file 
 def _check_exists(path: Path) -> None:
     """CheckpointError unless `path` exists and looks like a model of one of the kinds."""
     if not path.exists():
-        raise CheckpointError(f"{path}: no such file or directory; pass {_KINDS}")
+        raise CheckpointError(f"--checkpoint {path}: no such file or directory; pass {_KINDS}")
     if path.is_file() and path.suffix != ".safetensors" or path.is_dir() and not (
             hf_folder.is_folder(path) or (path / STATE_FILE).exists()
             or (path / "model").is_dir()):
-        raise CheckpointError(f"{path} is not a model; pass {_KINDS}")
+        raise CheckpointError(f"--checkpoint {path} is not a model; pass {_KINDS}")
 
 
 def _export_metadata(path: Path) -> dict[str, str]:
@@ -156,6 +156,8 @@ def read_source(path: str | os.PathLike) -> ModelSource:
 def initial_model_config(path: str) -> ModelConfig:
     """The config of the model `model.init_from` names, read without its weights (the
     `read_model` of `megabeta.config.load_config`); ConfigError naming the key."""
+    if not Path(path).exists():
+        raise ConfigError(f"model.init_from = {path!r}: no such file or directory; pass {_KINDS}")
     try:
         return read_source(path).model_config
     except CheckpointError as err:

@@ -102,9 +102,8 @@ def read_folder(path: str | os.PathLike) -> FolderSource:
                               "export --format hf` writes (and their fine-tuned copies)")
     try:
         model_config = layout.model_config(config)
-    except (KeyError, ValueError, TypeError) as err:
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        raise CheckpointError(f"{config_file}: {message}; it does not describe a beta12 "
+    except (ValueError, TypeError) as err:
+        raise CheckpointError(f"{config_file}: {err}; it does not describe a beta12 "
                               "model") from None
     recorded = config.get("megabeta") if isinstance(config.get("megabeta"), dict) else {}
     return FolderSource(model_config, data=dict(recorded.get("data") or {}),

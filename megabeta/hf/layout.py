@@ -106,10 +106,14 @@ def config_fields(config: ModelConfig) -> dict[str, Any]:
     return {key: getattr(config, field) for field, key in CONFIG_KEYS.items()}
 
 
+DEFAULTS: dict[str, Any] = {**config_fields(ModelConfig(vocab_size=32000)),
+                            "num_key_value_heads": None}
+"""`Beta12Config`'s default of each key: ModelConfig's, a vocabulary of 32000 (the Llama
+family's). transformers' `save_pretrained` leaves out a key whose value is its default."""
+
+
 def model_config(fields: dict[str, Any]) -> ModelConfig:
-    """The `ModelConfig` a `config.json` describes (its other keys ignored); KeyError naming the
-    first key it lacks, ConfigError (a ValueError) for a bad value."""
-    missing = [key for key in CONFIG_KEYS.values() if key not in fields]
-    if missing:
-        raise KeyError(f"config.json lacks {', '.join(missing)}")
-    return ModelConfig(**{field: fields[key] for field, key in CONFIG_KEYS.items()})
+    """The `ModelConfig` a `config.json` describes (a key it leaves out has Beta12Config's
+    default, its other keys are ignored); ConfigError (a ValueError) for a bad value."""
+    return ModelConfig(**{field: fields.get(key, DEFAULTS[key])
+                          for field, key in CONFIG_KEYS.items()})

@@ -158,6 +158,27 @@ def test_an_hf_folder_exports_again(folder, tmp_path):
     assert read_source(single).tokenizer == read_source(folder).tokenizer
 
 
+def test_a_copy_saved_by_transformers_loads_back(folder, model, tmp_path):
+    """A fine-tuned model saved with `save_pretrained` (which leaves out config keys at their
+    default, tests/unit/hf/test_hf_layout.py, and the tokenizer.model it does not know) is a
+    model megabeta loads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    with torch.no_grad():
+        hf.model.norm.weight.mul_(2)  # a stand-in for fine-tuning
+    hf.save_pretrained(tmp_path / "tuned")
+    AutoTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "tuned")
+    back = load_model(tmp_path / "tuned")
+    assert back.config.identity() == model.config.identity()
+    assert torch.equal(back.norm.weight, model.norm.weight * 2)
+    assert torch.equal(back.layers[1].attention.wk.weight, model.layers[1].attention.wk.weight)
+    tokenizer = read_source(tmp_path / "tuned").tokenizer
+    assert tokenizer == {"path": str(tmp_path / "tuned" / "tokenizer.json")}
+    assert load_tokenizer(tokenizer["path"]).encode("alpha beta\n").tolist() == load_tokenizer(
+        folder / "tokenizer.model").encode("alpha beta\n").tolist()
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 def _one_error_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.startswith("error:") or "error:" in line]
