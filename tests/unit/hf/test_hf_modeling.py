@@ -206,3 +206,19 @@ def test_padding_and_documents_with_a_cache_are_refused():
         hf(x[:, :1], past_key_values=out.get(_cache_key(out)), documents=x[:, :1] * 0)
     with pytest.raises(ValueError, match="exceed the model's context"):
         hf(tokens(1, 65))
+
+
+@pytest.mark.parametrize("settings", [dict(num_beams=3, do_sample=False),
+                                      dict(do_sample=True, top_k=10, num_return_sequences=2)])
+def test_beam_search_and_sampling_with_the_cache_equal_without(settings):
+    """Beam search reorders the cache (`reorder_cache`) and sampling expands it per sequence:
+    the tokens are those of generating without a cache (each step a full forward)."""
+    hf = hf_model(_flag_model("default", torch.float64, matrices=True))
+    prompt = tokens(2, 5, seed=6) % 30 + 4
+    out = {}
+    for use_cache in (True, False):
+        torch.manual_seed(0)
+        out[use_cache] = hf.generate(prompt, max_new_tokens=9, use_cache=use_cache,
+                                     eos_token_id=None, pad_token_id=0, **settings)
+    assert out[True].shape[1] == 5 + 9
+    assert torch.equal(out[True], out[False])
