@@ -100,7 +100,8 @@ class Beta12Attention(nn.Module):
 
     def __init__(self, config, beta):
         super().__init__()
-        d, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        d, heads = config.hidden_size, config.num_attention_heads
+        kv_heads = config.num_key_value_heads
         self.heads, self.kv_heads = heads, kv_heads
         self.head_dim = d // heads
         self.lambda_max = config.lambda_max
@@ -144,7 +145,8 @@ class Beta12Attention(nn.Module):
         """λ_{l,h} = lambda_max · sigmoid(θ_{l,h}) `[H]`, or None without `depth_bias`."""
         if self.depth_bias is None:
             return None
-        return self.lambda_max * torch.sigmoid(self.depth_bias.to(_compute_dtype(self.depth_bias.dtype)))
+        theta = self.depth_bias
+        return self.lambda_max * torch.sigmoid(theta.to(_compute_dtype(theta.dtype)))
 
     def attend(self, q, keys, values, bias):
         """One softmax per query over the concatenated key groups, heads concatenated and
@@ -192,7 +194,7 @@ class Beta12Cache:
     the construction keys/values of the current block (`block`; the standard and looped arms:
     of the whole sequence). Keys and values are `[B, H_kv, tokens, d_h]`, keys rotated."""
 
-    is_compileable = False
+    is_compileable = False  # what transformers' generate() asks of a cache
     is_croppable = False
 
     def __init__(self, layers, applications):
@@ -203,9 +205,6 @@ class Beta12Cache:
 
     def get_seq_length(self, layer_idx=0):
         return self.length
-
-    def get_max_length(self):
-        return None
 
     def reorder_cache(self, beam_idx):
         """Keep the rows `beam_idx` (beam search)."""

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 pytest.importorskip("transformers")
 
+from support.cli import cli
 from support.hf_helpers import export_folder, save_export
 from support.model_helpers import tiny_model, tokens
 
@@ -26,7 +27,8 @@ from megabeta.hf import folder as hf_folder
 from megabeta.hf import layout
 
 VOCAB = 320
-"""The sentencepiece tokenizers' (tests/unit/hf/conftest.py): every id the model generates decodes."""
+"""The sentencepiece tokenizers' vocabulary (tests/unit/hf/conftest.py): every id the model
+generates decodes."""
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +43,6 @@ def source(model, tokenizer_files, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("hf_source") / "m.safetensors"
     return save_export(model, path, tokenizer_files["sp_bpe"],
                        data={"path": ["data/x"], "seq_len": 32, "val_fraction": 0.1})
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        status = main(list(argv))
-    except SystemExit as exit_:
-        status = exit_.code
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 @pytest.fixture(scope="module")
