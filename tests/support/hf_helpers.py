@@ -52,10 +52,14 @@ def hf_model(model: DecoderLM):
     return hf.eval()
 
 
-def child_env(pythonpath: Path) -> dict[str, str]:
-    """The environment of a child Python that imports from `pythonpath` first."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(pythonpath), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+def child_env(pythonpath: Path | None = None) -> dict[str, str]:
+    """The environment of a child Python running tiny models (one intra-op thread) that imports
+    from `pythonpath` first, when given."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")]
+                                            ).rstrip(os.pathsep)
+    return env
 
 
 def greedy(model: DecoderLM, prompt: torch.Tensor, new_tokens: int) -> list[int]:

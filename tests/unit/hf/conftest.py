@@ -12,6 +12,11 @@ from support.corpus import documents, train_tiny_tokenizer, write_jsonl
 from data_tools.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread):
+    """The models here are tiny: a second intra-op thread only spins against the first."""
+
+
 @pytest.fixture(scope="session")
 def corpus_texts() -> list[str]:
     return documents(300, seed=5)

@@ -147,10 +147,9 @@ def test_prefill_then_decoding_equals_one_forward(name):
     hf = hf_model(model)
     x = tokens(2, 17)
     want = _logits(model, x)
-    for prompt in (1, 2, 3, 4, 5, 8, 9):
-        for step in (1, 2):
-            torch.testing.assert_close(_incremental(hf, x, prompt, step), want, atol=1e-10,
-                                       rtol=0, msg=f"prompt {prompt}, step {step}")
+    for prompt, step in ((1, 1), (2, 2), (3, 1), (4, 2), (5, 1), (9, 2)):
+        torch.testing.assert_close(_incremental(hf, x, prompt, step), want, atol=1e-10, rtol=0,
+                                   msg=f"prompt {prompt}, step {step}")
 
 
 @pytest.mark.parametrize("name", ["default", "gqa2", "standard"])

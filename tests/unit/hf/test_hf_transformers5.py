@@ -70,7 +70,7 @@ def test_the_folder_runs_on_the_newest_transformers_5(checked):
 
 
 def test_the_same_check_on_the_venvs_transformers_4(checked):
-    stdout = _run(*checked, "4", dict(os.environ))
+    stdout = _run(*checked, "4", child_env())
     assert stdout.startswith("transformers 4.")
 
 
@@ -82,5 +82,5 @@ def test_the_check_fails_on_a_model_that_differs(checked, tmp_path):
     torch.save(expected, tmp_path / "wrong.pt")
     done = subprocess.run([sys.executable, str(SCRIPTS / "hf_transformers_check.py"),
                            str(folder), str(tmp_path / "wrong.pt"), "4"], capture_output=True,
-                          text=True, stdin=subprocess.DEVNULL, timeout=600)
+                          text=True, env=child_env(), stdin=subprocess.DEVNULL, timeout=600)
     assert done.returncode != 0 and "differ from megabeta's" in done.stderr
