@@ -17,7 +17,8 @@ OLDEST_TRITON ?= triton==3.6.0
 
 # NEWEST_TRANSFORMERS: the transformers the Hugging Face folders of `megabeta export --format hf`
 # are also checked on (the venv keeps 4.x: lm-eval 0.4 needs it), installed apart with what it
-# needs beyond the venv (tests/support/scripts/install_apart.py; tests/unit/hf/test_hf_transformers5.py).
+# needs beyond the venv (tests/support/scripts/install_apart.py), for
+# tests/unit/hf/test_hf_transformers5.py.
 NEWEST_TRANSFORMERS ?= transformers==5.*
 
 .PHONY: test test-fast demo bench-model bench-data venv

@@ -114,7 +114,8 @@ def _model_config(fields: dict, path: Path) -> ModelConfig:
 
 
 def read_source(path: str | os.PathLike) -> ModelSource:
-    """The ModelSource of a checkpoint directory or an export; CheckpointError when it is none."""
+    """The ModelSource of a checkpoint directory, an export or a Hugging Face folder;
+    CheckpointError when it is none."""
     path = Path(path)
     _check_exists(path)
     if hf_folder.is_folder(path):
