@@ -283,3 +283,21 @@ def test_export_folder_helper_round_trip(tokenizer_files, tmp_path):
     out = export_folder(wider, tokenizer_files["hf_bpe"], tmp_path)
     assert (out / "tokenizer.json").read_bytes() == tokenizer_files["hf_bpe"].read_bytes()
     assert not (out / "tokenizer.model").exists()
+
+
+def test_export_needs_no_transformers_and_names_the_extra_it_needs(source, tmp_path, capsys,
+                                                                    monkeypatch):
+    """Writing the folder imports no transformers; converting a sentencepiece model needs
+    tokenizers, and without it the export says which extra to install."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now fails
+    assert main(["export", "--format", "hf", "--checkpoint", str(source), "--output",
+                 str(tmp_path / "plain")]) == 0
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    status, _, err = cli(capsys, "export", "--format", "hf", "--checkpoint", str(source),
+                         "--output", str(tmp_path / "no_tokenizers"))
+    assert status == 2
+    assert "pip install 'megabeta[hf]'" in _one_error_line(err)
+    assert not (tmp_path / "no_tokenizers").exists()
