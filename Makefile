@@ -15,6 +15,12 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # compiles the GPU kernels with it too (tests/test_bench_kernels.py).
 OLDEST_TRITON ?= triton==3.6.0
 
+# NEWEST_TRANSFORMERS: the transformers the Hugging Face folders of `megabeta export --format hf`
+# are also checked on (the venv keeps 4.x: lm-eval 0.4 needs it), installed apart with what it
+# needs beyond the venv (tests/support/scripts/install_apart.py), for
+# tests/unit/hf/test_hf_transformers5.py.
+NEWEST_TRANSFORMERS ?= transformers==5.*
+
 .PHONY: test test-fast demo bench-model bench-data venv
 
 $(VENV)/.installed: pyproject.toml
@@ -29,15 +35,20 @@ $(VENV)/triton-3.6/.installed: $(VENV)/.installed
 	$(VENV)/bin/pip install -q --no-deps --target $(VENV)/triton-3.6 "$(OLDEST_TRITON)"
 	touch $@
 
+$(VENV)/transformers-5/.installed: $(VENV)/.installed
+	rm -rf $(VENV)/transformers-5
+	$(PY) tests/support/scripts/install_apart.py $(VENV)/transformers-5 "$(NEWEST_TRANSFORMERS)"
+	touch $@
+
 venv: $(VENV)/.installed
 
-test: $(VENV)/.installed $(VENV)/triton-3.6/.installed
+test: $(VENV)/.installed $(VENV)/triton-3.6/.installed $(VENV)/transformers-5/.installed
 	$(PY) -m pytest tests
 
 # The unit tests alone (tests/unit/<package>/), for the inner loop: two pytest-xdist workers,
 # under 3 minutes on 2 cores; the multi-process ones (marked slow: torchrun, mpirun, several
 # ranks or workers) run with the whole suite.
-test-fast: $(VENV)/.installed $(VENV)/triton-3.6/.installed
+test-fast: $(VENV)/.installed $(VENV)/triton-3.6/.installed $(VENV)/transformers-5/.installed
 	$(PY) -m pytest -n 2 -m "not slow" tests/unit
 
 demo: $(VENV)/.installed

@@ -9,7 +9,8 @@ import sys
 # subcommand -> (module with `main(argv)`, one-line help)
 COMMANDS = {
     "train": ("megabeta.train.cli", "pretrain a model arm (torchrun/srun/mpirun aware)"),
-    "export": ("megabeta.checkpoint.export", "consolidate a checkpoint into one safetensors file"),
+    "export": ("megabeta.checkpoint.export", "a checkpoint as one safetensors file, or as a "
+               "Hugging Face folder (--format hf)"),
     "eval": ("megabeta.infer.cli:eval_main", "validation loss and perplexity of a checkpoint"),
     "generate": ("megabeta.infer.cli:generate_main", "continue a prompt with the KV cache"),
     "lm-eval": ("megabeta.infer.cli:lm_eval_main",

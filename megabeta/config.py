@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -24,8 +24,12 @@ else:  # the same parser, from PyPI (pyproject's tomli dependency for Python 3.1
 
 import tomli_w
 
-from megabeta.model.config import MOVED_FIELDS, ConfigError, ModelConfig, get_preset
+from megabeta.model.config import (MOVED_FIELDS, RESUMABLE_FIELDS, ConfigError, ModelConfig,
+                                   get_preset)
 from megabeta.model.execution import ExecutionConfig
+
+ModelReader = Callable[[str], ModelConfig]
+"""The config of the model at a path (`model.init_from`), read without its weights."""
 
 
 @dataclass
@@ -492,11 +496,35 @@ def _all_keys() -> list[str]:
     return keys + ["model.preset"]
 
 
-def _apply(table: dict[str, dict[str, Any]], top: dict[str, Any]) -> TrainConfig:
+def _initial_model(model_table: dict[str, Any], read_model: ModelReader) -> ModelConfig:
+    """`model.init_from`'s model with the [model] section's changes: only fields a run may
+    change on top of loaded weights (RESUMABLE_FIELDS); another value of a field that shapes the
+    parameters or the function is an error."""
+    source = model_table["init_from"]
+    base = read_model(source)
+    conflicts = [f"model.{key} = {value!r}, but the model in model.init_from = {source!r} has "
+                 f"{getattr(base, key)!r}" for key, value in model_table.items()
+                 if key not in RESUMABLE_FIELDS and value != getattr(base, key)
+                 and not (key == "vocab_size" and value == -1)]
+    if conflicts:
+        raise ConfigError(f"{'; '.join(conflicts)}: leave {'them' if len(conflicts) > 1 else 'it'}"
+                          " out, the model's shape comes from model.init_from")
+    return base.replace(**{k: v for k, v in model_table.items() if k in RESUMABLE_FIELDS})
+
+
+def _apply(table: dict[str, dict[str, Any]], top: dict[str, Any],
+           read_model: ModelReader | None = None) -> TrainConfig:
     """Build a TrainConfig from section tables and top-level keys (all already coerced)."""
     model_table = dict(table.get("model", {}))
     preset = model_table.pop("preset", None)
-    model = get_preset(preset, **model_table) if preset else ModelConfig(**model_table)
+    if model_table.get("init_from") and read_model is not None:
+        if preset:
+            raise ConfigError(f"model.preset = {preset!r} and model.init_from = "
+                              f"{model_table['init_from']!r} both give the model's shape; keep "
+                              "one")
+        model = _initial_model(model_table, read_model)
+    else:
+        model = get_preset(preset, **model_table) if preset else ModelConfig(**model_table)
     sections = {name: SECTIONS[name](**table.get(name, {}))
                 for name in SECTIONS if name != "model"}
     config = TrainConfig(model=model, **sections, **top)
@@ -524,11 +552,15 @@ def shipped_config(name: str) -> Path | None:
     return None
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = (),
+                read_model: ModelReader | None = None) -> TrainConfig:
     """TOML file (optional) plus `--section.key=value` / `--key=value` overrides, validated.
 
     `path` is a file, or the bare name of a shipped config (`t19_flash`, `demo.toml`: see
-    `shipped_configs_dir()`) when no file of that name is in the working directory."""
+    `shipped_configs_dir()`) when no file of that name is in the working directory.
+    `read_model`: how to read the config of the model `model.init_from` names, whose fields
+    are then the [model] section's defaults (a run starting from it); None: `model.init_from`
+    is taken as it is (a run's saved config, which holds every field)."""
     raw: dict[str, Any] = {}
     if path is not None:
         if not os.path.exists(path):
@@ -555,11 +587,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         if not sep:
             raise ConfigError(f"override {item!r} must look like --section.key=value")
         flat[key] = value
-    return config_from_flat(flat, source=str(path) if path else "defaults")
+    return config_from_flat(flat, source=str(path) if path else "defaults", read_model=read_model)
 
 
-def config_from_flat(flat: dict[str, Any], source: str = "config") -> TrainConfig:
-    """TrainConfig from `{"section.key": value}` (values coerced to the declared types)."""
+def config_from_flat(flat: dict[str, Any], source: str = "config",
+                     read_model: ModelReader | None = None) -> TrainConfig:
+    """TrainConfig from `{"section.key": value}` (values coerced to the declared types);
+    `read_model` as in `load_config`."""
     known = _all_keys()
     tables: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
@@ -574,7 +608,7 @@ def config_from_flat(flat: dict[str, Any], source: str = "config") -> TrainConfi
         else:
             top[key] = _coerce(value, top_types[key], key)
     try:
-        return _apply(tables, top)
+        return _apply(tables, top, read_model)
     except TypeError as err:  # a dataclass refused an argument: report it as a config problem
         raise ConfigError(f"{source}: {err}") from None
 

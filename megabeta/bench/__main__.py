@@ -11,7 +11,8 @@ BENCHMARKS = {"model": "megabeta.bench.model", "data": "megabeta.bench.data",
               "wavefront": "megabeta.bench.wavefront",
               "kernels": "megabeta.bench.kernels", "roofline": "megabeta.bench.roofline",
               "trace": "megabeta.bench.trace",
-              "packing": "megabeta.bench.packing", "documents": "megabeta.bench.documents"}
+              "packing": "megabeta.bench.packing", "documents": "megabeta.bench.documents",
+              "hf": "megabeta.bench.hf_export"}
 PROG = "megabeta bench"
 
 
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
               "  trace  a run's profiler trace drawn as a timeline PNG (no browser needed)\n"
               "  packing  padding share of packed, block-aligned and one-document samples\n"
               "  documents  a training step with a document mask vs without (CPU, paired)\n"
+              "  hf     export --format hf and reload of a model: seconds, peak memory\n"
               f"Each takes --help ({PROG} model --help).", file=sys.stderr)
         if argv and argv[0] not in ("-h", "--help"):
             print(f"{PROG}: error: unknown benchmark {argv[0]!r}; choose one of "

@@ -1,5 +1,6 @@
 """`megabeta eval` (validation loss and perplexity) and `megabeta generate` (continue a prompt),
-from an exported .safetensors file or a checkpoint directory, on one process.
+from an exported .safetensors file, a checkpoint directory or a Hugging Face folder of `megabeta
+export --format hf`, on one process.
 
 Both take their defaults from what the checkpoint records: the run's saved config
 (RUN/config.toml next to RUN/checkpoints) or, for an export, its metadata; and the tokenizer the
@@ -37,8 +38,9 @@ def _fail(message: str) -> int:
 
 
 # ---- eval ----------------------------------------------------------------------------------------
-EVAL_DESCRIPTION = ("Validation loss and perplexity of a checkpoint directory or an exported "
-                    ".safetensors file, on one process; with --lm-eval, tasks of EleutherAI's "
+EVAL_DESCRIPTION = ("Validation loss and perplexity of a checkpoint directory, an exported "
+                    ".safetensors file or a Hugging Face folder of `megabeta export --format "
+                    "hf`, on one process; with --lm-eval, tasks of EleutherAI's "
                     "lm-evaluation-harness instead.")
 EVAL_EPILOG = """defaults:
   The run's data settings (data.path, data.seq_len, data.val_fraction) come from RUN/config.toml
@@ -78,7 +80,8 @@ def eval_main(argv: list[str] | None = None) -> int:
                                      epilog=EVAL_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
-                        help="checkpoint dir (RUN/checkpoints/step_N) or .safetensors (required)")
+                        help="checkpoint dir (RUN/checkpoints/step_N), .safetensors or a folder of "
+                        "`megabeta export --format hf` (required)")
     parser.add_argument("--data.path", dest="data", default=None,
                         help="dataset prefix(es), comma-separated (default: the run's data.path)")
     parser.add_argument("--seq-len", type=int, default=None,
@@ -319,8 +322,9 @@ def _check_data_tokenizer(data, expected: str | None, source: ModelSource, force
 
 
 # ---- generate ------------------------------------------------------------------------------------
-GENERATE_DESCRIPTION = ("Continue a prompt with the KV cache, from a checkpoint directory or an "
-                        "exported .safetensors file, on one process.")
+GENERATE_DESCRIPTION = ("Continue a prompt with the KV cache, from a checkpoint directory, an "
+                        "exported .safetensors file or a Hugging Face folder of `megabeta export "
+                        "--format hf`, on one process.")
 GENERATE_EPILOG = """context:
   The prompt plus --max-new-tokens must fit in the model's context (model.max_seq_len, e.g. 128
   for tiny_cpu): a longer request is an error that names the limit, nothing is truncated. Shorten
@@ -336,7 +340,8 @@ def generate_main(argv: list[str] | None = None) -> int:
                                      epilog=GENERATE_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
-                        help="checkpoint dir (RUN/checkpoints/step_N) or .safetensors (required)")
+                        help="checkpoint dir (RUN/checkpoints/step_N), .safetensors or a folder of "
+                        "`megabeta export --format hf` (required)")
     parser.add_argument("--tokenizer", default="",
                         help="sentencepiece .model or Hugging Face tokenizer.json (default: the "
                         "one recorded with the checkpoint; another one needs --force-tokenizer)")

@@ -13,7 +13,7 @@ from typing import Any
 
 ARCHS = ("beta12", "standard", "looped")
 
-RESUMABLE_FIELDS = ("dropout", "max_seq_len", "init_std")
+RESUMABLE_FIELDS = ("dropout", "max_seq_len", "init_std", "init_from")
 """Fields a resumed run may change: a training hyperparameter, a length limit, and the
 initialisation (the loaded weights replace it). Every other field shapes the parameters or the
 function, and resuming refuses a change of it."""
@@ -77,6 +77,8 @@ class ModelConfig:
     """`looped` arm only: times the weight-tied layer stack is applied."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+    init_from: str = ""
+    """Start from the weights of this model (a folder of `megabeta export --format hf`, e.g. from the Hub, an export .safetensors or a checkpoint directory) instead of init_std's; its fields are the defaults of the others."""
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:

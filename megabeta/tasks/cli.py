@@ -148,7 +148,8 @@ def _eval_parser(subparsers) -> None:
                                    description=EVAL_DESCRIPTION, epilog=EVAL_EPILOG,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
-                        help="checkpoint dir (RUN/checkpoints/step_N) or .safetensors (required)")
+                        help="checkpoint dir (RUN/checkpoints/step_N), .safetensors or a folder of "
+                        "`megabeta export --format hf` (required)")
     parser.add_argument("--tasks", required=True, nargs="+", metavar="FILE",
                         help="task files written by `megabeta tasks make` (required)")
     parser.add_argument("--tokenizer", default="",

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from megabeta.checkpoint import CheckpointError
+from megabeta.checkpoint.export import initial_model_config
 from megabeta.config import describe_fields, load_config
 from megabeta.data import DataError
 from megabeta.model import ConfigError
@@ -23,6 +24,9 @@ EPILOG = """overrides:
   --run_dir=DIR         where config, metrics.jsonl, tb/ and checkpoints/ go
   --resume=auto|PATH    continue from the newest checkpoint in run_dir, or from PATH
   --data.path=A,B --data.weights=0.7,0.3   blend several datasets
+  --model.init_from=DIR start from the weights (and shape) of a model: a folder of
+                        `megabeta export --format hf` (e.g. from the Hub), an export or a
+                        checkpoint directory; a fresh optimizer and step 0
 
 `megabeta train --help-config` lists every field with its default and meaning.
 examples:
@@ -44,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_fields())
         return 0
     try:
-        config = load_config(args.config, overrides)
+        config = load_config(args.config, overrides, read_model=initial_model_config)
         from megabeta.train.loop import TrainingStopped, run
 
         run(config)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
 from megabeta.checkpoint import CheckpointError, CheckpointManager, TrainState
+from megabeta.checkpoint.export import load_model, read_source
 from megabeta.checkpoint.manager import describe_load_error
 from megabeta.config import TrainConfig, config_to_dict, save_config
 from megabeta.data import (
@@ -138,6 +139,8 @@ class Trainer:
         # Same seed on every rank: identical initial weights. The engine moves the model to the
         # device, where its attention backend is chosen (DecoderLM._select_kernels).
         model = build_model(config.model, config.execution)
+        if config.model.init_from and resume is None:
+            self._initialise_from(model, config.model.init_from)
         if config.data.document_mask:
             require_document_mask_support(model)
         self.engine = build_engine(
@@ -212,6 +215,28 @@ class Trainer:
                                          self.config.schedule)
         if warning and self.env.is_rank0:
             log.warning("%s", warning)
+
+    def _initialise_from(self, model: torch.nn.Module, path: str) -> None:
+        """Load the weights of the model at `path` (model.init_from): the same parameters and
+        function as this run's model, and a tokenizer the run's data was made with."""
+        source = read_source(path)
+        changed = self.config.model.identity_changes(asdict(source.model_config))
+        if changed:
+            diffs = ", ".join(f"model.{k} = {getattr(source.model_config, k)!r} there, "
+                              f"{getattr(self.config.model, k)!r} here" for k in changed)
+            raise CheckpointError(f"model.init_from = {path!r}: {diffs}; leave these fields out "
+                                  "(they come from the model) or start from a model of this "
+                                  "shape")
+        model_sha = source.tokenizer.get("sha256")
+        data_sha = self.data.tokenizer_record(self.config.data.tokenizer).get("sha256")
+        if model_sha and data_sha and model_sha != data_sha:
+            raise ConfigError(f"model.init_from = {path!r}: its model was trained with another "
+                              f"tokenizer (sha256 {model_sha[:16]}…) than data.path was "
+                              f"tokenized with ({data_sha[:16]}…): its token ids would stand "
+                              "for other text. Tokenize the data with the model's tokenizer "
+                              f"({source.tokenizer.get('path', '?')})")
+        model.load_state_dict(load_model(path).state_dict())
+        log.info("initialised the weights from %s", path)
 
     def _resume(self, path: Path, saved: TrainState) -> None:
         try:

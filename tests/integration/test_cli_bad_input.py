@@ -16,6 +16,7 @@ from safetensors import safe_open
 from megabeta.checkpoint.export import read_source
 from megabeta.cli import main
 from megabeta.data import build_train_val, file_sha256
+from support.cli import cli
 from support.train_helpers import TINY, launch
 
 STEP = "step_00000003"
@@ -46,16 +47,6 @@ def other(tmp_path_factory) -> tuple[Path, Path]:
     model = train_tiny_tokenizer(root, [corpus], vocab_size=300, seed=1)
     assert tokenize(model, [corpus], root / "other") == 0
     return model, root / "other"
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    """Exit status, stdout, stderr of `megabeta ARGV` (argparse's exit 2 included)."""
-    try:
-        status = main(list(argv))
-    except SystemExit as exit_:
-        status = exit_.code
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 def refused(capsys, *argv: str) -> str:

@@ -1,7 +1,7 @@
 """The import direction of the packages: a module never imports from a layer above its own.
 
-    kernels < model < data < config/extras < storage < parallel < engine < checkpoint < infer
-    < train, tasks < ablate < bench, cli, demo
+    kernels < model < data < config/extras < storage < parallel < engine < checkpoint, hf
+    < infer < train, tasks < ablate < bench, cli, demo
 
 (The model knows nothing of parallelism, engines or training; the engine nothing of the loop.)
 """
@@ -16,7 +16,8 @@ from support import REPO
 LAYERS = [["megabeta.kernels"], ["megabeta.model"], ["megabeta.data"],
           ["megabeta.config", "megabeta.extras"], ["megabeta.storage"], ["megabeta.parallel"],
           ["megabeta.engine"],
-          ["megabeta.checkpoint"], ["megabeta.infer"], ["megabeta.train", "megabeta.tasks"],
+          ["megabeta.checkpoint", "megabeta.hf"], ["megabeta.infer"],
+          ["megabeta.train", "megabeta.tasks"],
           ["megabeta.ablate"],
           ["megabeta.bench", "megabeta.cli", "megabeta.demo", "megabeta.__main__"]]
 

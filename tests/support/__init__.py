@@ -8,4 +8,5 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 """The repository's root."""
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-"""Scripts that multi-process tests run (torchrun, mpirun, a stalled rank)."""
+"""Scripts that multi-process tests run (torchrun, mpirun, a stalled rank), that check a model
+folder in a process of its own, and that install a test prerequisite (install_apart.py)."""
