@@ -30,7 +30,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """(dataset prefix, tokenizer .model)."""
     # Imported here: the data tools need sentencepiece, which a GPU machine running only the
-    # device checks (tests/gpu) may lack.
+    # device checks (pytest -m gpu tests) may lack.
     from support.train_helpers import build_dataset
 
     return build_dataset(tmp_path_factory.mktemp("tiny_data"))

@@ -23,7 +23,7 @@ from support.model_helpers import VOCAB, randomise, tiny_model, tokens
 
 from megabeta.model import ExecutionConfig, build_model, get_preset
 
-EXPLICIT = ExecutionConfig(attention="explicit")
+REFERENCE = ExecutionConfig(attention="reference")
 
 FLAGS = {
     "default": {},
@@ -52,11 +52,11 @@ PRESETS = ("t19_flash", "beta_1.2_test", "beta_1.2_c256", "t16_std_tf_rope", "be
 def _preset_model(name: str, dtype: torch.dtype):
     torch.manual_seed(0)
     config = get_preset(name, **SHRINK)
-    return randomise(build_model(config, EXPLICIT).to(dtype)).eval()
+    return randomise(build_model(config, REFERENCE).to(dtype)).eval()
 
 
 def _flag_model(name: str, dtype: torch.dtype, matrices: bool = False):
-    model = tiny_model(dtype, attention="explicit", **FLAGS[name]).eval()
+    model = tiny_model(dtype, attention="reference", **FLAGS[name]).eval()
     return randomise(model, matrices=matrices) if matrices else model
 
 
@@ -107,7 +107,7 @@ def test_a_different_block_partition_is_caught():
     """The comparisons above can fail: the same weights with another block size (another
     function, spec §3) are far outside their tolerance."""
     model = _flag_model("default", torch.float32)
-    other = tiny_model(torch.float32, attention="explicit", block_size=4).eval()
+    other = tiny_model(torch.float32, attention="reference", block_size=4).eval()
     other.load_state_dict(model.state_dict())
     x = tokens(2, 19)
     assert (_logits(hf_model(other), x).logits - _logits(model, x)).abs().max() > 1e-3
