@@ -112,3 +112,17 @@ def test_a_list_override_in_the_config_files_spelling() -> None:
     assert config.data.path == ["a", "b"] and config.data.weights == [0.25, 0.75]
     with pytest.raises(ConfigError, match=r'eval.tasks = \["a",: not a TOML list'):
         load_config(None, ['--eval.tasks=["a",'])
+
+
+def test_t19_flash_trains_at_the_micro_batch_an_80gb_gpu_holds() -> None:
+    """configs/t19_flash.toml's micro-batch: the memory model's largest that fits 85 % of an
+    80 GB GPU or a little less (kept a divisor of the global batch), never more."""
+    from megabeta.model.memory import step_memory
+
+    config = load_config(REPO / "configs" / "t19_flash.toml",
+                         ["--data.path=data/corpus", "--model.vocab_size=55000"])
+    step = step_memory(config.model, config.execution, config.data.seq_len,
+                       param_bytes=2 if config.parallel.fsdp_param_dtype == "bf16" else 4)
+    largest = step.largest_batch(80e9)
+    assert 1 < config.train.micro_batch <= largest < 2 * config.train.micro_batch
+    assert config.train.global_batch % config.train.micro_batch == 0
