@@ -17,48 +17,59 @@ convention: 3x the forward, no recomputation) / (peak x bound).
 
 The parts and what they count:
 
-- dense: every weight matmul of the block loop (the fused input projection with the previous
-  layer's finished K/V, W_O, SwiGLU's gate+up and w2, the last layer's finished K/V; none for the
-  last block, as in flops.py). The loop runs each layer once per block of c tokens, so each
-  weight is read once per (block, layer, pass): that is HBM traffic, and at small c the largest
-  dense term. Forward: weight (bf16) + input + output. Backward: dX reads dY and the weight and
-  writes dX; dW reads dY and X and adds into a float32 accumulator in place (read + write,
-  4 + 4 B a parameter) once per block (float32 parameters; with bf16 ones, FSDP's
-  fsdp_param_dtype = bf16 as in configs/t19_flash.toml, it is 2 + 2 B). Not counted: elementwise kernels (norms, RoPE, SwiGLU's
-  product, residual adds), autocast's casts of float32 weights, per-step one-offs (embedding,
-  zeroing and handing out the history's gradient buffers, optimizer).
+- dense: every weight matmul of the block loop (model/geometry.py: the fused input projection
+  with the previous layer's finished K/V, W_O, SwiGLU's gate+up and w2, the last layer's
+  finished K/V; none for the last block, as in flops.py). The loop runs each layer once per
+  block of c tokens, so each weight is read once per (block, layer, pass): HBM traffic, and at
+  small c a large dense term. Forward: weight (bf16) + input + output. Backward: dX reads dY
+  and the weight and writes dX; the weight gradient is one matmul per weight stack over the
+  whole pass (layers.StackedWeight): its kept input and output-gradient rows concatenated
+  (read + write) and read once. Not counted: elementwise kernels (norms, RoPE, SwiGLU's
+  product, residual adds), per-step one-offs (embedding, zeroing the history's gradients).
+- weights: autocast training as the code does it (model/pass_weights.py), once per pass: every
+  float32 layer weight cast to bf16 (read 4, write 2 B), its stack's gradient written in bf16
+  and added into the float32 gradient (read 2 + 4, write 4 B).
 - head + loss: `model/loss.py` as written: chunks of 512 rows; per chunk the head weight is read
   by the logits' and the input gradient's matmuls, and the weight gradient is formed in bf16 and
   added into a float32 one (`LOGIT_BYTES`, `HEAD_WGRAD_BYTES`). FLOPs 3x the forward's (the head
   is never recomputed).
 - attention: the Triton kernels' loops (`megabeta/kernels/triton_attention.py`), tile sizes from
   `cuda_tiles` (heads padded to block_d, a power of two >= 16, which is also what the tensor
-  cores compute: executed FLOPs count whole padded tiles; useful ones are flops.py's).
-  Forward grid (query tile, b·head): every program reads its query tile, its own keys up to its
-  last row (causal) and then ALL rows [lo_g, start) of every group of its KV head: a group's rows
-  are read once per (query tile, query head), so GQA does not reduce the forward's bytes.
-  Backward, key programs per (b, kv head, own keys or group, key tile): the tile's K/V once,
-  then for each query head of the kv head every query tile's q, dO, O and lse (re-read per key
-  tile), dK/dV written (own keys) or added into the float32 gradient rows (read + write);
-  query programs per (query tile, b·head): q, dO, O, lse once, every own and group K/V row,
-  dQ and the per-row bias sums written. Rows past `start` and masked columns are not loaded.
-  - "in-block": the own keys' share of both kernels (queries, outputs, lse, dQ included);
+  cores compute: executed FLOPs count whole padded tiles; useful ones are flops.py's). The
+  history is split across S programs per query tile (`splits`: at least twice the device's SMs
+  of programs), whose float32 partials are written and read back by the merge or reduction.
+  Forward grid (query tile, b·head, split): every program reads its query tile, its own keys up
+  to its last row (split 0) and every S-th tile of the rows [lo_g, start) of every group of its
+  KV head: a group's rows are read once per (query tile, query head), so GQA does not reduce
+  the forward's bytes. Backward, own keys per (b, kv head, key tile): the tile's K/V once, then
+  for each query head of the kv head every query tile's q, dO, O and lse, dK/dV written.
+  Backward, queries per (query tile, b·head, split): q, dO, O, lse once, every own and group
+  K/V row, dQ and the per-row bias sums written, and the reader rows (q, dO, lse per group,
+  delta) left for the history's gradients. Backward, history (`history_gradients`) per (source
+  cell, b, kv head, key tile): the tile's K/V once, the reader rows of every later query that
+  reads the tile (its kv head's query heads), its dK/dV written once: no float32
+  read-modify-write of the history's gradient per block.
+  - "in-block": the own keys' share of the kernels (queries, outputs, lse, dQ included);
   - "finished fwd" / "finished bwd": the groups' share (GQA and the deep-token window enter
-    through the rows; the gradient RMW at `--grad-dtype`).
+    through the rows).
 - document mask (`--doc-lengths`, spec §7): packed documents of the given lengths; the key
   tiles of the finished groups that the masked kernels skip (wholly below a query tile's, or
-  for key programs the block's, smallest bound), and the bytes and FLOPs they would have
+  for the history gradients the block's, smallest bound), and the bytes and FLOPs they would have
   cost (`document_saving`).
 - recompute: block and wave checkpointing recompute every block's (wave's) forward once in
   backward: dense forward + both attention forwards again (not the head). None for `none`.
 
 `--l2-reuse` assumes what programs running together share comes from L2 once: the forward's
 group and own K/V once per (b, kv head) instead of per (query tile, query head); the backward's
-q, dO, O, lse once per (b, head) for all key programs; the query programs' K/V once per
+q, dO, O, lse once per (b, head) for the own keys' programs; the query programs' K/V once per
 (b, kv head). Without it every load is HBM traffic (a bound on this loop structure, pessimistic
-where L2 holds a block's small tensors). The float32 gradient RMW and the weights are HBM
-traffic either way (a layer's bf16 weights, 61 MB at t19_flash, and a group's history rows
-outgrow a 50 MB L2).
+where L2 holds a block's small tensors). The weights are HBM traffic either way (a layer's
+bf16 weights, 61 MB at t19_flash, and a group's history rows outgrow a 50 MB L2).
+
+Beside the bound: the launch term, launches (LAUNCHES_PER_CELL a cell) x an assumed cost per
+launch, eager (from Python) and graphed (replays plus a gap per captured kernel); a step takes
+at least the larger of the two. And the memory model's bytes (model/memory.py), with the
+largest micro-batch the device holds.
 
 Devices (`DEVICES`): bf16 dense peak (no sparsity) from megabeta.train.metrics.GPU_PEAKS, the
 vendors' data sheets, and HBM bandwidth from the same sheets: H100 SXM 989 TFLOP/s, 3.35 TB/s;
@@ -73,9 +84,12 @@ from dataclasses import dataclass, replace
 from typing import Iterable
 
 from megabeta.config import load_config
-from megabeta.model.config import ConfigError, ModelConfig, preset_names
+from megabeta.model.config import ConfigError, ModelConfig, count_parameters, preset_names
 from megabeta.model.execution import ExecutionConfig
 from megabeta.model.flops import attention_flops, dense_flops, training_flops
+from megabeta.model.geometry import blocks, history_rows, matmul_shapes
+from megabeta.model.memory import StepMemory, step_memory
+from megabeta.model.plan import period
 from megabeta.model.transformer import LOSS_CHUNK
 from megabeta.train.metrics import GPU_PEAKS
 
@@ -88,9 +102,7 @@ ACT_BYTES = 2
 """bf16: activations, the weights as the matmuls read them, the history's K/V."""
 STAT_BYTES = 4
 """float32 per-row statistics: lse, the bias gradients' row sums."""
-WEIGHT_GRAD_BYTES = 4
 """Weight-gradient accumulators: float32 (float32 master parameters)."""
-GRAD_DTYPES = {"float32": 4, "bfloat16": 2}
 """The history's gradient buffers: float32 today; bfloat16 as a what-if."""
 LOGIT_BYTES = (2            # z = h·Wᵀ written in bf16
                + 2 + 4      # copied into the float32 softmax buffer
@@ -105,8 +117,24 @@ HEAD_WGRAD_BYTES = 2 + 2 + 4 + 4 + 4 + 4
 """Per head parameter and chunk: `grad_w += (g.t() @ part).to(float32)`: the bf16 product
 written and read, the float32 copy written, then `+=` reads both and writes."""
 
-PART_NAMES = ("dense", "head+loss", "in-block attn", "finished fwd", "finished bwd",
-              "recompute")
+LAUNCHES_PER_CELL = 38
+"""Kernel launches per (block, layer) cell of a training step on the GPU path under bf16
+autocast, as `python -m megabeta.bench dispatch --bf16` counts them (37.25; the step's few
+hundred once-per-pass launches are left out). tests/unit/bench/test_dispatch_count.py holds it
+to the count."""
+EAGER_LAUNCH_S = 20e-6
+"""Assumed host time per launch when Python issues it (dispatch, autograd, Triton's launcher on
+a GPU host; `python -m megabeta.bench host` measures this machine's)."""
+GRAPHED_LAUNCH_S = 1.5e-6
+"""Assumed gap per kernel inside a replayed CUDA graph."""
+GRAPH_REPLAY_S = 10e-6
+"""Assumed host cost of one CUDA graph replay."""
+GRAPH_REPLAYS = 2
+"""Replays per micro-step with `execution.cuda_graphs` (forward; backward with recomputation:
+model/graphs.py)."""
+
+PART_NAMES = ("dense", "weights", "head+loss", "in-block attn", "finished fwd",
+              "finished bwd", "recompute")
 
 
 @dataclass(frozen=True)
@@ -117,13 +145,16 @@ class Device:
     peak_flops: float
     bandwidth: float
     """Bytes per second."""
+    sms: int
+    memory: float
+    """Bytes of HBM."""
 
 
 DEVICES: dict[str, Device] = {
-    "h100": Device("H100", GPU_PEAKS["H100"][0], 3.35e12),
-    "h200": Device("H200", GPU_PEAKS["H200"][0], 4.8e12),
-    "a100": Device("A100", GPU_PEAKS["A100"][0], 2.039e12),
-    "b200": Device("B200", GPU_PEAKS["B200"][0], 8.0e12),
+    "h100": Device("H100", GPU_PEAKS["H100"][0], 3.35e12, 132, 80e9),
+    "h200": Device("H200", GPU_PEAKS["H200"][0], 4.8e12, 132, 141e9),
+    "a100": Device("A100", GPU_PEAKS["A100"][0], 2.039e12, 108, 80e9),
+    "b200": Device("B200", GPU_PEAKS["B200"][0], 8.0e12, 148, 180e9),
 }
 
 
@@ -165,6 +196,18 @@ class Bound:
     device: Device
     useful_flops: float
     """flops.py's training FLOPs of the batch (the MFU numerator)."""
+    launches: int = 0
+    """Kernel launches of the step (`launches`)."""
+
+    @property
+    def eager_launch_s(self) -> float:
+        """The host's share when every launch comes from Python (EAGER_LAUNCH_S each)."""
+        return self.launches * EAGER_LAUNCH_S
+
+    @property
+    def graphed_launch_s(self) -> float:
+        """The launch gaps of the step's CUDA graphs (GRAPH_REPLAYS replays)."""
+        return GRAPH_REPLAYS * GRAPH_REPLAY_S + self.launches * GRAPHED_LAUNCH_S
 
     def part(self, name: str) -> Part:
         return next(p for p in self.parts if p.name == name)
@@ -201,6 +244,13 @@ class _Kernel:
     bwd_m: int
     bwd_n: int
     block_d: int
+    hist_m: int = 16
+    """The history gradients' query tile (`triton_attention._history_meta`)."""
+
+    @property
+    def hist_n(self) -> int:
+        """Its key tile: the backward's."""
+        return self.bwd_n
 
     @staticmethod
     def of(head_dim: int) -> "_Kernel":
@@ -237,85 +287,101 @@ class _Tally:
         self.bytes[part] += nbytes
 
 
-def _matmuls(config: ModelConfig, layer: int, finished: bool) -> list[tuple[int, int]]:
-    """(in, out) of the weight matmuls of one layer on one block (architecture.md, "Fused
-    per-pass weights"); `finished`: the block has a successor, so it makes finished K/V."""
-    d, hd, heads, kv = config.d_model, config.head_dim, config.num_heads, config.num_kv_heads
-    fin = 2 * kv * hd if finished else 0
-    shapes = [(d, (heads + 2 * kv) * hd + (fin if layer > 0 else 0)),  # fused input projection
-              (heads * hd, d), (d, 2 * config.hidden_dim), (config.hidden_dim, d)]
-    if finished and layer == config.num_layers - 1:
-        shapes.append((d, fin))  # the last layer's finished K/V, of the block's final states
-    return shapes
+def _splits(programs: int, tiles: int, device: Device) -> int:
+    """The kernels' split of the history across programs (`triton_attention.splits`)."""
+    return max(1, min(tiles, _cdiv(2 * device.sms, max(programs, 1))))
 
 
-def _group_rows(config: ModelConfig, layer: int, start: int) -> list[int]:
-    """History rows each group of `layer` reads for a block at `start` (spec §3)."""
-    w = config.deep_token_window
-    return [start - (max(0, start - w) if w > 0 and m > layer else 0)
-            for m in config.source_layers(layer)]
-
-
-def _attention(tally: _Tally, config: ModelConfig, kernel: _Kernel, n: int, rows: list[int],
-               batch: int, grad_bytes: int, l2_reuse: bool, recompute: bool) -> None:
+def _attention(tally: _Tally, config: ModelConfig, kernel: _Kernel, start: int, n: int,
+               rows: list[int], batch: int, cells: int, device: Device, l2_reuse: bool,
+               recompute: bool) -> None:
     """One (block, layer)'s attention: forward, backward and, with `recompute`, the forward
-    again. `n` query rows (the block), `rows[g]` history rows of group g. Per b, the counts
+    again. The block at `start` of `n` query rows, `rows[g]` history rows of group g (the
+    last before `start`), `cells`: the cells a launch holds (the wave's). Per b, the counts
     follow the kernels' programs (module doc)."""
     heads, kv, bd = config.num_heads, config.num_kv_heads, kernel.block_d
     per_kv = heads // kv
     row = config.head_dim * ACT_BYTES            # one K, V, q, dO or O row
     q_side = 3 * row + STAT_BYTES                # q, dO, O and lse of one query row
+    reader = 2 * row + 2 * STAT_BYTES            # q, dO, its group's lse and delta
     history = sum(rows)
+    groups = len(rows)
 
-    # Forward: programs (query tile of fwd_m rows, head). Each reads its tile's queries, writes
-    # out and lse, loads own keys up to its last row, then every row of every group.
+    # Forward: programs (query tile of fwd_m rows, head, split). Each reads its tile's queries,
+    # the own keys up to its last row (split 0) and every S-th tile of every group; with S > 1
+    # the partial outputs, maxima and sums go through float32 buffers to the merge.
     fm, fn = kernel.fwd_m, kernel.fwd_n
     tiles = _cdiv(n, fm)
     ends = [min(n, (i + 1) * fm) for i in range(tiles)]
     own_kv = kv * n if l2_reuse else heads * _loaded(ends, fn, n)
     own_bytes = heads * n * (2 * row + STAT_BYTES) + own_kv * 2 * row
     own_flops = heads * sum(_cdiv(end, fn) for end in ends) * 4 * fm * fn * bd
-    group_bytes = (kv if l2_reuse else heads * tiles) * history * 2 * row
-    group_flops = heads * tiles * sum(_cdiv(r, fn) for r in rows) * 4 * fm * fn * bd
+    key_tiles = sum(_cdiv(r, fn) for r in rows)
+    split = _splits(tiles * batch * heads * cells, key_tiles, device)
+    partials = (2 * split * heads * n * (config.head_dim * 4 + 2 * STAT_BYTES)
+                if split > 1 else 0)
+    group_bytes = (kv if l2_reuse else heads * tiles) * history * 2 * row + partials
+    group_flops = heads * tiles * key_tiles * 4 * fm * fn * bd
     tally.add("in-block attn", batch * own_flops, batch * own_bytes)
     tally.add("finished fwd", batch * group_flops, batch * group_bytes)
     if recompute:
         tally.add("recompute", batch * (own_flops + group_flops),
                   batch * (own_bytes + group_bytes))
 
-    # Backward, key programs (kv head, key tile of bwd_n rows): K/V of the tile once; for each
-    # of the kv head's query heads, the query tiles' q, dO, O, lse again (with l2_reuse, one
-    # pass per head for the whole launch: `shared`); dK/dV written, or the group's float32
-    # gradient rows read and written.
+    # Backward, own keys (kv head, key tile of bwd_n rows): K/V of the tile once; for each of
+    # the kv head's query heads, the query tiles' q, dO, O, lse again (with l2_reuse once per
+    # head for the whole launch: `shared`); dK/dV written.
     bm, bn = kernel.bwd_m, kernel.bwd_n
     key_tile_flops = 8 * bm * bn * bd            # S, dP, dV += Pᵀ·dO, dK += dSᵀ·Q
     query_tile_flops = 6 * bm * bn * bd          # S, dP, dQ += dS·K
-    # Own key tile t meets the query tiles from the one holding its first key on (causal).
     own_q_rows = [n - t * bn // bm * bm for t in range(_cdiv(n, bn))]
     key_own_bytes = kv * (4 * n * row + (0 if l2_reuse else per_kv * sum(own_q_rows) * q_side))
     key_own_flops = heads * sum(_cdiv(r, bm) for r in own_q_rows) * key_tile_flops
-    group_tiles = sum(_cdiv(r, bn) for r in rows)
-    key_group_bytes = kv * (history * (2 * row + 4 * config.head_dim * grad_bytes)
-                            + (0 if l2_reuse else per_kv * group_tiles * n * q_side))
-    key_group_flops = heads * group_tiles * _cdiv(n, bm) * key_tile_flops
     shared = heads * n * q_side if l2_reuse else 0
 
-    # Backward, query programs (query tile of bwd_m rows, head): q, dO, O, lse once; every own
-    # and group K/V row (with l2_reuse once per kv head); dQ, b_σ's and each group's row sums.
+    # Backward, queries (query tile of bwd_m rows, head, split): q, dO, O, lse once; every own
+    # and group K/V row (with l2_reuse once per kv head); dQ, b_σ's and each group's row sums
+    # (through float32 partials with S > 1); split 0 writes the reader rows (q, dO, lse, delta).
     tiles = _cdiv(n, bm)
     ends = [min(n, i * bm + bm) for i in range(tiles)]
     own_kv = kv * n if l2_reuse else heads * _loaded(ends, bn, n)
     query_own_bytes = (own_kv * 2 * row + heads * n * (row + STAT_BYTES * config.self_slot)
                        + (0 if l2_reuse else heads * n * q_side))
     query_own_flops = heads * sum(_cdiv(end, bn) for end in ends) * query_tile_flops
+    group_tiles = sum(_cdiv(r, bn) for r in rows)
+    split = _splits(tiles * batch * heads * cells, group_tiles, device)
+    partials = (2 * split * heads * n * 4 * (config.head_dim + groups + 1) if split > 1 else 0)
+    writes = STAT_BYTES * groups + 2 * row + STAT_BYTES * (groups + 1)  # row sums, reader row
     query_group_bytes = ((kv if l2_reuse else heads * tiles) * history * 2 * row
-                         + heads * n * STAT_BYTES * len(rows))
+                         + heads * n * writes + partials)
     query_group_flops = heads * tiles * group_tiles * query_tile_flops
+
+    # Backward, history (`history_gradients`): each history key tile (hist_n rows, from each
+    # source block's first row) reads every later query row that reads it from the reader
+    # rows, once per tile; its K/V once and its dK/dV written once are counted per row in
+    # `_history_rows`.
+    hn = kernel.hist_n
+    hist_tiles = sum(_cdiv(start, hn) - (start - r) // hn for r in rows if r)
+    history_bytes = heads * hist_tiles * n * reader
+    history_flops = heads * hist_tiles * _cdiv(n, kernel.hist_m) * 8 * kernel.hist_m \
+        * kernel.hist_n * bd
 
     tally.add("in-block attn", batch * (key_own_flops + query_own_flops),
               batch * (key_own_bytes + query_own_bytes + shared))
-    tally.add("finished bwd", batch * (key_group_flops + query_group_flops),
-              batch * (key_group_bytes + query_group_bytes))
+    tally.add("finished bwd", batch * (query_group_flops + history_flops),
+              batch * (query_group_bytes + history_bytes))
+
+
+def _history_rows(tally: _Tally, config: ModelConfig, kernel: _Kernel, rows: int, batch: int,
+                  cells: int, seq_len: int, device: Device) -> None:
+    """The history gradients' per-row traffic of `rows` published rows of one unit of `cells`
+    published cells: each row's K/V read and its dK/dV written once, through float32 split
+    partials where the kernel splits the later queries."""
+    kv, width = config.num_kv_heads, config.head_dim
+    programs = cells * batch * kv * _cdiv(config.block_size, kernel.hist_n)
+    split = _splits(programs, _cdiv(seq_len, kernel.hist_m), device)
+    per_row = kv * 2 * width * (2 * ACT_BYTES + (2 * split * 4 if split > 1 else 0))
+    tally.add("finished bwd", 0, batch * rows * per_row)
 
 
 def skipped_tiles(lo: int, start: int, bound: int, tile: int) -> int:
@@ -339,26 +405,24 @@ class MaskSaving:
     flops_saved: float
 
 
-def document_saving(config: ModelConfig, kernel: _Kernel, starts: list[int], grad_bytes: int,
+def document_saving(config: ModelConfig, kernel: _Kernel, starts: list[int],
                     recompute: bool) -> MaskSaving:
     """What the document mask saves in one sample's finished-group attention, given each
     position's document start `starts` (spec §7; its length is the sequence's). Per (block,
     layer, group): the forward's and the backward query programs' query tiles skip the history
     tiles below their smallest bound (the tile's first row's: starts are non-decreasing), the
-    backward key programs the tiles below the block's first row's bound: no K/V load, no
-    products, and for key programs no q/dO/O/lse re-reads and no gradient read-modify-write.
-    Counted as `_attention` counts them (no L2 reuse), in whole tiles."""
+    history gradients' programs skip the block's queries for the key tiles below the block's
+    first row's bound: no K/V load and no products, and for the history's gradients no reader
+    rows read. Counted as `_attention` counts them (no L2 reuse), in whole tiles."""
     c, n = config.block_size, config.block_size
-    heads, kv, bd = config.num_heads, config.num_kv_heads, kernel.block_d
+    heads, bd = config.num_heads, kernel.block_d
     row = config.head_dim * ACT_BYTES
-    q_side = 3 * row + STAT_BYTES
     passes = 2 if recompute else 1
     # Per skipped tile: (bytes, FLOPs) of a forward query tile, a key program, a query program.
     fwd = (passes * heads * kernel.fwd_n * 2 * row,
            passes * heads * 4 * kernel.fwd_m * kernel.fwd_n * bd)
-    key = (kv * (kernel.bwd_n * (2 * row + 4 * config.head_dim * grad_bytes)
-                 + heads // kv * n * q_side),
-           heads * _cdiv(n, kernel.bwd_m) * 8 * kernel.bwd_m * kernel.bwd_n * bd)
+    key = (heads * n * (2 * row + 2 * STAT_BYTES),
+           heads * _cdiv(n, kernel.hist_m) * 8 * kernel.hist_m * kernel.hist_n * bd)
     query = (heads * kernel.bwd_n * 2 * row, heads * 6 * kernel.bwd_m * kernel.bwd_n * bd)
     tiles = skipped = 0
     total = [0.0, 0.0]
@@ -366,10 +430,10 @@ def document_saving(config: ModelConfig, kernel: _Kernel, starts: list[int], gra
     for start in range(c, len(starts), c):
         block = starts[start:start + n]
         for layer in range(config.num_layers):
-            for rows in _group_rows(config, layer, start):
+            for rows in history_rows(config, layer, start):
                 lo = start - rows
                 kinds = [(fwd, kernel.fwd_n, block[::kernel.fwd_m]),
-                         (key, kernel.bwd_n, block[:1]),
+                         (key, kernel.hist_n, block[:1]),
                          (query, kernel.bwd_n, block[::kernel.bwd_m])]
                 for cost, tile, bounds in kinds:
                     for bound in bounds:
@@ -428,24 +492,37 @@ def format_saving(saving: MaskSaving, lengths: list[int]) -> str:
 
 
 def _dense(tally: _Tally, shapes: Iterable[tuple[int, int]], rows: int, recompute: bool) -> None:
-    """Bytes of one block's weight matmuls (FLOPs come from flops.py, whole-pass)."""
+    """Bytes of one block's weight matmuls (FLOPs come from flops.py, whole-pass). Forward:
+    the weight (cast once per pass) + input + output. Backward: dX reads dY and the weight and
+    writes dX; the weight's gradient rows (its input and dY, kept) are concatenated once per
+    pass (read + write) and read by one matmul per stack (`layers.StackedWeight.gradient`)."""
     e = ACT_BYTES
     for d_in, d_out in shapes:
         weight, io = d_in * d_out, rows * (d_in + d_out) * e
-        forward = weight * e + io
-        backward = weight * (e + 2 * WEIGHT_GRAD_BYTES) + 2 * io
-        tally.add("dense", nbytes=forward + backward)
+        tally.add("dense", nbytes=(weight * e + io) + (weight * e + io) + 3 * io)
         if recompute:
-            tally.add("recompute", nbytes=forward)
+            tally.add("recompute", nbytes=weight * e + io)
+
+
+def _weights(tally: _Tally, config: ModelConfig) -> None:
+    """Once per pass (`model/pass_weights.py`): every layer weight cast from float32 to the
+    matmuls' dtype (read 4 + write 2 B), its stack's gradient written in that dtype and added
+    into the float32 gradient (read 2 + 4, write 4 B)."""
+    params = count_parameters(config.replace(vocab_size=-1)) - config.d_model
+    tally.add("weights", nbytes=params * (4 + ACT_BYTES + ACT_BYTES + ACT_BYTES + 4 + 4))
+
+
+def launches(config: ModelConfig, seq_len: int) -> int:
+    """Kernel launches of one step on the GPU path (LAUNCHES_PER_CELL a (block, layer) cell)."""
+    return _cdiv(seq_len, config.block_size) * config.num_layers * LAUNCHES_PER_CELL
 
 
 def step_bound(config: ModelConfig, execution: ExecutionConfig, seq_len: int, batch: int,
-               device: Device, *, vocab_size: int | None = None, grad_bytes: int = 4,
+               device: Device, *, vocab_size: int | None = None,
                l2_reuse: bool = False) -> Bound:
     """The roofline of one training step (module doc) of `batch` sequences of `seq_len` tokens.
 
-    `vocab_size`: the head's rows when the config takes its vocabulary from the data (-1);
-    `grad_bytes`: bytes per element of the history's gradient buffers (4 float32, 2 bf16)."""
+    `vocab_size`: the head's rows when the config takes its vocabulary from the data (-1)."""
     if config.arch != "beta12":
         raise ConfigError(f"model.arch = {config.arch!r}: the roofline models beta12's block "
                           "loop and attention kernels")
@@ -455,16 +532,21 @@ def step_bound(config: ModelConfig, execution: ExecutionConfig, seq_len: int, ba
     if seq_len < 1 or batch < 1:
         raise ConfigError(f"seq_len = {seq_len}, batch = {batch}: both must be >= 1")
     recompute = execution.activation_checkpoint != "none"
+    cells = period(execution.schedule, config.num_layers, config.depth_window) \
+        if execution.schedule == "wavefront" else 1
     kernel = _Kernel.of(config.head_dim)
     tally = _Tally()
-    c, starts = config.block_size, range(0, seq_len, config.block_size)
-    last = starts[-1]
-    for start in starts:
-        n = min(c, seq_len - start)
+    c, spans = config.block_size, blocks(config, seq_len)
+    last = spans[-1][0]
+    for start, n in spans:
         for layer in range(config.num_layers):
-            _dense(tally, _matmuls(config, layer, start < last), batch * n, recompute)
-            _attention(tally, config, kernel, n, _group_rows(config, layer, start), batch,
-                       grad_bytes, l2_reuse, recompute)
+            _dense(tally, matmul_shapes(config, layer, start < last), batch * n, recompute)
+            _attention(tally, config, kernel, start, n, history_rows(config, layer, start),
+                       batch, cells, device, l2_reuse, recompute)
+        if start < last:
+            _history_rows(tally, config, kernel, config.num_layers * n, batch,
+                          config.num_layers, seq_len, device)
+    _weights(tally, config)
 
     d = config.d_model
     head_fwd = 2 * d * vocab * seq_len * batch
@@ -482,14 +564,15 @@ def step_bound(config: ModelConfig, execution: ExecutionConfig, seq_len: int, ba
     # own earlier keys and itself.
     attention = batch * attention_flops(config, seq_len)
     in_block = batch * 4 * config.head_dim * config.num_heads * config.num_layers * sum(
-        n * (n + 1) // 2 for n in (min(c, seq_len - s) for s in starts))
-    useful = {"dense": 3 * layers_fwd, "head+loss": 3 * head_fwd, "in-block attn": 3 * in_block,
-              "finished fwd": attention - in_block, "finished bwd": 2 * (attention - in_block),
-              "recompute": 0}
+        n * (n + 1) // 2 for _, n in spans)
+    useful = {"dense": 3 * layers_fwd, "weights": 0, "head+loss": 3 * head_fwd,
+              "in-block attn": 3 * in_block, "finished fwd": attention - in_block,
+              "finished bwd": 2 * (attention - in_block), "recompute": 0}
     parts = [Part(name, tally.flops[name], useful[name], tally.bytes[name],
                   tally.flops[name] / device.peak_flops, tally.bytes[name] / device.bandwidth)
              for name in PART_NAMES]
-    return Bound(parts, device, batch * training_flops(config, seq_len, vocab))
+    return Bound(parts, device, batch * training_flops(config, seq_len, vocab),
+                 launches(config, seq_len))
 
 
 # ---- the command --------------------------------------------------------------------------------
@@ -517,7 +600,23 @@ def format_bound(bound: Bound) -> str:
             f"bound: {bound.seconds:.3f} s/step (sum of the parts' max(compute, memory)); "
             f"fully overlapped {bound.overlapped_s:.3f} s\n"
             f"MFU ceiling: {bound.mfu_ceiling:.1%} ({bound.useful_flops / 1e12:.2f} useful "
-            f"TFLOP / ({bound.device.peak_flops / 1e12:.0f} TFLOP/s x {bound.seconds:.3f} s))")
+            f"TFLOP / ({bound.device.peak_flops / 1e12:.0f} TFLOP/s x {bound.seconds:.3f} s))\n"
+            f"launch term: {bound.launches} launches ({LAUNCHES_PER_CELL} a cell): eager "
+            f"{bound.eager_launch_s:.3f} s ({EAGER_LAUNCH_S * 1e6:.0f} us a launch from Python, "
+            f"assumed), graphed {bound.graphed_launch_s:.3f} s ({GRAPH_REPLAYS} replays of "
+            f"{GRAPH_REPLAY_S * 1e6:.0f} us and {GRAPHED_LAUNCH_S * 1e6:.1f} us a captured "
+            f"kernel, assumed); the step cannot beat max(bound, launch term)")
+
+
+def format_memory(memory: StepMemory, batch: int, device: Device) -> str:
+    """The memory model's lines (model/memory.py)."""
+    gib = 2**30
+    parts = ", ".join(f"{name} {size / gib:.2f}" for name, size in memory.per_sequence.items())
+    fixed = ", ".join(f"{name} {size / gib:.2f}" for name, size in memory.fixed.items())
+    return (f"memory (model/memory.py): {memory.sequence_bytes / gib:.2f} GiB a sequence "
+            f"({parts}); fixed {memory.fixed_bytes / gib:.2f} GiB ({fixed}); batch {batch}: "
+            f"{memory.total(batch) / gib:.1f} GiB of {device.name}'s {device.memory / 1e9:.0f} "
+            f"GB; the largest micro-batch that fits 85 %: {memory.largest_batch(device.memory)}")
 
 
 @dataclass(frozen=True)
@@ -529,11 +628,17 @@ class Setting:
     seq_len: int
     batch: int
     vocab: int
-    grad_bytes: int = 4
+
+    param_bytes: int = 4
+    """The parameters' bytes in the step (2: FSDP's bf16 parameters)."""
+
+    def memory(self) -> StepMemory:
+        return step_memory(self.config, self.execution, self.seq_len, act_bytes=ACT_BYTES,
+                           param_bytes=self.param_bytes, vocab_size=self.vocab)
 
     def bound(self, device: Device, l2_reuse: bool) -> Bound:
         return step_bound(self.config, self.execution, self.seq_len, self.batch, device,
-                          vocab_size=self.vocab, grad_bytes=self.grad_bytes, l2_reuse=l2_reuse)
+                          vocab_size=self.vocab, l2_reuse=l2_reuse)
 
 
 def sweeps(base: Setting) -> dict[str, list[tuple[str, Setting]]]:
@@ -548,8 +653,7 @@ def sweeps(base: Setting) -> dict[str, list[tuple[str, Setting]]]:
                          for h in kv],
         "deep_token_window": [(str(w), replace(base, config=config.replace(deep_token_window=w)))
                               for w in (0, 256, 1024, 4096) if w < t],
-        "history gradient dtype": [(name, replace(base, grad_bytes=size))
-                                   for name, size in GRAD_DTYPES.items()],
+        "micro-batch": [(str(b), replace(base, batch=b)) for b in (1, 2, 4, 8, 16)],
     }
 
 
@@ -559,13 +663,16 @@ def format_sweeps(base: Setting, device: Device) -> str:
         rows = []
         for value, setting in settings:
             plain, cached = setting.bound(device, False), setting.bound(device, True)
+            gib = setting.memory().total(setting.batch) / 2**30
             rows.append([value, f"{plain.bytes / 1e12:.3f}", f"{plain.flops / 1e12:.1f}",
                          f"{plain.seconds:.3f}", f"{plain.mfu_ceiling:.1%}",
                          f"{cached.bytes / 1e12:.3f}", f"{cached.seconds:.3f}",
-                         f"{cached.mfu_ceiling:.1%}"])
+                         f"{cached.mfu_ceiling:.1%}", f"{plain.eager_launch_s:.3f}",
+                         f"{plain.graphed_launch_s:.3f}",
+                         f"{gib:.1f}" + ("" if gib * 2**30 <= device.memory else " (too big)")])
         out.append(f"sweep {knob} (the rest as above)\n" + _table(
             [knob, "TB", "TFLOP", "bound s", "MFU ceil", "TB (L2)", "bound s (L2)",
-             "MFU ceil (L2)"], rows))
+             "MFU ceil (L2)", "launch eager s", "launch graphed s", "GiB"], rows))
     return "\n\n".join(out)
 
 
@@ -591,9 +698,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=DEFAULT_VOCAB,
                         help=f"vocabulary when the config takes it from the data (default "
                              f"{DEFAULT_VOCAB})")
-    parser.add_argument("--grad-dtype", choices=list(GRAD_DTYPES), default="float32",
-                        help="the history's gradient buffers (default float32, as trained; "
-                             "bfloat16 is a what-if)")
     parser.add_argument("--l2-reuse", action="store_true",
                         help="count loads that programs running together share once (module "
                              "doc); sweeps show both")
@@ -621,6 +725,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"argument {'--config' if args.config else '--preset'}: model.arch = "
                      f"{run.model.arch!r}: the roofline models beta12's block loop and kernels")
     args.model, args.execution = run.model, run.execution
+    fsdp_bf16 = run.parallel.backend == "fsdp" and run.parallel.fsdp_param_dtype == "bf16"
+    args.param_bytes = 2 if fsdp_bf16 else 4
     return args
 
 
@@ -630,7 +736,7 @@ def main(argv: list[str] | None = None) -> None:
     seq_len = args.seq_len or config.max_seq_len
     base = Setting(config, args.execution, seq_len, args.batch,
                    config.vocab_size if config.vocab_size > 0 else args.vocab,
-                   GRAD_DTYPES[args.grad_dtype])
+                   args.param_bytes)
     bound = base.bound(device, args.l2_reuse)
     kernel = _Kernel.of(config.head_dim)
     print(f"{PROG}: d_model {config.d_model}, {config.num_layers} layers, heads "
@@ -638,19 +744,19 @@ def main(argv: list[str] | None = None) -> None:
           f"padded to {kernel.block_d}), c = {config.block_size}, k = {config.depth_window}, "
           f"s = {config.depth_stride}, w = {config.deep_token_window}, vocab {base.vocab}")
     print(f"{seq_len} tokens x batch {args.batch}, bf16, activation_checkpoint = "
-          f"{args.execution.activation_checkpoint}, history gradients {args.grad_dtype}; "
+          f"{args.execution.activation_checkpoint}, schedule {args.execution.schedule}; "
           f"{device.name}: {device.peak_flops / 1e12:.0f} TFLOP/s, "
           f"{device.bandwidth / 1e12:.2f} TB/s; attention tiles fwd {kernel.fwd_m}x"
           f"{kernel.fwd_n}, bwd {kernel.bwd_m}x{kernel.bwd_n}; L2 reuse "
           f"{'assumed' if args.l2_reuse else 'not assumed'}\n")
     print(format_bound(bound))
+    print(format_memory(base.memory(), args.batch, device))
     if args.doc_lengths:
         try:
             lengths = parse_doc_lengths(args.doc_lengths, seq_len)
         except ValueError as err:
             raise SystemExit(f"{PROG}: {err}") from err
         saving = document_saving(config, kernel, document_starts(lengths, seq_len),
-                                 GRAD_DTYPES[args.grad_dtype],
                                  args.execution.activation_checkpoint != "none")
         print("\n" + format_saving(saving, lengths))
         after = bound.bytes - args.batch * saving.bytes_saved

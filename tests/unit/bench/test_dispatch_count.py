@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megabeta.bench.dispatch import DispatchCount, count_step, counting_config, per_cell
+from megabeta.bench.roofline import LAUNCHES_PER_CELL
 from megabeta.kernels import ops
 from megabeta.model import ExecutionConfig, build_model
 from megabeta.model.plan import WavePlan, period
@@ -57,6 +58,8 @@ def test_gpu_path_launches_few_kernels_per_cell(bf16: bool) -> None:
     if bf16:
         assert fused["per_cell"] <= per_cell("triton", elementwise_kernels="triton",
                                              **SMALL)["per_cell"]
+        # The roofline's launch term counts what the step launches.
+        assert abs(fused["per_cell"] - LAUNCHES_PER_CELL) <= 1, fused["per_cell"]
     # Forward, recompute and backward: 3 matmuls of the 5 projections a cell, bar the entering
     # and leaving blocks' (none of them a weight gradient's, nor an add of one).
     matmuls = sum(fused["ops_per_cell"].get(op, 0) for op in ("bmm", "baddbmm", "mm", "addmm"))
