@@ -12,7 +12,7 @@ BENCHMARKS = {"model": "megabeta.bench.model", "data": "megabeta.bench.data",
               "kernels": "megabeta.bench.kernels", "roofline": "megabeta.bench.roofline",
               "trace": "megabeta.bench.trace",
               "packing": "megabeta.bench.packing", "documents": "megabeta.bench.documents",
-              "hf": "megabeta.bench.hf_export"}
+              "hf": "megabeta.bench.hf_export", "host": "megabeta.bench.host"}
 PROG = "megabeta bench"
 
 
@@ -24,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
               "  data   tokenization and loader throughput, tokenizer memory\n"
               "  train  tokens/s and MFU per parallel backend, framework overhead, checkpoints\n"
               "  dispatch  kernel launches per (block, layer) cell of a training step\n"
-              "  gpu    one CUDA GPU: the device checks (pytest -m gpu tests/gpu), speed, MFU\n"
+              "  gpu    one CUDA GPU: speed eager/compiled/graphed, largest micro-batch, "
+              "share of the roofline\n"
+              "  host   the GPU path's host time per cell (no kernel run), launches per "
+              "micro-step\n"
               "  checkpoint  what fsync (durable commits) adds to a checkpoint save\n"
               "  wavefront  the wavefront schedule vs the block schedule and standard (paired)\n"
               "  kernels  every Triton kernel compiled for sm_80/sm_90 (no GPU): registers, "
