@@ -353,6 +353,15 @@ class TrainConfig:
         need(p.zero_stage in (1, 2, 3), "parallel.zero_stage", p.zero_stage, "must be 1, 2 or 3")
         need(p.deepspeed_optimizer in ("torch", "deepspeed"), "parallel.deepspeed_optimizer",
              p.deepspeed_optimizer, "must be torch or deepspeed")
+        # The captured pass reads every layer's weights inside one autograd node; ZeRO-3 gathers
+        # and frees a module's parameters around that module's own forward and backward calls,
+        # which the pass never makes. ZeRO-1/2 keep whole parameters (their gradients reach
+        # DeepSpeed through autograd as in eager), and FSDP2 gathers before the pass.
+        need(not (self.execution.cuda_graphs and p.backend == "deepspeed" and p.zero_stage == 3),
+             "execution.cuda_graphs", self.execution.cuda_graphs,
+             "cannot run under DeepSpeed ZeRO-3 (parallel.zero_stage = 3), which gathers each "
+             "module's parameters around that module's own calls; use parallel.zero_stage = 1 "
+             "or 2, or parallel.backend = \"fsdp\", or execution.cuda_graphs = false")
         need(self.checkpoint.interval >= 0, "checkpoint.interval", self.checkpoint.interval,
              "must be >= 0")
         need(self.checkpoint.keep >= 1, "checkpoint.keep", self.checkpoint.keep, "must be >= 1")

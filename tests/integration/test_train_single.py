@@ -154,18 +154,6 @@ def test_bad_checkpoints_and_configs_are_clear_errors(full_run: Path, tiny_data,
     assert done.returncode == 2 and "tokenizer" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_engine_compiles_the_block_step_when_asked() -> None:
-    """execution.compile = true: the engine applies apply_compile (whose graphs and results
-    tests/unit/model/test_block_step.py checks against the eager loop)."""
-    from megabeta.engine.torch_engine import TorchEngine
-
-    config = load_config(overrides=["--execution.compile=true", "--parallel.backend=single"])
-    model = tiny_model(dtype=torch.float32)
-    assert model.compiled_step is None
-    TorchEngine(model, config, torch.device("cpu"))
-    assert model.compiled_step is not None
-
-
 @pytest.mark.parametrize("flag,tolerance", [("--train.precision=bf16", 5e-2)], ids=["bf16"])
 def test_variant_trains_like_the_eager_fp32_run(flag: str, tolerance: float, full_run: Path,
                                                 tiny_data, tmp_path: Path) -> None:

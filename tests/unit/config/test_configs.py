@@ -126,3 +126,14 @@ def test_t19_flash_trains_at_the_micro_batch_an_80gb_gpu_holds() -> None:
     largest = step.largest_batch(80e9)
     assert 1 < config.train.micro_batch <= largest < 2 * config.train.micro_batch
     assert config.train.global_batch % config.train.micro_batch == 0
+
+
+def test_cuda_graphs_under_zero3_are_refused_by_name() -> None:
+    """DeepSpeed ZeRO-3 gathers parameters around module calls the captured pass never makes:
+    refused at start-up, naming the setting and what to use; ZeRO-1/2 are accepted."""
+    graphed = ["--parallel.backend=deepspeed", "--execution.cuda_graphs=true",
+               "--execution.activation_checkpoint=block"]
+    with pytest.raises(ConfigError, match=r"execution\.cuda_graphs.*zero_stage = 3.*fsdp"):
+        load_config(None, [*graphed, "--parallel.zero_stage=3"])
+    for stage in (1, 2):
+        assert load_config(None, [*graphed, f"--parallel.zero_stage={stage}"]).execution.cuda_graphs
