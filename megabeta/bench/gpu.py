@@ -1,4 +1,4 @@
-"""The device check for one CUDA GPU: the gpu test suite, then speed and MFU, in one script.
+"""The GPU step's speed against its targets, on one CUDA GPU, in one script.
 
     python -m megabeta.bench gpu                       # on the GPU machine (megabeta bench gpu)
     python -m megabeta.bench gpu --device cpu --quick  # the same plumbing, tiny, on a CPU
@@ -6,30 +6,25 @@
 Sections, in order:
 
 1. versions and features: torch, CUDA, triton, the device, bf16, TF32, and whether
-   `execution.attention = "triton"` and `execution.elementwise_kernels = "triton"` can
-   be selected (a tiny model is built with each);
-2. the device checks: `pytest -m gpu tests/gpu` in a child process (the Triton block attention
-   and elementwise kernels against float64 references, fwd and bwd, fp32 and bf16, at small and
-   t19_flash sizes; the model on the triton backend against the explicit one, decoding, the
-   wavefront and the compiled and graphed static step against the eager loop), its JUnit
-   report in checks.xml and its output in checks.log; --quick leaves out the t19_flash sizes
-   (`-m "gpu and not full_size"`); without CUDA every check is collected and skipped;
-3. the wavefront schedule (megabeta/bench/wavefront.py, paired in one process): beta_1.2_test
-   (c = 32, batch 8 x 512) on the block and the wavefront schedule next to the standard arm
-   (FLOP/s ratios), kernel-launching dispatches per step of either schedule on this device, and
-   t19_flash wavefront against block time;
-4. speed: t19_flash forward+backward with block checkpointing under bf16 autocast at 4096 and
-   16384 tokens, micro-batch 1 and the largest that fits, eager / compiled / CUDA-graphed, and
-   on the wavefront schedule with wave checkpointing, next to the standard arm of the same
-   shape: s/step, tokens/s, MFU, peak memory;
-5. the article's §7 arms at batch 16 next to its 0.876 / 0.124 / 0.094 s/batch.
+   `execution.attention = "triton"` and `execution.elementwise_kernels = "triton"` can be
+   selected (a tiny model is built with each);
+2. speed: t19_flash forward + backward (block recomputation, bf16 autocast over float32
+   parameters, as the trainer runs it), most important first: at the short length (4096) and
+   micro-batch 1 the standard arm, then beta_1.2 graphed (`execution.cuda_graphs`), eager and
+   compiled; beta at the long length (16384) at its largest micro-batch; both arms at the short
+   length at their largest micro-batches. The largest micro-batch is the memory model's
+   (model/memory.py) at 85 % of the device's memory, halved on an out-of-memory error. Rows:
+   s/step, tokens/s, MFU, peak memory, and for beta its share of the roofline bound
+   (`of_bound`, megabeta bench roofline) and the CUDA graphs captured;
+3. targets: graphed micro-batch 1 at the short length at most 0.4 s a step; beta's tokens/s at
+   the short length at least a third of the standard arm's, each at its largest micro-batch;
+   at the long length `of_bound` at least 0.5. Each met, missed or not measured.
 
-Time: everything runs within --budget-s seconds (default 420); the checks by CHECKS_SHARE of
-it (checks not started by then are skipped and counted), what no longer fits later is skipped
-and listed with the reason, as is everything that cannot run here, and a failing part records
-its error and the script goes on. Output: gpu.json and gpu.md (Markdown tables) in $OUT when
-set, else in --out (default: the current directory), rewritten after every section; progress
-lines on stdout.
+The device's exactness checks are tests (`pytest -m gpu tests`), not part of this script.
+Time: everything runs within --budget-s seconds; what no longer fits is skipped and listed with
+the reason, as is everything that cannot run here, and a failing part records its error and the
+script goes on. Output: gpu.json and gpu.md (Markdown tables) in $OUT when set, else in --out
+(default: the current directory), rewritten after every section; progress lines on stdout.
 """
 
 from __future__ import annotations
@@ -37,18 +32,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib.util
 import json
 import math
 import os
 import platform
-import shlex
-import subprocess
-import sys
 import time
 import traceback
-import xml.etree.ElementTree as ElementTree
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -66,31 +55,27 @@ from megabeta.bench.roofline import device_for, step_bound  # noqa: E402
 from megabeta.model import (ConfigError, DecoderLM, ExecutionConfig, ModelConfig,  # noqa: E402
                             build_model, get_preset)
 from megabeta.model.flops import training_flops  # noqa: E402
+from megabeta.model.memory import step_memory  # noqa: E402
 from megabeta.train.metrics import device_peak_flops  # noqa: E402
 
-ARTICLE_S_PER_BATCH = {"beta_1.2_test": 0.876, "beta_1.2_c256": 0.124, "t16_std_tf_rope": 0.094}
-"""Article §7.1: s/batch at B = 16 (its sequence length is not stated; --article-seq-len)."""
-SECTIONS = ("versions", "wavefront", "speed", "article")
-TITLES = {"versions": "Versions and features",
-          "wavefront": "The wavefront schedule (paired)", "speed": "Speed: t19_flash",
-          "article": "The article's §7 arms at batch 16"}
+SECTIONS = ("versions", "speed", "targets")
+TITLES = {"versions": "Versions and features", "speed": "Speed: t19_flash",
+          "targets": "Targets of the GPU step"}
 MODES = {"eager": dict(activation_checkpoint="block"),
          "compiled": dict(activation_checkpoint="block", compile=True),
-         "graphed": dict(activation_checkpoint="block", cuda_graphs=True),
-         "wavefront": dict(schedule="wavefront", activation_checkpoint="wave"),
-         "wavefront_compiled": dict(schedule="wavefront", activation_checkpoint="wave",
-                                    compile=True),
-         "wavefront_graphed": dict(schedule="wavefront", activation_checkpoint="wave",
-                                   cuda_graphs=True)}
-"""The speed section's modes: the beta arm's execution settings."""
+         "graphed": dict(activation_checkpoint="block", cuda_graphs=True)}
+"""The speed section's modes: the beta arm's execution settings (block schedule)."""
 SETTINGS = {"attention=triton": dict(attention="triton"),
             "elementwise_kernels=triton": dict(elementwise_kernels="triton")}
 """The execution settings whose availability section 1 probes (and later sections rely on)."""
-ARTICLE_RESERVE_S = {"cuda": 60.0, "cpu": 8.0}
-"""Budget kept for section 5 while section 4 runs (its three arms, warm-up and timing)."""
-SHARE_END = {"wavefront": 0.25}
-"""The fraction of --budget-s by which these sections must be done, so that the speed sections
-keep their time; time they leave unused goes to the later sections."""
+TARGET_GRAPHED_S = 0.4
+"""t19_flash at the short length, micro-batch 1, graphed: at most this many s/step."""
+TARGET_TOKENS_RATIO = 1 / 3
+"""At the short length, each arm at its largest micro-batch: beta's tokens/s over standard's."""
+TARGET_OF_BOUND = 0.5
+"""At the long length, beta's largest micro-batch: the roofline's bound over the measured step."""
+
+
 # ---- the report ---------------------------------------------------------------------------------
 
 class Report:
@@ -176,10 +161,6 @@ def _fmt(value: Any) -> str:
     return str(value).replace("|", "/")
 
 
-def _row_label(row: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k != "outcome")
-
-
 def _table(rows: list[dict[str, Any]]) -> list[str]:
     columns: list[str] = []
     for row in rows:
@@ -198,13 +179,12 @@ class Budget:
     def left(self) -> float:
         return self.end - time.monotonic()
 
-    def why_not(self, estimate: float, reserve: float = 0.0) -> str | None:
-        """None when `estimate` seconds fit with `reserve` kept back; else why not."""
-        left = self.left() - reserve
+    def why_not(self, estimate: float) -> str | None:
+        """None when `estimate` seconds fit; else why not."""
+        left = self.left()
         if estimate <= left:
             return None
-        return (f"skipped for time: needs ~{estimate:.0f} s, {max(left, 0):.0f} s of the budget "
-                f"left" + (f" ({reserve:.0f} s kept for later sections)" if reserve else ""))
+        return f"skipped for time: needs ~{estimate:.0f} s, {max(left, 0):.0f} s of the budget left"
 
 
 @dataclass
@@ -217,6 +197,8 @@ class Run:
     budget: Budget
     unavailable: dict[str, str] = field(default_factory=dict)
     """Execution settings of SETTINGS that cannot be selected here, with the reason."""
+    timings: dict = field(default_factory=dict)
+    """The speed section's timings by (arm, tokens, batch, mode)."""
 
     @property
     def quick(self) -> bool:
@@ -225,12 +207,6 @@ class Run:
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
-
-    def reserve(self, section: str) -> float:
-        """Seconds of the budget that `section` must leave to the sections after it."""
-        if section in SHARE_END:
-            return self.args.budget_s * (1 - SHARE_END[section])
-        return ARTICLE_RESERVE_S[self.device.type] if section == "speed" else 0.0
 
     def sync(self) -> None:
         if self.cuda:
@@ -325,18 +301,12 @@ def section_versions(run: Run) -> None:
                              value=what if why is None else f"{what}: {why}"))
 
 
-def _on_wavefront(mode: str) -> bool:
-    """Whether speed mode `mode` runs the wavefront schedule (its rows compare with the eager
-    block schedule's: time_vs_block)."""
-    return MODES[mode].get("schedule") == "wavefront"
-
-
 def _graphed(mode: str) -> bool:
     """Whether speed mode `mode` captures CUDA graphs (a CUDA device only)."""
     return MODES[mode].get("cuda_graphs", False)
 
 
-# ---- sections 3-5: wavefront, speed, article -----------------------------------------------------
+# ---- section 2: speed against the targets -----------------------------------------------------
 
 @contextlib.contextmanager
 def count_graph_captures() -> Iterator[list[int]]:
@@ -379,9 +349,9 @@ class Timing:
 
 
 def measure(run: Run, config: ModelConfig, execution: ExecutionConfig, batch: int, length: int,
-            mode: str, repeats: int, warmup: int, reserve: float = 0.0) -> Timing:
+            mode: str, repeats: int, warmup: int) -> Timing:
     """s/step (median of `repeats` after the first step and `warmup` more) of one arm; fewer
-    steps when the first one shows that they would not fit in the budget (`reserve` kept), down
+    steps when the first one shows that they would not fit in the budget, down
     to the first step alone (`timed_steps` 0)."""
     _free(run.device)
     if run.cuda:
@@ -397,7 +367,7 @@ def measure(run: Run, config: ModelConfig, execution: ExecutionConfig, batch: in
         step()
         run.sync()
         first = time.perf_counter() - begin
-        fit = int((run.budget.left() - reserve) // first) if first > 0 else repeats + warmup
+        fit = int(run.budget.left() // first) if first > 0 else repeats + warmup
         repeats = max(0, min(repeats, fit - warmup))
         warmup = min(warmup, max(0, fit - repeats)) if repeats else 0
         seconds = timed(step, run.device, repeats, warmup) if repeats else first
@@ -436,15 +406,6 @@ def profile_step(model: DecoderLM, tokens: Tensor, *, top: int = 6) -> dict[str,
                 top_ops="; ".join(f"{a.key[:60]} {rank(a) / 1e3:.1f} ms x{a.count}" for a in ops))
 
 
-def _beta_attention(run: Run) -> tuple[str, str | None]:
-    """The attention backend the speed sections give the beta arms, and why when it is not
-    --attention."""
-    wanted = run.args.attention
-    why = run.unavailable.get(f"attention={wanted}")
-    return ("auto", f"attention = {wanted} not selectable ({why}): beta arms run 'auto'") \
-        if why else (wanted, None)
-
-
 def _speed_config(run: Run, arch: str, length: int) -> ModelConfig:
     quick = dict(d_model=64, hidden_dim=128, num_heads=2, num_layers=2) if run.quick else {}
     config = get_preset("t19_flash", vocab_size=512 if run.quick else 55000,
@@ -452,322 +413,161 @@ def _speed_config(run: Run, arch: str, length: int) -> ModelConfig:
     return config.replace(arch=arch) if arch == "standard" else config
 
 
-def _roofline_s(run: Run, config: ModelConfig, batch: int, length: int,
-                mode: str) -> float | None:
-    """The roofline's lower bound on s/step (megabeta/bench/roofline.py) of a beta arm on a GPU
-    of its table; None for the standard arm, on a CPU or on another GPU."""
-    device = device_for(torch.cuda.get_device_name(run.device)) if run.cuda else None
-    if device is None or config.arch != "beta12":
-        return None
-    return step_bound(config, ExecutionConfig(**MODES[mode]), length, batch, device).seconds
+def _execution(run: Run, arch: str, mode: str) -> ExecutionConfig:
+    """The standard arm runs eager at its fastest attention; beta runs `mode` on --attention."""
+    if arch == "standard":
+        return ExecutionConfig(**MODES["eager"])
+    return ExecutionConfig(attention=run.args.attention, **MODES[mode])
+
+
+def largest_batch(run: Run, config: ModelConfig, execution: ExecutionConfig,
+                  length: int) -> tuple[int, float]:
+    """The memory model's largest micro-batch on this device (model/memory.py: float32
+    parameters under bf16 autocast, as this script trains) capped by --max-batch, and the bytes
+    it predicts a sequence."""
+    memory = step_memory(config, execution, length, act_bytes=2, param_bytes=4,
+                         deferred=execution.attention == "triton",
+                         readers=execution.attention == "triton")
+    capacity = (torch.cuda.get_device_properties(run.device).total_memory if run.cuda
+                else run.args.cpu_memory_gib * 2**30)
+    return max(1, min(run.args.max_batch, memory.largest_batch(capacity))), memory.sequence_bytes
 
 
 def _speed_row(run: Run, arm: str, config: ModelConfig, batch: int, length: int, mode: str,
-               timing: Timing, peak: float, base: Timing | None) -> dict[str, Any]:
+               timing: Timing, peak: float) -> dict[str, Any]:
     flops = batch * training_flops(config, length)
     row = dict(arm=arm, tokens=length, batch=batch, mode=mode, attention=timing.backend,
                s_per_step=timing.seconds, tokens_per_s=batch * length / timing.seconds,
                MFU=flops / timing.seconds / peak, first_step_s=timing.first_s,
                timed_steps=timing.timed_steps, peak_GiB=timing.peak_gib)
-    bound = _roofline_s(run, config, batch, length, mode)
-    if bound is not None:
-        row["of_bound"] = bound / timing.seconds
+    device = device_for(torch.cuda.get_device_name(run.device)) if run.cuda else None
+    if device is not None and config.arch == "beta12":
+        bound = step_bound(config, ExecutionConfig(**MODES[mode]), length, batch, device)
+        row["of_bound"] = bound.seconds / timing.seconds
     if _graphed(mode):
         row["graphs_captured"] = timing.captures
-    if base is not None:
-        row["time_vs_standard"] = timing.seconds / base.seconds
     return row
 
 
 def section_speed(run: Run) -> None:
+    """The targets' measurements, most important first (each within what the budget leaves):
+    t19_flash at the short length and micro-batch 1 (standard; beta graphed, eager, compiled);
+    beta at the long length and its largest micro-batch (its share of the roofline bound); both
+    arms at the short length and their largest micro-batches (tokens/s)."""
     report, key, args = run.report, "speed", run.args
-    # A CPU's bf16 matmul is slow to measure and says nothing about MFU on a GPU.
     peak, source = device_peak_flops(run.device, torch.bfloat16 if run.cuda else torch.float32)
     report.note(key, f"bf16 autocast with float32 parameters (as TorchEngine, train.precision = "
-                     f"bf16), activation_checkpoint = block; MFU = training_flops / time / peak, "
-                     f"peak {_fmt(peak / 1e12)} TFLOP/s ({source}); s/step is the median of "
-                     f"{args.repeats} steps after {args.warmup + 1} untimed ones (the first, "
-                     "with compilation or capture, is shown apart; timed_steps says how many "
-                     "fitted in the budget, 0: the first step's time)")
-    report.note(key, "of_bound: the roofline's lower bound on the step (megabeta bench "
-                     "roofline: the Triton kernels' loop structure, no L2 reuse) over the "
-                     "measured s/step, on the GPUs of its table")
-    attention, why = _beta_attention(run)
-    if why:
-        report.note(key, why)
-    report.note(key, "the standard arm (arch = standard, same shape) runs attention = auto, its "
-                     "fastest path, at the same batch, mode and precision (modes wavefront and "
-                     "wavefront_compiled, wavefront_graphed: execution.schedule = "
-                     "wavefront with activation_checkpoint = wave, and compile = true or "
-                     "cuda_graphs = true, for the beta arm, "
-                     "compared with the eager rows: time_vs_block)")
-    lengths = [int(s) for s in args.speed_lengths.split(",")]
-    reserve = run.reserve(key)
-    known: dict[tuple[int, str], float] = {}
-    """(length, mode) -> beta s/step at batch 1, for estimates."""
-    largest: dict[int, int] = {}
-    """length -> largest eager micro-batch of the beta arm that fit."""
+                     f"bf16); MFU = training_flops / time / peak, peak "
+                     f"{_fmt(peak / 1e12)} TFLOP/s ({source}); s/step: the median of "
+                     f"{args.repeats} steps after {args.warmup + 1} untimed ones (timed_steps: "
+                     "how many fitted the budget; 0: the first step's time); of_bound: the "
+                     "roofline's bound (megabeta bench roofline) over the measured step; largest "
+                     "micro-batch: the memory model's (model/memory.py) at 85 % of the device's "
+                     "memory, halved on an out-of-memory error")
+    short, long = args.lengths
+    timings: dict[tuple[str, int, int, str], Timing] = {}
 
-    def estimate(length: int, mode: str, batch: int) -> float:
-        base = known.get((length, mode)) or known.get((length, "eager"))
-        if base is None:
-            shorter = [known[(n, "eager")] * (length / n) ** 1.5 for n in lengths
-                       if (n, "eager") in known]
-            # measure() trims its repeats to the budget after the first step: a guess will do.
-            base = max(shorter, default=3.0 if run.cuda else 2.0)
-        steps = args.warmup + 1 + args.repeats
-        # The compiled wavefront compiles a graph per kind of wave (`WavePlan.kinds`): a few.
-        extra = {"compiled": args.compile_estimate_s, "graphed": 3 * base,
-                 "wavefront_compiled": 4 * args.compile_estimate_s,
-                 "wavefront_graphed": 3 * base}.get(mode, 0.0)
-        return 2 * (steps * base * batch + extra)  # two arms
-
-    standard: dict[tuple[int, int], Timing] = {}
-    """(length, batch) -> the standard arm's eager timing (the wavefront mode's base)."""
-    block: dict[tuple[int, int], Timing] = {}
-    """(length, batch) -> the beta arm's eager (block schedule) timing."""
-
-    def arms(length: int, mode: str, batch: int) -> None:
-        """Beta, then the standard arm, at one setting: a row each (the wavefront mode reuses
-        the eager standard arm's timing: its schedule is beta12's alone)."""
-        base = standard.get((length, batch)) if _on_wavefront(mode) else None
-        for arm, arch, backend in (("standard", "standard", "auto"),
-                                   ("beta_1.2 t19_flash", "beta12", attention)):
-            if arch == "standard" and base is not None:
-                continue
-            execution = MODES["eager" if arch == "standard" else mode]
-            config = _speed_config(run, arch, length)
-            label = f"{arm} {length} tokens batch {batch} {mode}"
+    def time_arm(arm: str, length: int, batch: int, mode: str) -> Timing | None:
+        arch = "standard" if arm == "standard" else "beta12"
+        label = f"{arm} {length} tokens batch {batch} {mode}"
+        if _graphed(mode) and not run.cuda:
+            report.not_run(key, label, "CUDA graphs need a CUDA device")
+            return None
+        known = [t.seconds / b * batch * (length / n) ** 1.5
+                 for (a, n, b, _), t in timings.items() if a == arm]
+        estimate = (min(known) if known else 5.0) * (2 + args.warmup)
+        why = run.budget.why_not(estimate)
+        if why:
+            report.not_run(key, label, why)
+            return None
+        config = _speed_config(run, arch, length)
+        while batch >= 1:
             with attempt(run, key, label):
                 try:
-                    timing = measure(run, config, ExecutionConfig(attention=backend, **execution),
-                                     batch, length, mode, args.repeats, args.warmup, reserve)
-                except ConfigError as exc:
-                    report.not_run(key, label, f"the model refuses it: {_first_line(exc)}")
+                    timing = measure(run, config, _execution(run, arch, mode), batch, length,
+                                     mode, args.repeats, args.warmup)
+                except torch.cuda.OutOfMemoryError:
+                    report.note(key, f"{label}: out of memory; halving the micro-batch")
+                    batch //= 2
+                    label = f"{arm} {length} tokens batch {batch} {mode}"
                     continue
-                row = _speed_row(run, arm, config, batch, length, mode, timing, peak,
-                                 base if arch == "beta12" else None)
-                if _on_wavefront(mode) and (length, batch) in block:
-                    row["time_vs_block"] = timing.seconds / block[(length, batch)].seconds
-                report.add(key, row)
-                if arch == "standard":
-                    base = timing
-                    if mode == "eager":
-                        standard[(length, batch)] = timing
-                else:
-                    if mode == "eager":
-                        block[(length, batch)] = timing
-                    if batch == 1:
-                        known[(length, mode)] = timing.seconds
+                report.add(key, _speed_row(run, arm, config, batch, length, mode, timing, peak))
+                timings[(arm, length, batch, mode)] = timing
                 if _graphed(mode) and not timing.captures:
-                    report.note(key, f"{label}: cuda_graphs = true was accepted but no CUDA "
-                                     "graph was captured: this ran eagerly")
+                    report.note(key, f"{label}: no CUDA graph was captured: this ran eagerly")
+                return timing
+            return None
+        return None
 
-    def compare(length: int) -> None:
-        """The beta arm at batch 1, eager, on each --compare-attention backend, against the
-        --attention row measured just before (time_vs_<attention>)."""
-        config = _speed_config(run, "beta12", length)
-        for backend in filter(None, args.compare_attention.split(",")):
-            label = f"beta_1.2 t19_flash {length} tokens batch 1 eager, attention {backend}"
-            why = run.unavailable.get(f"attention={backend}")
-            if why:
-                report.not_run(key, label, why)
-                continue
-            why = run.budget.why_not(estimate(length, "eager", 1) / 2, reserve)
-            if why:
-                report.not_run(key, label, why)
-                continue
-            with attempt(run, key, label):
-                timing = measure(run, config, ExecutionConfig(attention=backend,
-                                                              activation_checkpoint="block"),
-                                 1, length, "eager", args.repeats, args.warmup, reserve)
-                row = _speed_row(run, "beta_1.2 t19_flash", config, 1, length, "eager",
-                                 timing, peak, standard.get((length, 1)))
-                if (length, 1) in block:
-                    row[f"time_vs_{block[(length, 1)].backend}"] = (
-                        timing.seconds / block[(length, 1)].seconds)
-                report.add(key, row)
-
-    def profile(length: int) -> None:
-        """Where the beta arm's step time goes (`profile_step`): device busy or waiting."""
-        label = f"profile of beta_1.2 t19_flash {length} tokens batch 1 eager"
-        why = run.budget.why_not(estimate(length, "eager", 1), reserve)
-        if why:
-            report.not_run(key, label, why)
-            return
-        with attempt(run, key, label):
-            _free(run.device)
-            torch.manual_seed(0)
-            config = _speed_config(run, "beta12", length)
-            model = _build(config, run.device, ExecutionConfig(attention=attention,
-                                                               activation_checkpoint="block"))
-            tokens = torch.randint(0, config.vocab_size, (1, length + 1), device=run.device)
-            report.add(key, dict(arm="beta_1.2 t19_flash", tokens=length, batch=1,
-                                 mode="eager (profiled)", attention=model.attention_backend.name,
-                                 **profile_step(model, tokens)))
-
-    def search(length: int) -> None:
-        """Double the beta arm's micro-batch until it runs out of memory (one step each)."""
-        config = _speed_config(run, "beta12", length)
-        execution = ExecutionConfig(attention=attention, activation_checkpoint="block")
-        batch, fits = 2, 1
-        total = (torch.cuda.get_device_properties(run.device).total_memory / 2**30
-                 if run.cuda else math.inf)
-        last: Timing | None = None
-        while batch <= args.max_batch:
-            step_s = known.get((length, "eager"), 1.0) * batch
-            why = run.budget.why_not(4 * step_s, reserve)
-            if why:
-                report.not_run(key, f"micro-batch {batch} at {length} tokens", why)
-                break
-            if last is not None and last.static_gib + 2 * (last.peak_gib - last.static_gib) > total:
-                report.note(key, f"{length} tokens: micro-batch {batch} not tried, predicted "
-                                 f"{last.static_gib + 2 * (last.peak_gib - last.static_gib):.1f}"
-                                 f" GiB > {total:.1f} GiB")
-                break
-            try:
-                last = measure(run, config, execution, batch, length, "eager", 0, 0)
-                fits = batch
-                batch *= 2
-            except torch.cuda.OutOfMemoryError:
-                report.note(key, f"{length} tokens: micro-batch {batch} ran out of memory")
-                break
-            finally:
-                _free(run.device)
-        largest[length] = fits
-        report.note(key, f"{length} tokens: largest beta micro-batch that fits: {fits}"
-                         + (f" (capped by --max-batch {args.max_batch})"
-                            if batch > args.max_batch else ""))
-
-    # By priority: batch 1 eager, each mode at the first length, the batch searches, the rest.
-    modes = [m for m in MODES if m != "eager" and m in args.modes.split(",")]
-    for mode in [m for m in modes if _graphed(m) and not run.cuda]:
-        modes.remove(mode)
-        report.not_run(key, f"mode {mode} (execution.cuda_graphs = true)",
-                       "CUDA graphs need a CUDA device")
-    tasks: list[tuple[str, int, str]] = [("b1", n, "eager") for n in lengths]
-    tasks += [("compare", lengths[0], "eager"), ("profile", lengths[0], "eager")]
-    for mode in filter(_on_wavefront, modes):
-        tasks += [("b1", n, mode) for n in lengths]
-    tasks += [("b1", lengths[0], mode) for mode in modes if not _on_wavefront(mode)]
-    tasks += [("max", n, "eager") for n in lengths]
-    for mode in modes:
-        tasks += [("b1", n, mode) for n in lengths[1:] if not _on_wavefront(mode)]
-        tasks += [("max", n, mode) for n in lengths]
-    for mode in MODES:
-        if mode != "eager" and mode not in args.modes.split(","):
-            report.not_run(key, f"mode {mode}", "not in --modes")
-    for kind, length, mode in tasks:
-        if kind == "compare":
-            compare(length)
-            continue
-        if kind == "profile":
-            profile(length)
-            continue
-        label = f"{length} tokens, {'batch 1' if kind == 'b1' else 'largest batch'}, {mode}"
-        if kind == "max":
-            if length not in largest:
-                if mode != "eager":
-                    report.not_run(key, label, "no eager batch search at this length")
-                    continue
-                with attempt(run, key, f"batch search at {length} tokens"):
-                    search(length)
-            batch = largest.get(length, 1)
-            if batch == 1:
-                report.not_run(key, label, "the largest micro-batch found is 1 (rows above)")
-                continue
-        else:
-            batch = 1
-        why = run.budget.why_not(estimate(length, mode, batch), reserve)
-        if why:
-            report.not_run(key, label, why)
-            continue
-        arms(length, mode, batch)
-
-
-def section_article(run: Run) -> None:
-    report, key, args = run.report, "article", run.args
-    seq, batch = args.article_seq_len, args.article_batch
-    attention, why = _beta_attention(run)
-    report.note(key, f"batch {batch} x {seq} tokens, vocab 8192, bf16 autocast, float32 "
-                     "parameters, no activation checkpointing, eager; the article (§7.1) does "
-                     "not state its sequence length or precision: 1024 is this script's "
-                     "assumption (--article-seq-len)")
+    beta = "beta_1.2 t19_flash"
+    time_arm("standard", short, 1, "eager")
+    for mode in args.modes:
+        time_arm(beta, short, 1, mode)
+    ran = [(t.seconds, m) for (a, n, b, m), t in timings.items() if a == beta and b == 1]
+    best = min(ran)[1] if ran else args.modes[0]
+    report.note(key, f"the beta arm's fastest mode at micro-batch 1: {best}")
+    for arm, length in ((beta, long), ("standard", short), (beta, short)):
+        arch = "standard" if arm == "standard" else "beta12"
+        mode = "eager" if arm == "standard" else best
+        config = _speed_config(run, arch, length)
+        batch, per_seq = largest_batch(run, config, _execution(run, arch, mode), length)
+        report.note(key, f"{arm} at {length} tokens ({mode}): the memory model holds "
+                         f"{per_seq / 2**30:.2f} GiB a sequence: micro-batch {batch}")
+        if batch > 1 or length == long:
+            time_arm(arm, length, batch, mode)
+    run.timings = timings
+    label = f"profile of {beta} {short} tokens batch 1 eager"
+    why = run.budget.why_not(4 * timings[(beta, short, 1, "eager")].seconds
+                             if (beta, short, 1, "eager") in timings else 30.0)
     if why:
-        report.note(key, why)
-    overrides = dict(num_layers=2) if run.quick else {}
-    base: float | None = None
-    for preset in ("t16_std_tf_rope", "beta_1.2_c256", "beta_1.2_test"):
-        config = get_preset(preset, vocab_size=8192, **overrides)
-        config = config.replace(max_seq_len=max(seq, config.max_seq_len))
-        backend = "auto" if config.arch == "standard" else attention
-        estimate = (base or (5.0 if run.cuda else 1.0)) * (8 if preset == "beta_1.2_test" else 2)
-        why = run.budget.why_not(estimate * (args.warmup + 1 + args.repeats))
-        if why:
-            report.not_run(key, preset, why)
-            continue
-        with attempt(run, key, preset):
-            timing = measure(run, config, ExecutionConfig(attention=backend), batch, seq,
-                             "eager", args.repeats, args.warmup)
-            if config.arch == "standard":
-                base = timing.seconds
-            article = ARTICLE_S_PER_BATCH[preset]
-            report.add(key, dict(
-                arm=preset, c=config.block_size if config.arch == "beta12" else "-",
-                attention=timing.backend, s_per_batch=timing.seconds, article_s_per_batch=article,
-                vs_article=timing.seconds / article,
-                vs_standard=timing.seconds / base if base else "",
-                article_vs_standard=article / ARTICLE_S_PER_BATCH["t16_std_tf_rope"],
-                tokens_per_s=batch * seq / timing.seconds, timed_steps=timing.timed_steps,
-                peak_GiB=timing.peak_gib))
-
-
-def section_wavefront(run: Run) -> None:
-    """`megabeta bench wavefront`'s measurement on this device, with each schedule's
-    checkpointing, against the issue's targets."""
-    from megabeta.bench import wavefront
-
-    report, key = run.report, "wavefront"
-    attention, why = _beta_attention(run)
-    if why:
-        report.note(key, why)
-    settings = wavefront.Settings(attention=attention, checkpoint=True)
-    if run.quick:
-        settings = wavefront.Settings(
-            attention=attention, checkpoint=True, vocab=512, batch=2, seq_len=64, block_size=8,
-            rounds=1, t19_len=64, shape=dict(d_model=64, hidden_dim=128, num_heads=2,
-                                             num_layers=6))
-    report.note(key, f"{settings.preset} against {settings.control} at batch {settings.batch} x "
-                     f"{settings.seq_len}, c = {settings.block_size}; block / wavefront with "
-                     f"block / wave checkpointing; median of {settings.rounds} rounds, the arms "
-                     "in turn in one process; bf16 autocast on CUDA; dispatches: one training "
-                     "step of each schedule at the counting width (16 blocks of 32), "
-                     "kernel-launching operators and Triton launches; t19_flash at batch 1 x "
-                     f"{settings.t19_len}")
-    why = run.budget.why_not(60.0 if run.cuda else 30.0, run.reserve(key))
-    if why:
-        report.not_run(key, "the paired measurement", why)
+        report.not_run(key, label, why)
         return
-    figures = wavefront.measure(settings, run.device)
-    for name, seconds in figures.seconds.items():
-        report.add(key, dict(figure=f"{name} s/step", value=seconds,
-                             vs_standard=figures.vs_standard[name]))
-    for preset, counts in figures.dispatches.items():
-        report.add(key, dict(figure=f"dispatches per step, {preset}",
-                             value=f"block {counts['block']}, wavefront {counts['wavefront']}",
-                             wavefront_vs_block=figures.dispatch_ratio(preset)))
-    if figures.t19:
-        report.add(key, dict(figure=f"t19_flash s/step, {settings.t19_len} tokens",
-                             value=f"block {_fmt(figures.t19['block'])}, wavefront "
-                                   f"{_fmt(figures.t19['wavefront'])}",
-                             wavefront_vs_block=figures.t19["wavefront"] / figures.t19["block"]))
-    for line in wavefront.verdicts(settings, figures):
-        report.note(key, line)
+    with attempt(run, key, label):
+        torch.manual_seed(0)
+        config = _speed_config(run, "beta12", short)
+        model = _build(config, run.device, _execution(run, "beta12", "eager"))
+        tokens = torch.randint(0, config.vocab_size, (1, short + 1), device=run.device)
+        report.add(key, dict(arm=beta, tokens=short, batch=1, mode="eager (profiled)",
+                             attention=model.attention_backend.name,
+                             **profile_step(model, tokens)))
+
+
+def section_targets(run: Run) -> None:
+    """Each target of the GPU step against the speed section's rows: met, missed or not
+    measured."""
+    report, key, args = run.report, "targets", run.args
+    short, long = args.lengths
+    beta = "beta_1.2 t19_flash"
+    rows = [r for r in run.report.sections["speed"]["rows"]]
+
+    def find(arm: str, length: int, mode: str | None = None, batch: int | None = None):
+        found = [r for r in rows if r["arm"] == arm and r["tokens"] == length
+                 and (mode is None or r["mode"] == mode) and (batch is None or r["batch"] == batch)]
+        return found
+
+    def target(name: str, want: str, got: float | None, met: bool | None) -> None:
+        report.add(key, dict(target=name, want=want, got="not measured" if got is None else got,
+                             met="not measured" if met is None else met))
+
+    graphed = find(beta, short, "graphed", 1)
+    s = graphed[0]["s_per_step"] if graphed else None
+    target(f"{short} tokens, micro-batch 1, graphed: s/step", f"<= {TARGET_GRAPHED_S}", s,
+           None if s is None else s <= TARGET_GRAPHED_S)
+    std = [r for r in find("standard", short) if r["batch"] > 1] or find("standard", short)
+    ours = [r for r in find(beta, short) if r["batch"] > 1] or find(beta, short)
+    ratio = (max(r["tokens_per_s"] for r in ours) / max(r["tokens_per_s"] for r in std)
+             if std and ours else None)
+    target(f"{short} tokens, largest micro-batches: beta tokens/s over the standard arm's",
+           f">= {TARGET_TOKENS_RATIO:.2f}", ratio,
+           None if ratio is None else ratio >= TARGET_TOKENS_RATIO)
+    bound = [r["of_bound"] for r in find(beta, long) if "of_bound" in r]
+    share = max(bound) if bound else None
+    target(f"{long} tokens, largest micro-batch: of_bound", f">= {TARGET_OF_BOUND}", share,
+           None if share is None else share >= TARGET_OF_BOUND)
 
 
 SECTION_FUNCTIONS: dict[str, Callable[[Run], None]] = {
-    "versions": section_versions, "wavefront": section_wavefront,
-    "speed": section_speed, "article": section_article}
+    "versions": section_versions, "speed": section_speed, "targets": section_targets}
 
 
 # ---- entry point --------------------------------------------------------------------------------
@@ -776,10 +576,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="megabeta bench gpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="device to check (default: %(default)s)")
+                        help="device to time (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny shapes everywhere: the whole script in a few minutes on a CPU")
-    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="tiny shapes everywhere: the whole script in a minute on a CPU")
+    parser.add_argument("--budget-s", type=float, default=540.0,
                         help="time budget of the whole run in seconds; what no longer fits is "
                              "skipped and listed (default: %(default)s)")
     parser.add_argument("--out", default=".",
@@ -787,43 +587,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="comma-separated sections to run (default: all: %(default)s)")
     parser.add_argument("--attention", default=None,
-                        help="execution.attention of the beta arms in sections 3-5 (default: "
-                             "triton on CUDA, auto on CPU, where the Triton interpreter takes "
-                             "seconds per call; 'auto' when it cannot be selected)")
-    parser.add_argument("--compare-attention", default="",
-                        help="comma-separated execution.attention values also timed on the "
-                             "beta arm at the first length, batch 1, eager, next to --attention "
-                             "(e.g. explicit; default: none)")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help="speed modes of section 4 (eager always runs; default: %(default)s)")
-    parser.add_argument("--speed-lengths", default=None,
-                        help="t19_flash sequence lengths (default: 4096,16384; --quick: 64,128)")
+                        help="execution.attention of the beta arm (default: triton on CUDA, "
+                             "cpu on a CPU)")
+    parser.add_argument("--modes", default="graphed,eager,compiled",
+                        help="the beta arm's modes at micro-batch 1, in order (default: "
+                             "%(default)s)")
+    parser.add_argument("--lengths", default=None,
+                        help="the short and the long sequence length (default: 4096,16384; "
+                             "--quick: 64,128)")
     parser.add_argument("--max-batch", type=int, default=None,
-                        help="largest micro-batch the search tries (default: 64; --quick: 4)")
+                        help="cap on the memory model's micro-batch (default: 64; --quick: 4)")
+    parser.add_argument("--cpu-memory-gib", type=float, default=4.0,
+                        help="the memory a CPU run plans micro-batches for (default: 4)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed steps per measurement (default: 3; --quick: 1)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed steps after the first (default: 1; --quick: 0)")
-    parser.add_argument("--compile-estimate-s", type=float, default=None,
-                        help="expected torch.compile time per arm, for the budget (default: 60; "
-                             "--quick: 30)")
-    parser.add_argument("--article-seq-len", type=int, default=None,
-                        help="sequence length of section 5 (default: 1024; --quick: 64)")
-    parser.add_argument("--article-batch", type=int, default=None,
-                        help="batch of section 5 (default: 16, the article's; --quick: 2)")
     args = parser.parse_args(argv)
     if args.attention is None:
-        args.attention = "triton" if args.device.startswith("cuda") else "auto"
-    defaults = dict(speed_lengths=("64,128", "4096,16384"), max_batch=(4, 64), repeats=(1, 3),
-                    warmup=(0, 1), compile_estimate_s=(30.0, 60.0), article_seq_len=(64, 1024),
-                    article_batch=(2, 16))
+        args.attention = "triton" if args.device.startswith("cuda") else "cpu"
+    defaults = dict(lengths=("64,128", "4096,16384"), max_batch=(4, 64), repeats=(1, 3),
+                    warmup=(0, 1))
     for name, (quick, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
-        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)} "
-                     f"(the device's exactness checks are tests: pytest -m gpu tests)")
+        parser.error(f"argument --sections: unknown {sorted(unknown)}; choose from "
+                     f"{', '.join(SECTIONS)} (the device's exactness checks are tests: "
+                     f"pytest -m gpu tests)")
+    modes = args.modes.split(",")
+    if not modes or set(modes) - set(MODES):
+        parser.error(f"argument --modes: unknown {sorted(set(modes) - set(MODES))}; choose from "
+                     f"{', '.join(MODES)}")
+    args.modes = modes
+    try:
+        args.lengths = tuple(int(n) for n in args.lengths.split(","))
+    except ValueError:
+        parser.error(f"argument --lengths: {args.lengths!r} is not two integers 'SHORT,LONG'")
+    if len(args.lengths) != 2 or not 0 < args.lengths[0] <= args.lengths[1]:
+        parser.error(f"argument --lengths: need 0 < SHORT <= LONG, got {args.lengths}")
+    for flag in ("max_batch", "repeats"):
+        if getattr(args, flag) < 1:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be >= 1")
     return args
 
 

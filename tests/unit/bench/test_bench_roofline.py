@@ -284,14 +284,14 @@ def test_bench_gpu_speed_rows_carry_the_share_of_the_bound(gpu: str, has_column:
     config = get_preset("t19_flash", vocab_size=512, max_seq_len=256)
     timing = bench_gpu.Timing(seconds=2.0, first_s=3.0, peak_gib=1.0, static_gib=0.5,
                               backend="triton", captures=0, timed_steps=3)
-    row = bench_gpu._speed_row(run, "beta", config, 1, 256, "eager", timing, 989e12, None)
+    row = bench_gpu._speed_row(run, "beta", config, 1, 256, "eager", timing, 989e12)
     if has_column:
         want = step_bound(config, BLOCK, 256, 1, H200).seconds / 2.0
         assert row["of_bound"] == pytest.approx(want)
     else:
         assert "of_bound" not in row
     standard = bench_gpu._speed_row(run, "standard", config.replace(arch="standard"), 1, 256,
-                                    "eager", timing, 989e12, None)
+                                    "eager", timing, 989e12)
     assert "of_bound" not in standard
 
 
