@@ -27,6 +27,7 @@ import tomli_w
 from megabeta.model.config import (MOVED_FIELDS, RESUMABLE_FIELDS, ConfigError, ModelConfig,
                                    get_preset)
 from megabeta.model.execution import ExecutionConfig
+from megabeta.storage.durable import write_durably
 
 ModelReader = Callable[[str], ModelConfig]
 """The config of the model at a path (`model.init_from`), read without its weights."""
@@ -624,12 +625,8 @@ def config_to_dict(config: TrainConfig) -> dict[str, Any]:
 
 
 def save_config(config: TrainConfig, path: str | os.PathLike) -> None:
-    """Write `config` as TOML, atomically."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        tomli_w.dump(config_to_dict(config), f)
-    os.replace(tmp, path)
+    """Write `config` as TOML, atomically and durably."""
+    write_durably(path, tomli_w.dumps(config_to_dict(config)))
 
 
 def describe_fields() -> str:
