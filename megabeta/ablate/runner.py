@@ -452,7 +452,7 @@ def run_one(settings: Settings, arm: Arm, seed: int, evaluator: Evaluator,
 
 def load_vocab(run_dir: Path) -> int | None:
     """The vocabulary size the trainer took from the data (its saved config.toml)."""
-    from megabeta.config import tomllib
+    from megabeta.config_loader import tomllib
 
     try:
         with open(run_dir / "config.toml", "rb") as stream:

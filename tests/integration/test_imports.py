@@ -15,7 +15,7 @@ from support import REPO
 
 
 LAYERS = [["megabeta.storage"], ["megabeta.kernels"], ["megabeta.model"], ["megabeta.data"],
-          ["megabeta.config", "megabeta.extras"], ["megabeta.parallel"],
+          ["megabeta.config", "megabeta.config_loader", "megabeta.extras"], ["megabeta.parallel"],
           ["megabeta.engine"],
           ["megabeta.checkpoint", "megabeta.hf"], ["megabeta.infer"],
           ["megabeta.train", "megabeta.tasks"],
