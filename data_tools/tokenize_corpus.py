@@ -22,7 +22,7 @@ from data_tools.progress import ByteProgress
 from data_tools.report import DocumentCounts, report_lines
 from data_tools.tokenizer import TokenizerInfo, load_tokenizer
 from data_tools.writer import IndexedDatasetWriter
-from megabeta.data.errors import DataError
+from megabeta.data.errors import DataError, refuse_existing
 from megabeta.data.format import dataset_paths, token_dtype_for_vocab
 from megabeta.data.indexed import IndexedDataset
 
@@ -100,11 +100,8 @@ def _check_run(config: TokenizeConfig) -> tuple[list[InputFile], TokenizerInfo]:
                         "documents; for a tokenizer.json name it as eos_token in a "
                         "tokenizer_config.json beside it, or train one with megabeta-data "
                         "train-tokenizer")
-    if not config.overwrite:
-        for path in dataset_paths(config.output_prefix).files:
-            if path.exists():
-                raise DataError(f"{path}: already exists; pass --overwrite to replace it or "
-                                "choose another --output-prefix")
+    refuse_existing(dataset_paths(config.output_prefix).files, config.overwrite,
+                    "another --output-prefix")
     return files, tokenizer
 
 

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from data_tools.atomic import AtomicFiles
 from data_tools.corpus import (
     InputFile,
     ReadOptions,
@@ -39,8 +38,9 @@ from data_tools.corpus import (
 from data_tools.extras import require_extra
 from data_tools.progress import ByteProgress
 from data_tools.report import DocumentCounts
-from megabeta.data.errors import DataError
+from megabeta.data.errors import DataError, refuse_existing
 from megabeta.data.format import file_sha256
+from megabeta.storage.durable import AtomicFiles
 
 MODEL_TYPES = ("bpe", "unigram")
 TOKENIZER_KINDS = ("sentencepiece", "bpe")
@@ -139,7 +139,8 @@ def train_tokenizer(config: TokenizerTrainingConfig) -> dict:
         return _train_bpe(config, files, output)
     model, vocab, sidecar_path = (Path(f"{output}{suffix}")
                                   for suffix in (".model", ".vocab", ".model.json"))
-    with AtomicFiles([model, vocab, sidecar_path], config.overwrite) as outputs:
+    refuse_existing([model, vocab, sidecar_path], config.overwrite)
+    with AtomicFiles([model, vocab, sidecar_path]) as outputs:
         sample = _sample(config, files)
         outputs.temp(model).write_bytes(_run_sentencepiece(config, sample.sentences))
         processor = spm.SentencePieceProcessor(model_file=str(outputs.temp(model)))
@@ -168,7 +169,8 @@ def _train_bpe(config: TokenizerTrainingConfig, files: list[InputFile], output: 
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     model, sidecar_path = Path(f"{output}.tokenizer.json"), Path(f"{output}.tokenizer.meta.json")
-    with AtomicFiles([model, sidecar_path], config.overwrite) as outputs:
+    refuse_existing([model, sidecar_path], config.overwrite)
+    with AtomicFiles([model, sidecar_path]) as outputs:
         sample = _sample(config, files)
         bpe = tokenizers.Tokenizer(models.BPE())
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -19,8 +19,7 @@ from types import TracebackType
 
 import numpy as np
 
-from data_tools.atomic import AtomicFiles
-from megabeta.data.errors import DataError
+from megabeta.data.errors import DataError, refuse_existing
 from megabeta.data.format import (
     LENGTH_DTYPE,
     MASK_DTYPE,
@@ -33,6 +32,7 @@ from megabeta.data.format import (
     pack_index_header,
 )
 from megabeta.data.indexed import IndexedDataset
+from megabeta.storage.durable import AtomicFiles
 
 _BLOCK = 1 << 20  # elements per block when assembling the index or copying tokens
 _MAX_LENGTH = np.iinfo(LENGTH_DTYPE).max
@@ -48,13 +48,11 @@ class IndexedDatasetWriter:
         self.paths = dataset_paths(prefix)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         dtype_code(self.dtype)
-        if not loss_mask and self.paths.mask.exists() and not overwrite:
-            raise DataError(f"{self.paths.mask}: already exists; pass --overwrite to replace it "
-                            "or choose another output name")
         # The sidecar last: it is what names the mask.
         finals = [self.paths.bin, self.paths.idx, *([self.paths.mask] if loss_mask else []),
                   self.paths.sidecar]
-        self._files = AtomicFiles(finals, overwrite)
+        refuse_existing([*([] if loss_mask else [self.paths.mask]), *finals], overwrite)
+        self._files = AtomicFiles(finals)
         spill_dir = self.paths.bin.parent
         self._bin = open(self._files.temp(self.paths.bin), "wb")
         self._mask = _MaskStream(self._files.temp(self.paths.mask)) if loss_mask else None

@@ -9,12 +9,12 @@ same generator serves any cluster; nothing is hard-coded. See launch/README.md a
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import sys
-import tempfile
 from pathlib import Path
+
+from megabeta.storage.durable import AtomicFiles
 
 TRAIN_MODULE = "megabeta.train"
 LAUNCHERS = ("torchrun", "srun")
@@ -265,18 +265,6 @@ def generate(argv: list[str]) -> tuple[str, argparse.Namespace]:
     return render(args, argv), args
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point: print the script, or write it with --write."""
     argv = sys.argv[1:] if argv is None else argv
@@ -285,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.write)
         if not path.parent.is_dir():
             build_parser().error(f"--write {args.write}: directory {path.parent} does not exist")
-        _write_atomic(path, script)
+        with AtomicFiles([path]) as files:
+            files.temp(path).write_text(script)
+            files.temp(path).chmod(0o755)  # executable before it appears under its name
+            files.commit()
         print(f"wrote {path}; submit with: sbatch {shlex.quote(str(path))}", file=sys.stderr)
     else:
         sys.stdout.write(script)

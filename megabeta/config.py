@@ -8,25 +8,19 @@ prints them all. A config is validated once, at start-up, and saved into the run
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
-import sys
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # the same parser, from PyPI (pyproject's tomli dependency for Python 3.10)
-    import tomli as tomllib
-
 import tomli_w
 
+from megabeta.config_loader import (field_docs, field_types, flatten, parse_overrides,
+                                    read_toml, renamed, typed_tables)
 from megabeta.model.config import (MOVED_FIELDS, RESUMABLE_FIELDS, ConfigError, ModelConfig,
                                    get_preset)
 from megabeta.model.execution import ExecutionConfig
+from megabeta.storage.durable import write_durably
 
 ModelReader = Callable[[str], ModelConfig]
 """The config of the model at a path (`model.init_from`), read without its weights."""
@@ -428,81 +422,22 @@ RENAMED_KEYS = {"execution.cell_kernels": "execution.elementwise_kernels"}
 configs written for it keep loading ("cell" now means one (block, layer) unit only)."""
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+def _refuse_moved(flat: dict[str, Any], known: dict[str, Any]) -> None:
+    """A key of an older config is an error that says where the setting lives now (not a bare
+    'unknown key')."""
+    for key in flat:
+        if key not in known and key in MOVED_KEYS:
+            raise ConfigError(f"config key {key!r} has moved: set {MOVED_KEYS[key]} instead "
+                              "(how a model runs is apart from what it is)")
 
 
-def _coerce(value: Any, kind: Any, name: str) -> Any:
-    """Convert a TOML value or CLI string to the field's declared type."""
-    origin = typing.get_origin(kind)
-    if origin in (typing.Union, types.UnionType):
-        options = [k for k in typing.get_args(kind) if k is not type(None)]
-        if isinstance(value, str) and value.lower() in ("none", "null", ""):
-            return None
-        return _coerce(value, options[0], name)
-    if origin is list:
-        (item,) = typing.get_args(kind)
-        if isinstance(value, str) and value.strip().startswith("["):
-            # The TOML spelling of a list, as the config file has it: ["a", "b"].
-            try:
-                value = tomllib.loads(f"value = {value}")["value"]
-            except tomllib.TOMLDecodeError as err:
-                raise ConfigError(f"{name} = {value}: not a TOML list ({err}); or give the "
-                                  "items comma-separated: a,b") from None
-        elif isinstance(value, str):
-            value = [v for v in value.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise ConfigError(f"{name} = {value!r}: expected a list (comma-separated on the CLI)")
-        return [_coerce(v, item, name) for v in value]
-    try:
-        if kind is bool:
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("1", "true", "yes", "on"):
-                return True
-            if str(value).lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if kind is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(value)
-        if kind is float:
-            return float(value)
-        if kind is str:
-            return str(value)
-    except ValueError:
-        raise ConfigError(f"{name} = {value!r}: expected {kind.__name__}") from None
-    raise ConfigError(f"{name}: unsupported field type {kind}")
-
-
-def _unknown(name: str, known: list[str]) -> ConfigError:
-    if name in MOVED_KEYS:
-        return ConfigError(f"config key {name!r} has moved: set {MOVED_KEYS[name]} instead "
-                           "(how a model runs is apart from what it is)")
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(known))}"
-    return ConfigError(f"unknown config key {name!r}{hint}")
-
-
-def _renamed(flat: dict[str, Any]) -> dict[str, Any]:
-    """`flat` with RENAMED_KEYS under their new names (both given: an error naming them)."""
-    out = {}
-    for key, value in flat.items():
-        new = RENAMED_KEYS.get(key, key)
-        if new in out or (new != key and new in flat):
-            raise ConfigError(f"config keys {key!r} and {new!r} are the same setting (renamed "
-                              f"{new!r}): keep one")
-        out[new] = value
-    return out
-
-
-def _all_keys() -> list[str]:
-    keys = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS]
+def _key_types() -> dict[str, Any]:
+    """Every config key ("section.key" or a top-level "key") -> its type, in TrainConfig's order."""
+    kinds = {k: v for k, v in field_types(TrainConfig).items() if k not in SECTIONS}
     for section, cls in SECTIONS.items():
-        keys += [f"{section}.{k}" for k in _field_types(cls)]
-    return keys + ["model.preset"]
+        kinds.update({f"{section}.{k}": v for k, v in field_types(cls).items()})
+    kinds["model.preset"] = str
+    return kinds
 
 
 def _initial_model(model_table: dict[str, Any], read_model: ModelReader) -> ModelConfig:
@@ -570,32 +505,18 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     `read_model`: how to read the config of the model `model.init_from` names, whose fields
     are then the [model] section's defaults (a run starting from it); None: `model.init_from`
     is taken as it is (a run's saved config, which holds every field)."""
-    raw: dict[str, Any] = {}
+    flat: dict[str, Any] = {}
     if path is not None:
         if not os.path.exists(path):
             path = shipped_config(os.fspath(path)) or path
         try:
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
+            flat = flatten(read_toml(path))
         except FileNotFoundError:
             names = sorted(p.stem for p in shipped_configs_dir().glob("*.toml"))
             raise ConfigError(f"config file {path} does not exist; pass --config PATH of a TOML "
                               "file or the name of a shipped config: "
                               f"{', '.join(names) or '(none found)'}") from None
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
-    flat: dict[str, Any] = {}
-    for key, value in raw.items():
-        if isinstance(value, dict):
-            for sub, v in value.items():
-                flat[f"{key}.{sub}"] = v
-        else:
-            flat[key] = value
-    for item in overrides:
-        key, sep, value = item.removeprefix("--").partition("=")
-        if not sep:
-            raise ConfigError(f"override {item!r} must look like --section.key=value")
-        flat[key] = value
+    flat.update(parse_overrides(overrides))
     return config_from_flat(flat, source=str(path) if path else "defaults", read_model=read_model)
 
 
@@ -603,19 +524,10 @@ def config_from_flat(flat: dict[str, Any], source: str = "config",
                      read_model: ModelReader | None = None) -> TrainConfig:
     """TrainConfig from `{"section.key": value}` (values coerced to the declared types);
     `read_model` as in `load_config`."""
-    known = _all_keys()
-    tables: dict[str, dict[str, Any]] = {}
-    top: dict[str, Any] = {}
-    top_types = _field_types(TrainConfig)
-    for key, value in _renamed(flat).items():
-        if key not in known:
-            raise _unknown(key, known)
-        if "." in key:
-            section, name = key.split(".", 1)
-            kind = str if name == "preset" else _field_types(SECTIONS[section])[name]
-            tables.setdefault(section, {})[name] = _coerce(value, kind, key)
-        else:
-            top[key] = _coerce(value, top_types[key], key)
+    flat = renamed(flat, RENAMED_KEYS)
+    kinds = _key_types()
+    _refuse_moved(flat, kinds)
+    tables, top = typed_tables(flat, kinds)
     try:
         return _apply(tables, top, read_model)
     except TypeError as err:  # a dataclass refused an argument: report it as a config problem
@@ -633,19 +545,15 @@ def config_to_dict(config: TrainConfig) -> dict[str, Any]:
 
 
 def save_config(config: TrainConfig, path: str | os.PathLike) -> None:
-    """Write `config` as TOML, atomically."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        tomli_w.dump(config_to_dict(config), f)
-    os.replace(tmp, path)
+    """Write `config` as TOML, atomically and durably."""
+    write_durably(path, tomli_w.dumps(config_to_dict(config)))
 
 
 def describe_fields() -> str:
     """Every config key with its default and one-line doc (for --help-config)."""
     lines = []
-    docs = _field_docs()
-    for key in _all_keys():
+    docs = field_docs([TrainConfig, *SECTIONS.values()])
+    for key in _key_types():
         section, _, name = key.rpartition(".")
         if key == "model.preset":
             lines.append("model.preset = ''  # named model configuration to start from "
@@ -657,19 +565,3 @@ def describe_fields() -> str:
                  else default.default_factory())
         lines.append(f"{key} = {value!r}  # {docs.get((cls.__name__, name), '')}")
     return "\n".join(lines)
-
-
-def _field_docs() -> dict[tuple[str, str], str]:
-    """The docstring under each dataclass field, read from the source."""
-    import ast
-    import inspect
-
-    docs: dict[tuple[str, str], str] = {}
-    for cls in [TrainConfig, *SECTIONS.values()]:
-        tree = ast.parse(inspect.getsource(cls))
-        body = tree.body[0].body
-        for node, nxt in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                    and isinstance(nxt.value, ast.Constant)):
-                docs[(cls.__name__, node.target.id)] = str(nxt.value.value).split("\n")[0]
-    return docs

@@ -17,6 +17,7 @@ from typing import Any
 
 from megabeta.ablate.runner import read_curves, run_name
 from megabeta.extras import require
+from megabeta.storage.durable import AtomicFiles
 
 Curve = dict[int, tuple[float, float, float]]
 """step -> (mean, min, max) over seeds."""
@@ -153,9 +154,9 @@ def write_plot(out: Path, rows: list[dict], results: list[dict[str, Any]],
     """summary.png under `out` (written atomically); MissingExtra without matplotlib."""
     figure = summary_figure(rows, arm_curves(out, rows, results), title, task_chance(results))
     path = out / "summary.png"
-    temp = path.with_name(f".{path.name}.tmp.png")
-    figure.savefig(temp, format="png")
-    temp.replace(path)
+    with AtomicFiles([path]) as files:
+        figure.savefig(files.temp(path), format="png")
+        files.commit()
     return path
 
 

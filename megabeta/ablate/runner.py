@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 import signal
 import subprocess
@@ -43,6 +42,7 @@ from megabeta.checkpoint import CheckpointManager
 from megabeta.checkpoint.export import load_model
 from megabeta.data import GlobalSampler, build_train_val, file_sha256
 from megabeta.infer.evaluate import evaluate
+from megabeta.storage.durable import write_durably
 
 RESULT_FORMAT = "megabeta.ablate.result"
 RESULT_VERSION = 1
@@ -140,14 +140,8 @@ def run_spec(settings: Settings, arm: Arm, seed: int, run_dir: Path) -> dict[str
 
 # ---- small file helpers ---------------------------------------------------------------------------
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write `obj` as JSON under `path` all at once (a temporary sibling, fsynced, renamed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temp, "w", encoding="utf-8") as stream:
-        stream.write(json.dumps(obj, indent=2, allow_nan=False, default=_jsonable) + "\n")
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temp, path)
+    """Write `obj` as JSON under `path`, atomically and durably."""
+    write_durably(path, json.dumps(obj, indent=2, allow_nan=False, default=_jsonable) + "\n")
 
 
 def _jsonable(value: Any) -> Any:
@@ -458,7 +452,7 @@ def run_one(settings: Settings, arm: Arm, seed: int, evaluator: Evaluator,
 
 def load_vocab(run_dir: Path) -> int | None:
     """The vocabulary size the trainer took from the data (its saved config.toml)."""
-    from megabeta.config import tomllib
+    from megabeta.config_loader import tomllib
 
     try:
         with open(run_dir / "config.toml", "rb") as stream:

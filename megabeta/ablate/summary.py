@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megabeta.storage.durable import write_durably
+
 METRICS = ("test_loss", "ppl", "accuracy", "s_per_batch", "tokens_per_s", "final_train_loss")
 """Per-run figures summarised over seeds (accuracy: the mean over tasks, task datasets only)."""
 
@@ -171,10 +173,8 @@ def write_summary(out: Path, rows: list[dict], header: dict[str, Any],
     from megabeta.ablate.runner import write_json_atomic
 
     paths = [out / "summary.md", out / "summary.csv", out / "summary.json"]
-    for path, text in ((paths[0], markdown(rows, header)), (paths[1], csv_text(rows))):
-        temp = path.with_name(f".{path.name}.tmp")
-        temp.write_text(text, encoding="utf-8")
-        temp.replace(path)
+    write_durably(paths[0], markdown(rows, header))
+    write_durably(paths[1], csv_text(rows))
     write_json_atomic(paths[2], as_json(rows, header, results))
     return paths
 

@@ -34,6 +34,7 @@ from megabeta.data import DataError, file_sha256
 from megabeta.extras import require
 from megabeta.hf import folder as hf_folder
 from megabeta.model import ConfigError, DecoderLM, ExecutionConfig, ModelConfig, build_model
+from megabeta.storage.durable import AtomicFiles
 from megabeta.storage.safe_load import dcp_reader
 
 EXPORT_FORMAT = "megabeta-export/1"
@@ -229,13 +230,11 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
 
 
 def export(checkpoint: str | os.PathLike, output: str | os.PathLike) -> Path:
-    """Write the checkpoint's model as one safetensors file (atomically), with the run's data
+    """Write the checkpoint's model as one safetensors file (atomically and durably), with the run's data
     settings and the model's tokenizer in its metadata when the checkpoint knows them."""
     source = read_source(checkpoint)
     model = load_model(checkpoint)
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".tmp")
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     meta = {"format": EXPORT_FORMAT, "model_config": json.dumps(model.config.__dict__),
             "source": str(checkpoint)}
@@ -243,8 +242,9 @@ def export(checkpoint: str | os.PathLike, output: str | os.PathLike) -> Path:
         meta["data"] = json.dumps(_run_data(source))
     if source.tokenizer:
         meta["tokenizer"] = json.dumps(source.tokenizer)
-    save_file(state, str(tmp), metadata=meta)
-    os.replace(tmp, output)
+    with AtomicFiles([output]) as files:
+        save_file(state, str(files.temp(output)), metadata=meta)
+        files.commit()
     return output
 
 

@@ -26,11 +26,11 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from megabeta.storage.durable import fsync_path
 from megabeta.config import TrainConfig
 from megabeta.engine.base import StepResult, document_kwargs
 from megabeta.engine.optim import build_optimizer, param_groups, set_lr
 from megabeta.extras import require
+from megabeta.storage.durable import fsync_path, fsync_tree, replace_durably
 
 log = logging.getLogger("megabeta")
 
@@ -209,7 +209,8 @@ def own_files(path: Path, rank: int) -> list[Path]:
 
 
 def _to_universal(engine_dir: Path, out: Path) -> None:
-    """DeepSpeed's own conversion (ds_to_universal), written under a temporary name."""
+    """DeepSpeed's own conversion (ds_to_universal), written under a temporary name, synced
+    (the converter does not) and renamed: a crash never leaves a partial `out` to load."""
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -219,4 +220,5 @@ def _to_universal(engine_dir: Path, out: Path) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"ds_to_universal failed on {engine_dir}: {done.stderr[-2000:]}")
-    os.replace(tmp, out)
+    fsync_tree(tmp)
+    replace_durably(tmp, out)

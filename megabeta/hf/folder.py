@@ -37,7 +37,8 @@ from megabeta.checkpoint.manager import CheckpointError
 from megabeta.hf import layout
 from megabeta.hf.tokenizer import SENTENCEPIECE_FILE, TOKENIZER_JSON, tokenizer_files
 from megabeta.model import ModelConfig
-from megabeta.storage.durable import fsync_directories, fsync_path, write_synced
+from megabeta.storage.durable import (fsync_directories, fsync_path, replace_durably,
+                                      temporary_sibling, write_synced)
 
 FORMAT = "megabeta-hf/1"
 """`config.json`'s `megabeta.format`."""
@@ -230,7 +231,7 @@ def write_folder(output: str | os.PathLike, state: dict[str, torch.Tensor],
     hf_state = {layout.hf_name(name): tensor.contiguous() for name, tensor in state.items()}
     dtype = next(iter(hf_state.values())).dtype
     output.parent.mkdir(parents=True, exist_ok=True)
-    temporary = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    temporary = temporary_sibling(output)
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
     try:
@@ -245,8 +246,7 @@ def write_folder(output: str | os.PathLike, state: dict[str, torch.Tensor],
         fsync_directories(temporary)
         if output.is_dir():
             output.rmdir()  # empty (check_output)
-        os.replace(temporary, output)
-        fsync_path(output.parent)
+        replace_durably(temporary, output)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from data_tools.atomic import AtomicFiles
 from megabeta.checkpoint import CheckpointError
 from megabeta.checkpoint.export import load_model, read_source
 from megabeta.data import DataError
 from megabeta.infer.loading import (UsageError, check_vocabulary, load_model_tokenizer,
                                     resolve_tokenizer, warn_notes)
+from megabeta.storage.durable import write_durably
 from megabeta.tasks.document import TaskFileError
 from megabeta.tasks.evaluate import read_encoded, score_encoded
 from megabeta.tasks.make import TASKS, generate_documents, write_task_file
@@ -207,7 +207,8 @@ def _eval(args: argparse.Namespace) -> int:
                   "max_documents": args.max_documents,
                   "results": [score.as_dict() for score in scores]}
         try:
-            _write_json(Path(args.json), report)
+            # Overwritten on purpose (a rerun replaces its results), never left half-written.
+            write_durably(Path(args.json), json.dumps(report, indent=2) + "\n")
         except OSError as err:
             return _fail(f"--json {args.json}: cannot write it ({err})")
     return 0
@@ -223,13 +224,6 @@ def format_table(scores: list[TaskScore]) -> str:
         lines.append(f"{s.task:<{width}}  {s.documents:>9}  {s.answers:>8}  {s.correct:>8}  "
                      f"{s.accuracy:>8.4f}  {chance:>7}")
     return "\n".join(lines)
-
-
-def _write_json(path: Path, report: dict) -> None:
-    # Overwritten on purpose (a rerun replaces its results), but never left half-written.
-    with AtomicFiles([path], overwrite=True) as files:
-        files.temp(path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        files.commit()
 
 
 def main(argv: list[str] | None = None) -> int:

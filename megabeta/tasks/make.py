@@ -14,7 +14,8 @@ from typing import Protocol
 
 import numpy as np
 
-from data_tools.atomic import AtomicFiles
+from megabeta.data.errors import refuse_existing
+from megabeta.storage.durable import AtomicFiles
 from megabeta.tasks.chains import Chains
 from megabeta.tasks.document import TaskDocument
 from megabeta.tasks.parity import Parity
@@ -50,7 +51,8 @@ def write_task_file(path: str | Path, documents: Iterable[TaskDocument],
     DataError when `path` exists and not `overwrite`. Returns the number written."""
     path = Path(path)
     written = 0
-    with AtomicFiles([path], overwrite=overwrite) as files:
+    refuse_existing([path], overwrite)
+    with AtomicFiles([path]) as files:
         # newline="\n": the same bytes on every platform.
         with open(files.temp(path), "w", encoding="utf-8", newline="\n") as stream:
             for document in documents:

@@ -46,10 +46,11 @@ from megabeta.engine.base import document_kwargs
 from megabeta.infer.evaluate import evaluate
 from megabeta.model import ConfigError, ModelConfig, build_model, count_parameters
 from megabeta.model.flops import training_flops
-from megabeta.parallel.env import choose_device, init_distributed, setup_logging
+from megabeta.parallel.env import choose_device, init_distributed
 from megabeta.train.diagnostics import Diagnostics
 from megabeta.model.documents import require_document_mask_support
 from megabeta.train.downstream import build_downstream
+from megabeta.train.logs import setup_logging
 from megabeta.train.metrics import MetricsLogger, device_peak_flops, memory_gib
 from megabeta.train.schedule import horizon_change_warning, lr_at, schedule_horizon
 from megabeta.train.signals import PreemptionHandler, maybe_requeue

@@ -1,9 +1,10 @@
 """The import direction of the packages: a module never imports from a layer above its own.
 
-    kernels < model < data < config/extras < storage < parallel < engine < checkpoint, hf
+    storage < kernels < model < data < config/extras < parallel < engine < checkpoint, hf
     < infer < train, tasks < ablate < bench, cli, demo
 
-(The model knows nothing of parallelism, engines or training; the engine nothing of the loop.)
+(The model knows nothing of parallelism, engines or training; the engine nothing of the loop;
+storage, how any file is written durably or read safely, nothing of the rest.)
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from pathlib import Path
 from support import REPO
 
 
-LAYERS = [["megabeta.kernels"], ["megabeta.model"], ["megabeta.data"],
-          ["megabeta.config", "megabeta.extras"], ["megabeta.storage"], ["megabeta.parallel"],
+LAYERS = [["megabeta.storage"], ["megabeta.kernels"], ["megabeta.model"], ["megabeta.data"],
+          ["megabeta.config", "megabeta.config_loader", "megabeta.extras"], ["megabeta.parallel"],
           ["megabeta.engine"],
           ["megabeta.checkpoint", "megabeta.hf"], ["megabeta.infer"],
           ["megabeta.train", "megabeta.tasks"],

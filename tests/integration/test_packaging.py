@@ -13,7 +13,8 @@ import pytest
 
 from data_tools import cli as data_cli
 from data_tools.mpi import mpi_world
-from megabeta.config import load_config, shipped_config, shipped_configs_dir, tomllib
+from megabeta.config import load_config, shipped_config, shipped_configs_dir
+from megabeta.config_loader import tomllib
 from megabeta.data.errors import DataError
 from megabeta.extras import MissingExtra, require
 from megabeta.model.config import ConfigError

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import re
 
-from megabeta.config import tomllib
+from megabeta.config_loader import tomllib
 from support import REPO
 
 SOURCES = sorted(p for folder in ("megabeta", "data_tools", "configs") for p in

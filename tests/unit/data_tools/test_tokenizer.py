@@ -157,7 +157,7 @@ def test_not_a_tokenizer_json_is_one_clear_error(tmp_path, capsys):
 def test_same_output_for_two_mpi_ranks_over_mixed_inputs(bpe, tmp_path):
     """tokenizer.json, a parquet file and a .jsonl.zst under 2 ranks: the single-process
     dataset, byte for byte (each rank's threads encode its share; rank 0 merges)."""
-    from test_data_tokenize import _mpirun, files_of
+    from test_tokenize_corpus import _mpirun, files_of
 
     if _mpirun() is None:
         pytest.skip("no mpirun next to the interpreter or on PATH")

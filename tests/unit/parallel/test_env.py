@@ -3,12 +3,10 @@ the rendezvous (mpirun, torchrun, and srun simulated with the variables it sets)
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,6 @@ from megabeta.parallel.env import (
     expand_hostlist,
     expand_tasks_per_node,
     init_distributed,
-    setup_logging,
     slurm_port,
 )
 
@@ -175,28 +172,6 @@ def test_single_process_init_needs_no_process_group(monkeypatch: pytest.MonkeyPa
     assert env.launcher == "single" and init_distributed() is env
     assert not dist.is_initialized()
     distenv.destroy_distributed()
-
-
-@pytest.fixture
-def megabeta_logger() -> Iterator[logging.Logger]:
-    """The "megabeta" logger, put back as found so other tests' caplog still sees its records."""
-    logger = logging.getLogger("megabeta")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    yield logger
-    logger.handlers[:], logger.level, logger.propagate = saved
-
-
-def test_logging_rank0_info_others_warnings_with_rank(
-        megabeta_logger: logging.Logger, capsys: pytest.CaptureFixture[str]) -> None:
-    log = logging.getLogger("megabeta.test")
-    assert setup_logging(DistEnv(0, 2, 0, 2, "h", 1, "torchrun")) is megabeta_logger
-    log.info("hello from zero")
-    setup_logging(DistEnv(1, 2, 1, 2, "h", 1, "torchrun"))  # replaces, does not add, a handler
-    log.info("hidden info")
-    log.warning("disk almost full")
-    out = capsys.readouterr().out
-    assert "hello from zero" in out and "hidden info" not in out
-    assert "[rank 1] disk almost full" in out and out.count("disk almost full") == 1
 
 
 # ---------------------------------------------------------------- choose_device() per launcher
