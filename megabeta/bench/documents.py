@@ -4,7 +4,7 @@
 
 Samples of `--seq-len` tokens packed unaligned from documents of 64-300 tokens (uniform,
 seeded: issue 31's mix, as `bench packing`'s short corpus), `--batch` of them; the preset
-(`beta_1.2_test`) on `cpu_fused`. Per schedule (block, wavefront), the training step
+(`beta_1.2_test`) on the `cpu` attention backend. Per schedule (block, wavefront), the training step
 (forward + backward) with the documents' mask and without it, alternating in one process
 (`bench wavefront`'s `paired`, one warm-up round): the median ms of each and the ratio.
 
@@ -96,14 +96,14 @@ def main(argv: list[str] | None = None) -> None:
     c = config.block_size
     print(f"{args.preset} (c = {c}), batch {args.batch} x {args.seq_len}, documents of 64-300 "
           f"tokens packed unaligned ({int(ids.max() - ids.min()) + 1} in the batch), "
-          f"cpu_fused, float32, {torch.get_num_threads()} threads, {args.rounds} rounds")
+          f"cpu attention, float32, {torch.get_num_threads()} threads, {args.rounds} rounds")
     print(f"finished-group key rows skipped by the fused kernels: "
           f"{skipped_share(starts, c):.1%} (masked row by row: {masked_share(starts, c):.1%})")
     print("| schedule | unmasked ms | masked ms | masked / unmasked |")
     print("|---|---|---|---|")
     for schedule in ("block", "wavefront"):
         torch.manual_seed(0)
-        model = build_model(config, ExecutionConfig(attention="cpu_fused", schedule=schedule))
+        model = build_model(config, ExecutionConfig(attention="cpu", schedule=schedule))
         times = paired({"unmasked": _step(model, tokens, None),
                         "masked": _step(model, tokens, ids)}, args.rounds)
         print(f"| {schedule} | {times['unmasked'] * 1e3:.0f} | {times['masked'] * 1e3:.0f} | "

@@ -13,8 +13,7 @@
   attention).
 
 On a GPU every step runs under bf16 autocast (float32 parameters, as train.precision = bf16) and
-is timed between device synchronisations; `megabeta bench gpu` runs the same measurement in its
-wavefront section.
+is timed between device synchronisations.
 
 Targets (issue "The wavefront schedule"): c = 32 at >= 0.9x the standard arm's FLOP/s;
 dispatches per step <= 0.35x the block schedule's; t19_flash no slower than the block schedule.

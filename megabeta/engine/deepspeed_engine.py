@@ -119,8 +119,9 @@ class DeepSpeedEngine:
         p = config.parallel
         zero: dict = {"stage": p.zero_stage}
         if p.zero_stage == 3:
-            # The block loop reuses every layer T/c times per step: keep gathered parameters
-            # alive for the whole step so each is fetched once (the first step records the trace).
+            # The pass reads every layer's weights, stacked, once per pass (forward, and backward
+            # with the recomputation): keep gathered parameters alive for the whole step so each
+            # is fetched once (the first step records the trace).
             zero.update(stage3_max_reuse_distance=1e12, stage3_prefetch_bucket_size=1e9,
                         stage3_max_live_parameters=1e12, stage3_param_persistence_threshold=0)
         ds_config = {

@@ -1,2 +1,4 @@
-"""Fused CPU kernels, compiled from C++ on first use (torch's extension loader), with the
-plain-torch path as the fallback wherever they cannot be built."""
+"""The kernels the model's backends run: the history attention operator and its CPU (fused
+C++, compiled on first use by torch's extension loader) and Triton implementations, the
+elementwise kernels, multi-tensor copies and the launch observers. Where the C++ kernels cannot
+be built, `execution.attention = "auto"` selects the reference backend."""

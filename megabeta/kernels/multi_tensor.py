@@ -1,7 +1,6 @@
 """Copies of many tensors at once: one multi-tensor launch per pair of dtypes
-(`torch._foreach_copy_`), where a copy each would be a launch each on a GPU. Used where a pass
-moves many small tensors: a unit's finished K/V into the history, the state a unit hands on,
-and a graphed pass's inputs and outputs."""
+(`torch._foreach_copy_`), where a copy each would be a launch each on a GPU. Used by a graphed
+pass (model/graphs.py) to copy its inputs in and its outputs out around each replay."""
 
 from __future__ import annotations
 

@@ -158,14 +158,3 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     # operators, which a dispatch counter would otherwise charge to the launch.
     with _disable_current_modes():
         kernel[grid](*args, **kwargs)
-
-
-def anchor_gradient(anchor: tuple[torch.dtype, torch.device] | None) -> torch.Tensor | None:
-    """The gradient an attention operator returns for its ordering anchor (the history's: an
-    input taken only so that autograd runs this backward before the anchor producer's), given
-    the anchor's (dtype, device) or None. None in eager mode: the edge alone orders autograd
-    and a zero would be a launch per call. A zero under torch.compile, whose graphs drop the
-    edges of inputs whose gradient is None (and with them the ordering)."""
-    if anchor is None or not torch.compiler.is_compiling():
-        return None
-    return torch.zeros((), dtype=anchor[0], device=anchor[1])

@@ -18,7 +18,7 @@ RESUMABLE_FIELDS = ("dropout", "max_seq_len", "init_std", "init_from")
 initialisation (the loaded weights replace it). Every other field shapes the parameters or the
 function, and resuming refuses a change of it."""
 
-MOVED_FIELDS = {"use_sdpa": "execution.attention (auto, explicit, cpu_flash, cpu_fused, triton)",
+MOVED_FIELDS = {"use_sdpa": "execution.attention (auto, reference, cpu, triton)",
                 "activation_checkpoint": "execution.activation_checkpoint"}
 """Keys that used to be model fields, and where they live now (config files and CLI)."""
 

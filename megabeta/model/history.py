@@ -138,7 +138,8 @@ class HistoryView:
         return list(self.all_sources[layer])
 
     def gradient_buffers(self) -> tuple[Tensor, Tensor] | None:
-        """The float32 buffers readers add their groups' gradients to (None: no backward)."""
+        """The history's gradient buffers (None: no backward): float32 where readers add into
+        them, the history's dtype where the backend forms each row's once (`KeyLayout.deferred`)."""
         return None if self.grad_keys is None else (self.grad_keys, self.grad_values)
 
 

@@ -4,9 +4,9 @@ The model code applies none of them; each arm declares only its plan (`DecoderLM
 its FSDP units), so nothing here branches on a model class. (Checkpointing, compile and CUDA
 graphs are the model's executor's, applied when it is placed on its device, the same under
 every engine: megabeta/model/executor.py.) One
-fact about beta_1.2 shapes the FSDP2 plan: the block loop calls every layer's submodules T/c
-times per step and never calls `layer.forward`, so per-layer FSDP units would otherwise gather
-their parameters on every call (or not at all). Instead every layer unit is unsharded ONCE, by a
+fact about beta_1.2 shapes the FSDP2 plan: its pass reads every layer's weights through stacks
+built once per pass (model/pass_weights.py) and never calls `layer.forward`, so per-layer FSDP
+units would otherwise never be gathered by their own hooks. Instead every layer unit is unsharded ONCE, by a
 forward pre-hook on the root, and kept unsharded until its gradients are reduce-scattered after
 backward (`reshard_after_forward=False`): one all-gather per layer in forward, none in backward,
 one reduce-scatter per step.
@@ -23,8 +23,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
-    # Some parameters get no gradient in some configurations (e_K/e_V when c >= T, θ of the top
-    # layer on the explicit path), hence find_unused_parameters.
+    # Some parameters get no gradient in some configurations (e_K/e_V when c >= T), hence
+    # find_unused_parameters.
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
 
