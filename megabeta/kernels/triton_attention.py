@@ -733,6 +733,19 @@ if triton is not None:
             tl.store(rows_ptr + c64 * srows_c + ((g * B + b) * H + h) * rows_t + row0 + offs_m,
                      total, mask=m_mask)
 
+    @triton.jit
+    def _published_tile(pid, c, B, HKV, start0, dstart, layer0, dlayer, BLOCK_N: tl.constexpr):
+        """What program `pid` of the history's gradient kernels holds: its key tile of the
+        block, its cell (block start, source layer) and its batch row and kv head."""
+        key_tiles = tl.cdiv(c, BLOCK_N)
+        task = pid % key_tiles
+        rest = pid // key_tiles
+        bkv = rest % (B * HKV)
+        cell = rest // (B * HKV)
+        b = (bkv // HKV).to(tl.int64)
+        hkv = (bkv % HKV).to(tl.int64)
+        return task, cell, b, hkv, start0 + cell * dstart, layer0 + cell * dlayer
+
     @triton.jit(do_not_specialize=["start0", "dstart", "layer0", "dlayer", "COUNT", "length",
                                    "c", "window", "depth", "stride", "top", "S"])
     def _history_kernel(hk_ptr, hv_ptr, gk_ptr, gv_ptr, kpart_ptr, vpart_ptr,
@@ -751,17 +764,9 @@ if triton is not None:
         (l ≤ m ≤ min(l + k, L-1), m - l a multiple of the stride), restricted to the deep-token
         window (m > l) and to each query's document (spec §3, §7). Split `S` ways over the
         query tiles (interleaved); each split's share summed by `_history_reduce_kernel`."""
-        pid = tl.program_id(0)
         split = tl.program_id(1)
-        key_tiles = tl.cdiv(c, BLOCK_N)
-        task = pid % key_tiles
-        rest = pid // key_tiles
-        bkv = rest % (B * HKV)
-        cell = rest // (B * HKV)
-        b = (bkv // HKV).to(tl.int64)
-        hkv = (bkv % HKV).to(tl.int64)
-        start = start0 + cell * dstart
-        source = layer0 + cell * dlayer
+        task, cell, b, hkv, start, source = _published_tile(
+            tl.program_id(0), c, B, HKV, start0, dstart, layer0, dlayer, BLOCK_N)
         per_kv = H // HKV
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < D
@@ -833,16 +838,8 @@ if triton is not None:
                                D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         """The S splits' key and value gradients of one tile of published rows, summed in split
         order and stored (once) in the history's gradient buffers."""
-        pid = tl.program_id(0)
-        key_tiles = tl.cdiv(c, BLOCK_N)
-        task = pid % key_tiles
-        rest = pid // key_tiles
-        bkv = rest % (B * HKV)
-        cell = rest // (B * HKV)
-        b = (bkv // HKV).to(tl.int64)
-        hkv = (bkv % HKV).to(tl.int64)
-        start = start0 + cell * dstart
-        source = layer0 + cell * dlayer
+        task, cell, b, hkv, start, source = _published_tile(
+            tl.program_id(0), c, B, HKV, start0, dstart, layer0, dlayer, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         local = task * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (local < c)[:, None] & (offs_d < D)[None, :]
