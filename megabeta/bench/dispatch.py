@@ -8,7 +8,7 @@ A beta_1.2 step runs every layer once per block: at t19_flash's 16K tokens and c
 little it computes. So the figure that decides GPU speed at small c is the number of
 kernel-launching operations per cell, which is deterministic and countable on a CPU:
 
-- `DispatchCount` is a `TorchDispatchMode` that counts every ATen operator except views and
+- `DispatchCount` (megabeta/kernels/ops.py) is a `TorchDispatchMode` that counts every ATen operator except views and
   metadata (`NO_KERNEL`); a megabeta custom op is not counted as one call but run through its
   Python implementation under the same mode, so the ATen operators inside it count, and each
   Triton launch inside counts once (`megabeta.kernels.ops.launch`).
@@ -26,56 +26,12 @@ The standard arm's launches per layer over the whole sequence are printed next t
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 from typing import Any
 
 import torch
 
-from megabeta.kernels import ops
+from megabeta.kernels.ops import DispatchCount
 from megabeta.model import ExecutionConfig, ModelConfig, build_model, get_preset
-
-NO_KERNEL = {
-    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
-    "aten::new_empty_strided", "aten::detach", "aten::lift_fresh", "aten::_to_copy_noop",
-    "aten::sym_size", "aten::sym_stride", "aten::sym_numel", "aten::is_same_size",
-    "aten::set_", "aten::resize_", "aten::_unsafe_view", "aten::promote_types",
-    "aten::result_type",
-}
-"""Operators that allocate or relabel memory without launching a kernel (views are recognised
-from their schema)."""
-
-
-class DispatchCount(ops.RunImplementations):
-    """Kernel-launching operators run while active (`total`, and per operator in `by_op`): a
-    megabeta custom op counts as what it runs, its ATen operators and its launches."""
-
-    def __init__(self, *, run_kernels: bool = True) -> None:
-        super().__init__()
-        self.by_op: Counter[str] = Counter()
-        self._launches = ops.LaunchCount(run=run_kernels)
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_op.values()) + self._launches.total
-
-    def __enter__(self) -> "DispatchCount":
-        self._launches.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self._launches.__exit__(*exc)
-
-    def other(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        name = func._schema.name
-        if not func.is_view and name not in NO_KERNEL:
-            self.by_op[name.removeprefix("aten::")] += 1
-        return func(*args, **kwargs)
-
-    def launches(self) -> dict[str, int]:
-        """Triton launches per kernel."""
-        return dict(self._launches.by_kernel)
-
 
 def count_step(model: torch.nn.Module, tokens: torch.Tensor, *, run_kernels: bool = True,
                documents: torch.Tensor | None = None, bf16: bool = False) -> DispatchCount:

@@ -24,7 +24,7 @@ time per cell = the difference over the extra cells (the once-per-step work canc
   GPU each replay costs about 10 us of host time, plus its copies in and out).
 
 Launches per micro-step (kernel-launching operators plus Triton launches, `bench dispatch`'s
-count; compiled: the Triton launches alone, a dispatch mode cannot watch a compiled graph) are
+count, `kernels.ops.DispatchCount`; compiled: the Triton launches alone, a dispatch mode cannot watch a compiled graph) are
 printed for the longer step.
 """
 
@@ -44,8 +44,9 @@ import torch
 # no kernel runs either way.
 os.environ["TRITON_INTERPRET"] = "1"
 
-from megabeta.bench.dispatch import DispatchCount, counting_config  # noqa: E402
+from megabeta.bench.dispatch import counting_config  # noqa: E402
 from megabeta.kernels import ops  # noqa: E402
+from megabeta.kernels.ops import DispatchCount  # noqa: E402
 from megabeta.model import ExecutionConfig, build_model  # noqa: E402
 from megabeta.model.executor import Executor  # noqa: E402
 from megabeta.model.graphs import EagerCapture  # noqa: E402

@@ -16,6 +16,7 @@ each op as one would flatter it. So:
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from typing import Any, Callable, Iterable
 
 import torch
@@ -123,6 +124,49 @@ class LaunchCount(LaunchObserver):
         self.total += 1
         name = kernel_name(kernel)
         self.by_kernel[name] = self.by_kernel.get(name, 0) + 1
+
+
+NO_KERNEL = {
+    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
+    "aten::new_empty_strided", "aten::detach", "aten::lift_fresh", "aten::_to_copy_noop",
+    "aten::sym_size", "aten::sym_stride", "aten::sym_numel", "aten::is_same_size",
+    "aten::set_", "aten::resize_", "aten::_unsafe_view", "aten::promote_types",
+    "aten::result_type",
+}
+"""Operators that allocate or relabel memory without launching a kernel (views are recognised
+from their schema)."""
+
+
+class DispatchCount(RunImplementations):
+    """Kernel-launching operators run while active (`total`, and per operator in `by_op`): a
+    megabeta custom op counts as what it runs, its ATen operators and its launches."""
+
+    def __init__(self, *, run_kernels: bool = True) -> None:
+        super().__init__()
+        self.by_op: Counter[str] = Counter()
+        self._launches = LaunchCount(run=run_kernels)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values()) + self._launches.total
+
+    def __enter__(self) -> "DispatchCount":
+        self._launches.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._launches.__exit__(*exc)
+
+    def other(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        name = func._schema.name
+        if not func.is_view and name not in NO_KERNEL:
+            self.by_op[name.removeprefix("aten::")] += 1
+        return func(*args, **kwargs)
+
+    def launches(self) -> dict[str, int]:
+        """Triton launches per kernel."""
+        return dict(self._launches.by_kernel)
 
 
 def kernel_name(kernel: Any) -> str:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megabeta.bench.dispatch import DispatchCount, count_step, counting_config, per_cell
+from megabeta.bench.dispatch import count_step, counting_config, per_cell
 from megabeta.bench.roofline import LAUNCHES_PER_CELL
 from megabeta.kernels import ops
+from megabeta.kernels.ops import DispatchCount
 from megabeta.model import ExecutionConfig, build_model
 from megabeta.model.plan import WavePlan, period
 

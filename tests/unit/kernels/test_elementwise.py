@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from megabeta.bench.dispatch import DispatchCount
+from megabeta.kernels.ops import DispatchCount
 from megabeta.kernels import elementwise
 from megabeta.model.layers import apply_rope, rope_tables
 

@@ -342,7 +342,7 @@ def test_the_model_reaches_the_ops() -> None:
                                  head_dim=HEAD_DIM)
     assert count.by_kernel == {"_rms_forward_kernel": 2, "_swiglu_forward_kernel": 1,
                                "_split_rope_forward_kernel": 1}
-    # The dispatch counter (megabeta.bench.dispatch) runs each op's Python implementation.
+    # The dispatch counter (megabeta.kernels.ops.DispatchCount) runs each op's Python implementation.
     assert all(ops.implementation(f"megabeta::{name}") is not None for name in (
         "rms_normalize", "add_rms_normalize", "rms_normalize_backward", "split_heads_rope",
         "split_heads_rope_backward", "swiglu", "swiglu_backward"))
