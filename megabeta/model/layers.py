@@ -214,7 +214,10 @@ class _ByHandLinear(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None, None, None, None]:
         (w,) = ctx.saved_tensors
         dy = dy.to(w.dtype)
-        ctx.weight.calls.append((ctx.sel, ctx.x, dy))
+        # Detached: the stack is shared by every call of the pass, so rows that kept their
+        # graph would tie the stack to the graph and the graph to the stack, a cycle through
+        # autograd's nodes that Python's collector cannot free (each step's graph would leak).
+        ctx.weight.calls.append((ctx.sel, ctx.x.detach(), dy))
         if ctx.bias is not None:
             ctx.bias.bias_of = ctx.weight
         dx = torch.bmm(dy, w) if ctx.needs_input_grad[0] else None

@@ -148,9 +148,13 @@ class PassWeights:
             self.rows.diag.zero_()
 
     def gradients(self) -> list[Tensor | None]:
-        """The by-hand gradients, in `tensors()`'s order (None where autograd forms them)."""
+        """The by-hand gradients, in `tensors()`'s order (None where autograd forms them); the
+        rows the stacks kept are let go once they are formed (a pass's rows are most of its
+        memory, model/memory.py)."""
         grads = [g for p in self._projections() for g in p.gradients()]
         grads += [w.gradient() for w in (self.out, self.gate_up, self.down)]
+        for stack in self._stacks():
+            stack.calls.clear()
         shift = self_bias = None
         if self.rows is not None:
             shift, self_bias = self.rows.gradients()
