@@ -42,8 +42,10 @@ $(VENV)/transformers-5/.installed: $(VENV)/.installed
 
 venv: $(VENV)/.installed
 
+# The whole suite on two pytest-xdist workers, a test file to a worker (its module fixtures, such
+# as a trained run, built once).
 test: $(VENV)/.installed $(VENV)/triton-3.6/.installed $(VENV)/transformers-5/.installed
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n 2 --dist loadfile tests
 
 # The unit tests alone (tests/unit/<package>/), for the inner loop: two pytest-xdist workers,
 # under 3 minutes on 2 cores; the multi-process ones (marked slow: torchrun, mpirun, several
