@@ -235,9 +235,13 @@ class MonitorConfig:
     hang_seconds: float = 0.0
     """Watchdog: a step running longer than this names rank and collective, dumps every thread's stack (0 = off)."""
     beta_dials: bool = True
-    """beta_1.2 only: log λ, b_σ, |e_K|, |e_V|, |f| and attention-mass shares per group every log interval."""
+    """beta_1.2 only: every log interval log λ, θ, b_σ, |e_K|, |e_V|, |f| and, on the probe, attention mass, entropy and top key per group and the finished K/V's diversity per layer (train/dials.py)."""
     probe_batch: int = 1
-    """Sequences of the fixed probe batch the attention-mass shares are measured on."""
+    """Sequences of the fixed probe batch the probe dials are measured on."""
+    collapse_cosine: float = 0.95
+    """Warn when a layer's finished values' mean cosine between earlier positions exceeds this (beta_dials; 1 = all one vector; > 1 = never)."""
+    layer_grad_norms: bool = True
+    """Log the gradient norm of every layer (and of the rest) every log interval (split `grad_norm`)."""
 
 
 @dataclass
@@ -391,6 +395,8 @@ class TrainConfig:
         need(1 <= m.probe_batch <= t.micro_batch, "monitor.probe_batch", m.probe_batch,
              f"must be in [1, train.micro_batch = {t.micro_batch}] (the probe is taken from the "
              "first micro-batch)")
+        need(m.collapse_cosine > 0, "monitor.collapse_cosine", m.collapse_cosine,
+             "must be positive (a mean cosine; above 1 = never warn)")
 
     def grad_accumulation(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step; the global batch must split evenly."""
