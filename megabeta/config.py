@@ -51,7 +51,7 @@ class DataConfig:
     verify_token_ids: bool = False
     """Scan every token id against the vocabulary at start-up (O(tokens))."""
     align: str = "packed"
-    """`packed` (cut across documents), `block` (packed, each document at a multiple of model.block_size; needs document_mask) or `document` (one per sample)."""
+    """`packed` (cut across documents), `block` (packed, each document at a multiple of model.block_size; needs document_mask) or `document` (one per sample, from its start; longer documents are left out and counted)."""
     document_mask: bool = False
     """Give the model each token's document id (int32, from the .idx) so no token attends to another document (spec §7)."""
 
