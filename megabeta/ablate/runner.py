@@ -89,6 +89,8 @@ class Settings:
     device: str = "cpu"
     eval_every: int = 0
     """eval.interval of the training runs: their validation loss curve (0 = at the end only)."""
+    threads: int = 1
+    """OMP_NUM_THREADS of each trainer (its intra-op threads); not part of a run's spec."""
 
     def describe(self) -> dict[str, Any]:
         plain = dataclasses.asdict(self)
@@ -267,6 +269,7 @@ def launch_trainer(settings: Settings, args: list[str], run_dir: Path) -> float:
         try:
             process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "OMP_NUM_THREADS": str(settings.threads)},
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             if received:  # signalled while it started
                 _pass_on(process, received)

@@ -84,11 +84,18 @@ class Scale:
     """schedule.warmup_steps = this share of the batches (at least 1)."""
     logging_interval: int
     checkpoint_every: int
-    """Default checkpoint interval in steps (0: batches // 4)."""
+    """Checkpoint interval at the row's own `batches`, scaled with --batches
+    (`checkpoint_interval`; 0: a quarter of the batches)."""
     tasks: tuple[TaskSpec, ...] = field(default=())
     """The `state` suite's tasks at this scale."""
     trainer_defaults: tuple[str, ...] = ()
     """Trainer overrides applied unless --base-config gives a config file instead."""
+
+    def checkpoint_interval(self, batches: int) -> int:
+        """The checkpoint interval of a run of `batches` steps: the row's, in proportion."""
+        if not self.checkpoint_every:
+            return max(1, batches // 4)
+        return max(1, round(self.checkpoint_every * batches / self.batches))
 
     def describe(self) -> str:
         if self.name == "article":
@@ -172,6 +179,15 @@ SUITE_ARMS: dict[str, tuple[str, ...]] = {
 
 
 # ---- scaling --------------------------------------------------------------------------------------
+EVAL_POINTS = 10
+"""Validation evaluations per run by default (the held-out curve of summary.png)."""
+
+
+def eval_interval(batches: int) -> int:
+    """The default validation interval of a run of `batches` steps: EVAL_POINTS of them."""
+    return max(1, batches // EVAL_POINTS)
+
+
 def _scaled_width(d_model: int, heads: int, factor: float) -> int:
     """d_model x factor, rounded to a multiple of 2·heads (an even head width, heads kept)."""
     unit = 2 * heads
