@@ -33,6 +33,7 @@ from megabeta.tasks.evaluate import encode_documents, evaluate_tasks
 from megabeta.tasks.make import generate_documents
 from megabeta.tasks.parity import Parity
 from megabeta.tasks.permutations import Permutations
+from megabeta.tasks.retrieval import Retrieval
 from megabeta.tasks.scoring import EncodedDocument, answer_spans, score_documents
 
 VARIANTS = {
@@ -43,6 +44,8 @@ VARIANTS = {
     "A5": ["--task=permutations", "--group=A5", "--length=12"],
     "parity": ["--task=parity"],
     "parity-L5": ["--task=parity", "--length=5"],
+    "retrieval": ["--task=retrieval"],
+    "retrieval-p40-q6-v5": ["--task=retrieval", "--pairs=40", "--queries=6", "--values=5"],
 }
 SOLVED = 300
 """Documents of each variant whose every answer the solvers check."""
@@ -175,6 +178,23 @@ def test_parity_answers_match_the_solver(files, name):
         assert solve_parity(lines) == scored and len(lines[0]) == length + 1
 
 
+@pytest.mark.parametrize("name", ["retrieval", "retrieval-p40-q6-v5"])
+def test_retrieval_answers_match_the_solver(files, name):
+    options = Retrieval() if name == "retrieval" else Retrieval(pairs=40, queries=6, values=5)
+    seen_values = set()
+    for record in records(files[name]):
+        assert record["task"] == options.name and record["chance"] == 1 / options.values
+        lines, scored = prompts(record)
+        answers, program = solve_chains(lines)
+        assert answers == scored and len(answers) == options.queries
+        assert program["depths"] == [0] * options.queries  # read, not followed
+        assert program["constants"] == options.pairs
+        queried = re.findall(r"\?([a-z]{2})=", record["text"])
+        assert len(set(queried)) == options.queries
+        seen_values |= program["values"]
+    assert seen_values == set(range(options.values))
+
+
 # ---- determinism and the file ------------------------------------------------------------------
 @pytest.mark.parametrize("name", VARIANTS)
 def test_same_seed_same_bytes_other_seed_other_bytes(files, tmp_path, name):
@@ -203,6 +223,8 @@ def test_make_refuses_to_overwrite_and_leaves_no_temporary(tmp_path, capsys):
     (["--task=chains", "--group=A5"], "--group: applies to --task permutations"),
     (["--task=chains", "--hops=0"], "--hops 0: must be >= 1"),
     (["--task=chains", "--values=11"], "--values 11: must be in 2"),
+    (["--task=retrieval", "--pairs=3", "--queries=4"], "--queries 4: must be in 1 … --pairs 3"),
+    (["--task=chains", "--pairs=3"], "--pairs: applies to --task retrieval, not --task chains"),
     (["--task=chains", "--hops=200", "--chains=4"], "lower --chains or --hops"),
     (["--task=permutations", "--length=0"], "--length 0"),
     (["--task=parity", "--count=0"], "--count: 0, must be >= 1"),
