@@ -76,6 +76,8 @@ class TrainLoopConfig:
     """Stop the run after this many non-finite steps in a row (each one is skipped)."""
     exit_after: int = 0
     """Save and exit 0 after this many steps of this launch (time-sliced queues); 0 = off."""
+    block_size_schedule: list[list[int]] = field(default_factory=list)
+    """beta12: [[step, block_size], ...] from step 0, the last at model.block_size, e.g. [[0, 256], [300, 32]]: train at each block size from its step on (train/curriculum.py); empty = model.block_size throughout."""
 
 
 @dataclass
@@ -266,6 +268,31 @@ class EvalConfig:
     """Few-shot examples per lm-eval prompt (-1 = each task's own, else 0)."""
 
 
+def _schedule_problem(schedule: list[list[int]], *, arch: str, block_size: int, steps: int,
+                      ) -> str | None:
+    """What is wrong with `schedule` for a run of `steps` steps of a model of `arch` and
+    `block_size` (a sentence for the ConfigError), or None."""
+    if not schedule:
+        return None
+    if arch != "beta12":
+        return (f"a block-size curriculum needs model.arch = 'beta12' (model.arch = {arch!r} "
+                "has no blocks); leave it empty")
+    for pair in schedule:
+        if len(pair) != 2 or pair[0] < 0 or pair[1] < 1:
+            return (f"{pair} is not a [step >= 0, block_size >= 1] pair; write e.g. "
+                    f"[[0, 256], [300, {block_size}]]")
+    starts = [start for start, _ in schedule]
+    if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+        return "the steps must start at 0 and increase"
+    if schedule[-1][1] != block_size:
+        return (f"the last stage's block size {schedule[-1][1]} must be model.block_size = "
+                f"{block_size}: the trained model is the spec's function at its own c")
+    if starts[-1] >= steps:
+        return (f"the last stage starts at step {starts[-1]}, at or after train.steps = {steps}: "
+                "the model would never train at its own block size")
+    return None
+
+
 @dataclass
 class TrainConfig:
     """A whole training run."""
@@ -335,6 +362,9 @@ class TrainConfig:
         need(t.precision in ("fp32", "bf16"), "train.precision", t.precision, "must be fp32 or bf16")
         need(t.max_nonfinite >= 1, "train.max_nonfinite", t.max_nonfinite, "must be >= 1")
         need(t.exit_after >= 0, "train.exit_after", t.exit_after, "must be >= 0 (0 = off)")
+        problem = _schedule_problem(t.block_size_schedule, arch=self.model.arch,
+                                    block_size=self.model.block_size, steps=t.steps)
+        need(problem is None, "train.block_size_schedule", t.block_size_schedule, str(problem))
         need(self.optim.lr > 0, "optim.lr", self.optim.lr, "must be positive")
         need(self.optim.grad_clip >= 0, "optim.grad_clip", self.optim.grad_clip, "must be >= 0")
         need(self.schedule.kind in ("cosine", "linear", "wsd", "constant"), "schedule.kind",
