@@ -150,7 +150,7 @@ def collapse_warning(dials: dict[str, float], threshold: float) -> str | None:
     return (f"finished values collapsed: the earlier blocks' values of {named} are nearly one "
             f"vector (mean cosine between positions > monitor.collapse_cosine = {threshold}), so "
             "attention has nothing to read from earlier blocks; see docs/research.md for the "
-            "levers (train.block_size_schedule, model.embed_scale, model.branch_scale)")
+            "levers (train.block_size_schedule, model.init_embed_scale, model.init_branch_scale)")
 
 
 @contextlib.contextmanager
