@@ -78,7 +78,9 @@ examples:
   megabeta ablate ... --set optim.weight_decay=0.05 --set execution.attention=reference
 
 Arms given as config files (or shipped config names: tiny_cpu, ...) contribute their [model]
-section only, scaled like the presets (--scale article trains them as written); the data,
+section, scaled like the presets (--scale article trains them as written), and their
+train.block_size_schedule (a block-size curriculum, its block sizes scaled alike; the file is
+checked as a whole config, so give it a train.steps past the last stage); the data,
 schedule, optimizer and trainer settings are the ablation's (from the scale, --base-config and
 --set), the same for every arm. Equal-parameter arms (the depth presets, and all arms with --equal-params) get their
 SwiGLU width resolved at the chosen scale against the reference; their counts are printed and

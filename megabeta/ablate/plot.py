@@ -5,8 +5,11 @@ min-max as a band. Middle: the held-out loss the same way (the trainer's evaluat
 `--eval-every` steps, on the validation split; with --test-data the final test loss only, as a
 point with its min-max bar). Right: each task's accuracy per arm (the mean over seeds as a bar, a
 marker and its value, whiskers from min to max, so an accuracy of 0 shows too) with the task's
-chance level as a dashed line, or the perplexity when there are no tasks. The arms keep their
-summary order and one colour across the panels; the legend names them.
+chance level as a dashed line, or the perplexity when there are no tasks. Far right: beta_1.2's
+finished-value diversity dial over the steps (the mean over layers of the finished values'
+cosine between positions, train/dials.py; 1 = every earlier position holds one vector, the
+collapse), with the warning's default threshold dashed. The arms keep their summary order and
+one colour across the panels; the legend names them.
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from megabeta.ablate.runner import read_curves, run_name
+from megabeta.config import MonitorConfig
 from megabeta.extras import require
+
+COLLAPSE_COSINE = MonitorConfig.collapse_cosine
+"""The collapse warning's default threshold (`monitor.collapse_cosine`), drawn for reference."""
 
 Curve = dict[int, tuple[float, float, float]]
 """step -> (mean, min, max) over seeds."""
@@ -33,11 +40,11 @@ def _band(series: list[dict[int, float]]) -> Curve:
 
 def arm_curves(out: Path, rows: list[dict], results: list[dict[str, Any]]
                ) -> dict[str, dict[str, Curve]]:
-    """arm -> {"train": Curve, "test": Curve} from the finished runs' metrics.jsonl, the final
-    test loss of each run added at its last step."""
+    """arm -> {"train": Curve, "test": Curve, "value_cosine": Curve} from the finished runs'
+    metrics.jsonl, the final test loss of each run added at its last step."""
     curves: dict[str, dict[str, Curve]] = {}
     for row in rows:
-        train, test = [], []
+        train, test, cosine = [], [], []
         for seed in row["seeds"]:
             result = next(r for r in results if r["arm"] == row["arm"] and r["seed"] == seed)
             logged = read_curves(out / "runs" / run_name(row["arm"], seed))
@@ -46,7 +53,10 @@ def arm_curves(out: Path, rows: list[dict], results: list[dict[str, Any]]
                 held_out[result["steps"]] = result["test"]["loss"]
             train.append(dict(logged["train"]))
             test.append(held_out)
-        curves[row["arm"]] = {"train": _band(train), "test": _band(test)}
+            if logged["value_cosine"]:
+                cosine.append(dict(logged["value_cosine"]))
+        curves[row["arm"]] = {"train": _band(train), "test": _band(test),
+                              "value_cosine": _band(cosine)}
     return curves
 
 
@@ -67,14 +77,14 @@ def summary_figure(rows: list[dict], curves: dict[str, dict[str, Curve]], title:
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(15, 4.6), dpi=100, layout="constrained")
-    train_ax, test_ax, score_ax = figure.subplots(1, 3)
+    figure = Figure(figsize=(20, 4.6), dpi=100, layout="constrained")
+    train_ax, test_ax, score_ax, cosine_ax = figure.subplots(1, 4)
     colours = matplotlib.colormaps["tab10"]
     handles = []
     for index, row in enumerate(rows):
         colour = colours(index % 10)
         label = row["arm"] + (" (reference)" if row["reference"] else "")
-        for ax, kind in ((train_ax, "train"), (test_ax, "test")):
+        for ax, kind in ((train_ax, "train"), (test_ax, "test"), (cosine_ax, "value_cosine")):
             curve = curves.get(row["arm"], {}).get(kind, {})
             if not curve:
                 continue
@@ -94,6 +104,11 @@ def summary_figure(rows: list[dict], curves: dict[str, dict[str, Curve]], title:
                  ylabel="loss")
     test_ax.set(title="held-out loss (mean over seeds, min-max)", xlabel="step", ylabel="loss")
     _scores(score_ax, rows, colours, chance or {})
+    cosine_ax.axhline(COLLAPSE_COSINE, color="black", linestyle="dashed", linewidth=1,
+                      label=f"collapse warning ({COLLAPSE_COSINE})")
+    cosine_ax.legend(loc="lower right", fontsize=8)
+    cosine_ax.set(title="finished values' cosine between positions\n(dials, mean over layers; "
+                  "1 = collapsed)", xlabel="step", ylabel="mean cosine", ylim=(-0.05, 1.05))
     figure.legend(handles=handles, loc="outside lower center", ncols=min(len(rows), 5))
     if title:
         figure.suptitle(title)

@@ -116,6 +116,9 @@ def trainer_args(settings: Settings, arm: Arm, seed: int, run_dir: Path) -> list
     if s.warmup_steps is not None:
         args.append(f"--schedule.warmup_steps={s.warmup_steps}")
     args += model_overrides(arm.model)
+    if arm.block_size_schedule:
+        args.append("--train.block_size_schedule="
+                    + json.dumps([list(stage) for stage in arm.block_size_schedule]))
     args += [f"--run_dir={run_dir}", "--resume=auto",
              f"--data.path={','.join(s.data)}", f"--data.seq_len={s.seq_len}",
              f"--data.val_fraction={s.val_fraction}", f"--data.align={s.align}",
@@ -177,13 +180,14 @@ def _spec_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
 
 
 # ---- metrics --------------------------------------------------------------------------------------
-def _logged(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
-    """The trainer's metrics.jsonl records of training steps and of its evaluations on the
-    validation split (loss), each by step: the last one of a step, should a resumed launch
-    repeat steps."""
+def _logged(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict], dict[int, dict]]:
+    """The trainer's metrics.jsonl records of training steps, of its evaluations on the
+    validation split (loss) and of beta_1.2's dials, each by step: the last one of a step,
+    should a resumed launch repeat steps."""
     path = run_dir / "metrics.jsonl"
     steps: dict[int, dict] = {}
     evals: dict[int, dict] = {}
+    dials: dict[int, dict] = {}
     if path.is_file():
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
@@ -196,7 +200,9 @@ def _logged(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
                 steps[int(record["step"])] = record
             elif record["split"] == "eval" and "loss" in record:
                 evals[int(record["step"])] = record
-    return steps, evals
+            elif record["split"] == "dials":
+                dials[int(record["step"])] = record
+    return steps, evals, dials
 
 
 def read_train_metrics(run_dir: Path) -> dict[str, Any]:
@@ -204,7 +210,7 @@ def read_train_metrics(run_dir: Path) -> dict[str, Any]:
     logged step left out of the timing (it includes the warm-up of kernels and allocator) when
     there are others. s_per_batch is their mean; tokens_per_s = global_batch x seq_len / that
     mean."""
-    by_step, _ = _logged(run_dir)
+    by_step, _, _ = _logged(run_dir)
     records = [by_step[k] for k in sorted(by_step)]
     if not records:
         return {"final_loss": None, "s_per_batch": None, "tokens_per_s": None, "steps_timed": 0}
@@ -216,12 +222,23 @@ def read_train_metrics(run_dir: Path) -> dict[str, Any]:
 
 
 def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """(step, loss) of the run's training steps (`train`) and of its validation evaluations
-    (`eval`), in step order, non-finite losses left out."""
-    steps, evals = _logged(run_dir)
-    return {name: [(step, float(records[step]["loss"])) for step in sorted(records)
-                   if _finite(records[step]["loss"]) is not None]
-            for name, records in (("train", steps), ("eval", evals))}
+    """(step, value) in step order, non-finite values left out: the loss of the run's training
+    steps (`train`) and of its validation evaluations (`eval`), and the mean over layers of the
+    finished values' cosine between positions (`value_cosine`, beta_1.2's dials; empty for
+    the other arms)."""
+    steps, evals, dials = _logged(run_dir)
+    curves = {name: [(step, float(records[step]["loss"])) for step in sorted(records)
+                     if _finite(records[step]["loss"]) is not None]
+              for name, records in (("train", steps), ("eval", evals))}
+    cosine = []
+    for step in sorted(dials):
+        layers = [value for key, value in dials[step].items()
+                  if key.startswith("diversity/") and key.endswith("/value_cosine")
+                  and _finite(value) is not None]
+        if layers:
+            cosine.append((step, sum(layers) / len(layers)))
+    curves["value_cosine"] = cosine
+    return curves
 
 
 def _finite(value: float | None) -> float | None:

@@ -87,3 +87,32 @@ def test_each_arm_trains_with_the_ablations_threads(tmp_path, monkeypatch) -> No
 
     runner.launch_trainer(Given(), [], tmp_path)
     assert "threads 1" in (tmp_path / "train.log").read_text()
+
+
+def test_an_arm_file_brings_its_block_size_curriculum_scaled(tiny_data, tmp_path) -> None:
+    from megabeta.ablate.runner import trainer_args
+
+    prefix, _ = tiny_data
+    arm = tmp_path / "curriculum.toml"
+    arm.write_text('[model]\narch = "beta12"\nblock_size = 32\nd_model = 64\nnum_heads = 2\n'
+                   "num_layers = 2\nmax_seq_len = 256\n"
+                   "[train]\nsteps = 400\nblock_size_schedule = [[0, 256], [200, 32]]\n")
+    said: list[str] = []
+    settings, arms, _, _ = plan(build_parser().parse_args(
+        ["--arms", f"t16_std_tf_rope,{arm}", "--plan", "--data", str(prefix), "--scale",
+         "tiny", "--batches", "300", "--out", str(tmp_path / "o")]), say=said.append)
+    curriculum = next(a for a in arms if a.name == "curriculum")
+    # tiny: blocks x 1/4, at most seq_len 64: c = 256 -> 64, c = 32 -> 8 (the model's c).
+    assert curriculum.model.block_size == 8
+    assert curriculum.block_size_schedule == ((0, 64), (200, 8))
+    assert "curriculum c = 64 from step 0, c = 8 from step 200" in curriculum.source
+    args = trainer_args(settings, curriculum, 1, tmp_path / "run")
+    assert "--train.block_size_schedule=[[0, 64], [200, 8]]" in args
+    standard = next(a for a in arms if a.name == "t16_std_tf_rope")
+    assert not any("block_size_schedule" in a for a in trainer_args(settings, standard, 1,
+                                                                      tmp_path / "run"))
+    # The ablation's own --batches is checked against the arm's stages before any training.
+    with pytest.raises(Exception, match=r"train\.block_size_schedule.*at or after train\.steps"):
+        plan(build_parser().parse_args(
+            ["--arms", str(arm), "--plan", "--data", str(prefix), "--scale", "tiny",
+             "--batches", "150", "--out", str(tmp_path / "p")]), say=said.append)
