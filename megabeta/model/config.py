@@ -79,7 +79,7 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     init_embed_scale: float = 1.0
-    """The token embedding's initial standard deviation is init_std times this (a larger one keeps the token's identity in the residual stream longer: docs/research.md)."""
+    """The token embedding's initial standard deviation is init_std times this (its effect on the finished-value collapse: docs/research.md)."""
     init_branch_scale: float = 1.0
     """The residual branches' output projections (W_O, SwiGLU's w2) start at init_std/√(2L) times this."""
     init_from: str = ""
