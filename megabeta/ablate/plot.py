@@ -102,6 +102,7 @@ def summary_figure(rows: list[dict], curves: dict[str, dict[str, Curve]], title:
                 handles.append(line)
     train_ax.set(title="training loss (mean over seeds, min-max band)", xlabel="step",
                  ylabel="loss")
+    _clip_start(train_ax, [curves.get(row["arm"], {}).get("train", {}) for row in rows])
     test_ax.set(title="held-out loss (mean over seeds, min-max)", xlabel="step", ylabel="loss")
     _scores(score_ax, rows, colours, chance or {})
     cosine_ax.axhline(COLLAPSE_COSINE, color="black", linestyle="dashed", linewidth=1,
@@ -113,6 +114,16 @@ def summary_figure(rows: list[dict], curves: dict[str, dict[str, Curve]], title:
     if title:
         figure.suptitle(title)
     return figure
+
+
+def _clip_start(ax, curves: list[Curve]) -> None:
+    """The axis' top at the highest mean after the first tenth of the steps: an arm whose
+    first steps' loss is far above the rest (a large initialisation) does not flatten them."""
+    later = [mean for curve in curves if curve
+             for step, (mean, _, _) in curve.items() if step > max(curve) / 10]
+    if later:
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, min(high, max(later) + 0.1 * (max(later) - low)))
 
 
 def _scores(ax, rows: list[dict], colours, chance: dict[str, float]) -> None:

@@ -51,3 +51,14 @@ def test_the_finished_value_diversity_dial_is_drawn_per_arm() -> None:
     assert len(drawn) == 1 and list(drawn[0].get_ydata()) == [0.4, 0.98]
     (threshold,) = [line for line in cosine.lines if list(line.get_ydata()) == [0.95, 0.95]]
     assert "collapse" in threshold.get_label()
+
+
+def test_a_high_start_does_not_flatten_the_training_curves() -> None:
+    results = [_result("standard", {"chains-n3": (0.25, 0.1)}),
+               _result("beta_1.2_c8", {"chains-n3": (0.1, 0.1)})]
+    rows = summarize(results, ["standard", "beta_1.2_c8"], reference="standard")
+    steps = range(10, 101, 10)
+    curves = {"standard": {"train": {s: (2.0, 2.0, 2.0) for s in steps}},
+              "beta_1.2_c8": {"train": {s: ((30.0 if s == 10 else 2.5),) * 3 for s in steps}}}
+    low, high = summary_figure(rows, curves).axes[0].get_ylim()
+    assert 2.5 < high < 3.0
