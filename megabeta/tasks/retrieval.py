@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megabeta.tasks.chains import NAMES
+from megabeta.tasks.chains import NAMES, check_values
 from megabeta.tasks.document import DocumentBuilder, TaskDocument
 
 
@@ -44,9 +44,7 @@ class Retrieval:
         if not 1 <= self.queries <= self.pairs:
             raise ValueError(f"--queries {self.queries}: must be in 1 … --pairs {self.pairs} "
                              "(each query asks for another variable)")
-        if not 2 <= self.values <= 10:
-            raise ValueError(f"--values {self.values}: must be in 2 … 10 (the values are "
-                             "single digits)")
+        check_values(self.values)
 
     @property
     def name(self) -> str:
