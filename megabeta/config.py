@@ -45,7 +45,7 @@ class DataConfig:
     verify_token_ids: bool = False
     """Scan every token id against the vocabulary at start-up (O(tokens))."""
     align: str = "packed"
-    """`packed` (cut across documents), `block` (packed, each document at a multiple of model.block_size; needs document_mask) or `document` (one per sample)."""
+    """`packed` (cut across documents), `block` (packed, each document at a multiple of model.block_size; needs document_mask) or `document` (one per sample, from its start; longer documents are left out and counted)."""
     document_mask: bool = False
     """Give the model each token's document id (int32, from the .idx) so no token attends to another document (spec §7)."""
 
@@ -70,6 +70,8 @@ class TrainLoopConfig:
     """Stop the run after this many non-finite steps in a row (each one is skipped)."""
     exit_after: int = 0
     """Save and exit 0 after this many steps of this launch (time-sliced queues); 0 = off."""
+    block_size_schedule: list[list[int]] = field(default_factory=list)
+    """beta12: [[step, block_size], ...] from step 0, the last at model.block_size, e.g. [[0, 256], [300, 32]]: train at each block size from its step on (train/curriculum.py); empty = model.block_size throughout."""
 
 
 @dataclass
@@ -229,9 +231,13 @@ class MonitorConfig:
     hang_seconds: float = 0.0
     """Watchdog: a step running longer than this names rank and collective, dumps every thread's stack (0 = off)."""
     beta_dials: bool = True
-    """beta_1.2 only: log λ, b_σ, |e_K|, |e_V|, |f| and attention-mass shares per group every log interval."""
+    """beta_1.2 only: every log interval log λ, θ, b_σ, |e_K|, |e_V|, |f| and, on the probe, attention mass, entropy and top key per group and the finished K/V's diversity per layer (train/dials.py)."""
     probe_batch: int = 1
-    """Sequences of the fixed probe batch the attention-mass shares are measured on."""
+    """Sequences of the fixed probe batch the probe dials are measured on."""
+    collapse_cosine: float = 0.95
+    """Warn when a layer's finished values' mean cosine between earlier positions exceeds this (beta_dials; 1 = all one vector; > 1 = never)."""
+    layer_grad_norms: bool = True
+    """Log the gradient norm of every layer (and of the rest) every log interval (split `grad_norm`)."""
 
 
 @dataclass
@@ -254,6 +260,31 @@ class EvalConfig:
     """Documents per lm-eval task: a count, or a share when < 1 (0 = all)."""
     lm_eval_num_fewshot: int = -1
     """Few-shot examples per lm-eval prompt (-1 = each task's own, else 0)."""
+
+
+def _schedule_problem(schedule: list[list[int]], *, arch: str, block_size: int, steps: int,
+                      ) -> str | None:
+    """What is wrong with `schedule` for a run of `steps` steps of a model of `arch` and
+    `block_size` (a sentence for the ConfigError), or None."""
+    if not schedule:
+        return None
+    if arch != "beta12":
+        return (f"a block-size curriculum needs model.arch = 'beta12' (model.arch = {arch!r} "
+                "has no blocks); leave it empty")
+    for pair in schedule:
+        if len(pair) != 2 or pair[0] < 0 or pair[1] < 1:
+            return (f"{pair} is not a [step >= 0, block_size >= 1] pair; write e.g. "
+                    f"[[0, 256], [300, {block_size}]]")
+    starts = [start for start, _ in schedule]
+    if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+        return "the steps must start at 0 and increase"
+    if schedule[-1][1] != block_size:
+        return (f"the last stage's block size {schedule[-1][1]} must be model.block_size = "
+                f"{block_size}: the trained model is the spec's function at its own c")
+    if starts[-1] >= steps:
+        return (f"the last stage starts at step {starts[-1]}, at or after train.steps = {steps}: "
+                "the model would never train at its own block size")
+    return None
 
 
 @dataclass
@@ -325,6 +356,9 @@ class TrainConfig:
         need(t.precision in ("fp32", "bf16"), "train.precision", t.precision, "must be fp32 or bf16")
         need(t.max_nonfinite >= 1, "train.max_nonfinite", t.max_nonfinite, "must be >= 1")
         need(t.exit_after >= 0, "train.exit_after", t.exit_after, "must be >= 0 (0 = off)")
+        problem = _schedule_problem(t.block_size_schedule, arch=self.model.arch,
+                                    block_size=self.model.block_size, steps=t.steps)
+        need(problem is None, "train.block_size_schedule", t.block_size_schedule, str(problem))
         need(self.optim.lr > 0, "optim.lr", self.optim.lr, "must be positive")
         need(self.optim.grad_clip >= 0, "optim.grad_clip", self.optim.grad_clip, "must be >= 0")
         need(self.schedule.kind in ("cosine", "linear", "wsd", "constant"), "schedule.kind",
@@ -394,6 +428,8 @@ class TrainConfig:
         need(1 <= m.probe_batch <= t.micro_batch, "monitor.probe_batch", m.probe_batch,
              f"must be in [1, train.micro_batch = {t.micro_batch}] (the probe is taken from the "
              "first micro-batch)")
+        need(m.collapse_cosine > 0, "monitor.collapse_cosine", m.collapse_cosine,
+             "must be positive (a mean cosine; above 1 = never warn)")
 
     def grad_accumulation(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step; the global batch must split evenly."""

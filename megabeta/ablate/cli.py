@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import fcntl
 import json
+import os
 import shlex
 import signal
 import sys
@@ -24,11 +25,13 @@ from megabeta.ablate.runner import (
     write_json_atomic,
 )
 from megabeta.ablate.suites import (
+    EVAL_POINTS,
     SCALES,
     SUITES,
     AblationError,
     build_arms,
     check_equal_parameters,
+    eval_interval,
     suite_arms,
 )
 from megabeta.ablate.plot import write_plot
@@ -75,7 +78,9 @@ examples:
   megabeta ablate ... --set optim.weight_decay=0.05 --set execution.attention=reference
 
 Arms given as config files (or shipped config names: tiny_cpu, ...) contribute their [model]
-section only, scaled like the presets (--scale article trains them as written); the data,
+section, scaled like the presets (--scale article trains them as written), and their
+train.block_size_schedule (a block-size curriculum, its block sizes scaled alike; the file is
+checked as a whole config, so give it a train.steps past the last stage); the data,
 schedule, optimizer and trainer settings are the ablation's (from the scale, --base-config and
 --set), the same for every arm. Equal-parameter arms (the depth presets, and all arms with --equal-params) get their
 SwiGLU width resolved at the chosen scale against the reference; their counts are printed and
@@ -145,11 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "of it (default: 0)")
     train.add_argument("--eval-every", type=int,
                        help="validation-loss evaluation interval of the training runs, the "
-                       "held-out curve of summary.png (default: the checkpoint interval; 0 = "
-                       "at the end only)")
+                       "held-out curve of summary.png (default: batches / 10; 0 = at the end "
+                       "only)")
     train.add_argument("--checkpoint-every", type=int,
                        help="checkpoint interval in steps, what a killed run resumes from "
-                       "(default: batches / 4; article: 1000)")
+                       "(default: batches / 4; article: 1000 per 20000 batches, in proportion "
+                       "to --batches)")
+    train.add_argument("--threads", type=int,
+                       help="intra-op threads of each arm's trainer (OMP_NUM_THREADS; default: "
+                       "the environment's OMP_NUM_THREADS, else 1, so that an arm's speed does "
+                       "not depend on the machine's load)")
     train.add_argument("--base-config", help="trainer config file for everything but the model "
                        "and the data (parallel backend, precision, optimizer, schedule)")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -230,7 +240,7 @@ def plan(args: argparse.Namespace, say=print) -> tuple[Settings, list, str, dict
     if bool(args.suite) == bool(args.arms):
         raise AblationError("pass either --suite NAME or --arms A,B,... (one of them)")
     for name in ("batches", "global_batch", "micro_batch", "seq_len", "nproc", "warmup",
-                 "checkpoint_every"):
+                 "checkpoint_every", "threads"):
         _positive("--" + name.replace("_", "-"), getattr(args, name),
                   zero_ok=name == "warmup")
     _positive("--eval-batches", args.eval_batches, zero_ok=True)
@@ -313,7 +323,8 @@ def plan(args: argparse.Namespace, say=print) -> tuple[Settings, list, str, dict
         raise AblationError(f"--global-batch {global_batch}: not a multiple of --micro-batch "
                             f"{micro_batch} x --nproc {args.nproc}")
     base = args.base_config
-    checkpoint_every = args.checkpoint_every or scale.checkpoint_every or max(1, batches // 4)
+    checkpoint_every = args.checkpoint_every or scale.checkpoint_interval(batches)
+    threads = args.threads or _environment_threads()
     settings = Settings(
         out=out, scale=scale, data=data, tokenizer=tokenizer, seq_len=seq_len,
         val_fraction=0.0 if test_data else args.val_fraction, align=align,
@@ -327,7 +338,9 @@ def plan(args: argparse.Namespace, say=print) -> tuple[Settings, list, str, dict
         checkpoint_every=checkpoint_every,
         base_config=str(Path(base).resolve()) if base and Path(base).is_file() else base,
         extra=[f"--{item}" for item in args.set], nproc=args.nproc, device=_device(args.device),
-        eval_every=checkpoint_every if args.eval_every is None else args.eval_every)
+        eval_every=eval_interval(batches) if args.eval_every is None else args.eval_every,
+        threads=threads)
+    say(_scale_settings(args, settings))
     _check_trainer_settings(settings, arms)
     vocab = _sidecar_vocab(data[0]) if Path(f"{data[0]}.json").is_file() else None
     problems = check_equal_parameters(arms, reference, vocab)
@@ -356,6 +369,38 @@ def plan(args: argparse.Namespace, say=print) -> tuple[Settings, list, str, dict
         "vocabulary": vocab if vocab else "from the data",
     }
     return settings, arms, reference, header
+
+
+def _environment_threads() -> int:
+    """OMP_NUM_THREADS of this process's environment when it is a positive integer, else 1."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def _scale_settings(args: argparse.Namespace, s: Settings) -> str:
+    """One line: the run settings the arms share, each with what set it (a flag, the scale,
+    the base config or a default)."""
+    scale = s.scale
+    by_scale = "base config" if s.base_config else "scale"
+    threads_from = ("--threads" if args.threads else
+                    "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in os.environ else "default")
+    rows = [
+        ("lr", s.lr if s.lr is not None else "the base config's", args.lr, by_scale),
+        ("warm-up", s.warmup_steps if s.warmup_steps is not None else "the base config's",
+         args.warmup, f"{scale.warmup_fraction:g} of the batches" if not s.base_config
+         else "base config"),
+        ("checkpoint every", s.checkpoint_every, args.checkpoint_every,
+         "scale, in proportion to the batches" if scale.checkpoint_every else "batches / 4"),
+        ("eval every", s.eval_every, args.eval_every, f"batches / {EVAL_POINTS}"),
+        ("logging every", scale.logging_interval, None, "scale"),
+        ("seq_len", s.seq_len, args.seq_len, "scale"),
+        ("global batch", s.global_batch, args.global_batch, "scale"),
+        ("micro batch", s.micro_batch, args.micro_batch, "scale"),
+        ("intra-op threads per arm", s.threads, args.threads, threads_from),
+    ]
+    said = ", ".join(f"{name} {value} ({'flag' if given is not None else source})"
+                     for name, value, given, source in rows)
+    return f"--scale {scale.name} with {s.batches} batches sets: {said}"
 
 
 def _check_trainer_settings(settings: Settings, arms: list) -> None:
@@ -420,6 +465,9 @@ def execute(settings: Settings, arms, reference: str, header: dict[str, Any], *,
             "arms": [{"name": a.name, "source": a.source, "fair": a.fair,
                       "model": dataclasses.asdict(a.model)} for a in arms]})
         runs = [(arm, seed) for seed in settings.seeds for arm in arms]
+        import torch  # the evaluation runs here, with the arms' threads
+
+        torch.set_num_threads(settings.threads)
         # Opened (datasets, tokenizer, task files checked) before the first arm trains.
         evaluator = Evaluator(settings, max_seq_len=min(a.model.max_seq_len for a in arms))
 

@@ -5,8 +5,11 @@ min-max as a band. Middle: the held-out loss the same way (the trainer's evaluat
 `--eval-every` steps, on the validation split; with --test-data the final test loss only, as a
 point with its min-max bar). Right: each task's accuracy per arm (the mean over seeds as a bar, a
 marker and its value, whiskers from min to max, so an accuracy of 0 shows too) with the task's
-chance level as a dashed line, or the perplexity when there are no tasks. The arms keep their
-summary order and one colour across the panels; the legend names them.
+chance level as a dashed line, or the perplexity when there are no tasks. Far right: beta_1.2's
+finished-value diversity dial over the steps (the mean over layers of the finished values'
+cosine between positions, train/dials.py; 1 = every earlier position holds one vector, the
+collapse), with the warning's default threshold dashed. The arms keep their summary order and
+one colour across the panels; the legend names them.
 """
 
 from __future__ import annotations
@@ -16,8 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from megabeta.ablate.runner import read_curves, run_name
+from megabeta.config import MonitorConfig
 from megabeta.extras import require
 from megabeta.storage.durable import AtomicFiles
+
+COLLAPSE_COSINE = MonitorConfig.collapse_cosine
+"""The collapse warning's default threshold (`monitor.collapse_cosine`), drawn for reference."""
 
 Curve = dict[int, tuple[float, float, float]]
 """step -> (mean, min, max) over seeds."""
@@ -34,11 +41,11 @@ def _band(series: list[dict[int, float]]) -> Curve:
 
 def arm_curves(out: Path, rows: list[dict], results: list[dict[str, Any]]
                ) -> dict[str, dict[str, Curve]]:
-    """arm -> {"train": Curve, "test": Curve} from the finished runs' metrics.jsonl, the final
-    test loss of each run added at its last step."""
+    """arm -> {"train": Curve, "test": Curve, "value_cosine": Curve} from the finished runs'
+    metrics.jsonl, the final test loss of each run added at its last step."""
     curves: dict[str, dict[str, Curve]] = {}
     for row in rows:
-        train, test = [], []
+        train, test, cosine = [], [], []
         for seed in row["seeds"]:
             result = next(r for r in results if r["arm"] == row["arm"] and r["seed"] == seed)
             logged = read_curves(out / "runs" / run_name(row["arm"], seed))
@@ -47,7 +54,10 @@ def arm_curves(out: Path, rows: list[dict], results: list[dict[str, Any]]
                 held_out[result["steps"]] = result["test"]["loss"]
             train.append(dict(logged["train"]))
             test.append(held_out)
-        curves[row["arm"]] = {"train": _band(train), "test": _band(test)}
+            if logged["value_cosine"]:
+                cosine.append(dict(logged["value_cosine"]))
+        curves[row["arm"]] = {"train": _band(train), "test": _band(test),
+                              "value_cosine": _band(cosine)}
     return curves
 
 
@@ -68,14 +78,14 @@ def summary_figure(rows: list[dict], curves: dict[str, dict[str, Curve]], title:
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(15, 4.6), dpi=100, layout="constrained")
-    train_ax, test_ax, score_ax = figure.subplots(1, 3)
+    figure = Figure(figsize=(20, 4.6), dpi=100, layout="constrained")
+    train_ax, test_ax, score_ax, cosine_ax = figure.subplots(1, 4)
     colours = matplotlib.colormaps["tab10"]
     handles = []
     for index, row in enumerate(rows):
         colour = colours(index % 10)
         label = row["arm"] + (" (reference)" if row["reference"] else "")
-        for ax, kind in ((train_ax, "train"), (test_ax, "test")):
+        for ax, kind in ((train_ax, "train"), (test_ax, "test"), (cosine_ax, "value_cosine")):
             curve = curves.get(row["arm"], {}).get(kind, {})
             if not curve:
                 continue
@@ -93,12 +103,28 @@ def summary_figure(rows: list[dict], curves: dict[str, dict[str, Curve]], title:
                 handles.append(line)
     train_ax.set(title="training loss (mean over seeds, min-max band)", xlabel="step",
                  ylabel="loss")
+    _clip_start(train_ax, [curves.get(row["arm"], {}).get("train", {}) for row in rows])
     test_ax.set(title="held-out loss (mean over seeds, min-max)", xlabel="step", ylabel="loss")
     _scores(score_ax, rows, colours, chance or {})
+    cosine_ax.axhline(COLLAPSE_COSINE, color="black", linestyle="dashed", linewidth=1,
+                      label=f"collapse warning ({COLLAPSE_COSINE})")
+    cosine_ax.legend(loc="lower right", fontsize=8)
+    cosine_ax.set(title="finished values' cosine between positions\n(dials, mean over layers; "
+                  "1 = collapsed)", xlabel="step", ylabel="mean cosine", ylim=(-0.05, 1.05))
     figure.legend(handles=handles, loc="outside lower center", ncols=min(len(rows), 5))
     if title:
         figure.suptitle(title)
     return figure
+
+
+def _clip_start(ax, curves: list[Curve]) -> None:
+    """The axis' top at the highest mean after the first tenth of the steps: an arm whose
+    first steps' loss is far above the rest (a large initialisation) does not flatten them."""
+    later = [mean for curve in curves if curve
+             for step, (mean, _, _) in curve.items() if step > max(curve) / 10]
+    if later:
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, min(high, max(later) + 0.1 * (max(later) - low)))
 
 
 def _scores(ax, rows: list[dict], colours, chance: dict[str, float]) -> None:

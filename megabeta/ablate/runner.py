@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -89,6 +90,8 @@ class Settings:
     device: str = "cpu"
     eval_every: int = 0
     """eval.interval of the training runs: their validation loss curve (0 = at the end only)."""
+    threads: int = 1
+    """OMP_NUM_THREADS of each trainer (its intra-op threads); not part of a run's spec."""
 
     def describe(self) -> dict[str, Any]:
         plain = dataclasses.asdict(self)
@@ -114,6 +117,9 @@ def trainer_args(settings: Settings, arm: Arm, seed: int, run_dir: Path) -> list
     if s.warmup_steps is not None:
         args.append(f"--schedule.warmup_steps={s.warmup_steps}")
     args += model_overrides(arm.model)
+    if arm.block_size_schedule:
+        args.append("--train.block_size_schedule="
+                    + json.dumps([list(stage) for stage in arm.block_size_schedule]))
     args += [f"--run_dir={run_dir}", "--resume=auto",
              f"--data.path={','.join(s.data)}", f"--data.seq_len={s.seq_len}",
              f"--data.val_fraction={s.val_fraction}", f"--data.align={s.align}",
@@ -169,13 +175,14 @@ def _spec_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
 
 
 # ---- metrics --------------------------------------------------------------------------------------
-def _logged(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
-    """The trainer's metrics.jsonl records of training steps and of its evaluations on the
-    validation split (loss), each by step: the last one of a step, should a resumed launch
-    repeat steps."""
+def _logged(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict], dict[int, dict]]:
+    """The trainer's metrics.jsonl records of training steps, of its evaluations on the
+    validation split (loss) and of beta_1.2's dials, each by step: the last one of a step,
+    should a resumed launch repeat steps."""
     path = run_dir / "metrics.jsonl"
     steps: dict[int, dict] = {}
     evals: dict[int, dict] = {}
+    dials: dict[int, dict] = {}
     if path.is_file():
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
@@ -188,7 +195,9 @@ def _logged(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
                 steps[int(record["step"])] = record
             elif record["split"] == "eval" and "loss" in record:
                 evals[int(record["step"])] = record
-    return steps, evals
+            elif record["split"] == "dials":
+                dials[int(record["step"])] = record
+    return steps, evals, dials
 
 
 def read_train_metrics(run_dir: Path) -> dict[str, Any]:
@@ -196,7 +205,7 @@ def read_train_metrics(run_dir: Path) -> dict[str, Any]:
     logged step left out of the timing (it includes the warm-up of kernels and allocator) when
     there are others. s_per_batch is their mean; tokens_per_s = global_batch x seq_len / that
     mean."""
-    by_step, _ = _logged(run_dir)
+    by_step, _, _ = _logged(run_dir)
     records = [by_step[k] for k in sorted(by_step)]
     if not records:
         return {"final_loss": None, "s_per_batch": None, "tokens_per_s": None, "steps_timed": 0}
@@ -208,12 +217,23 @@ def read_train_metrics(run_dir: Path) -> dict[str, Any]:
 
 
 def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """(step, loss) of the run's training steps (`train`) and of its validation evaluations
-    (`eval`), in step order, non-finite losses left out."""
-    steps, evals = _logged(run_dir)
-    return {name: [(step, float(records[step]["loss"])) for step in sorted(records)
-                   if _finite(records[step]["loss"]) is not None]
-            for name, records in (("train", steps), ("eval", evals))}
+    """(step, value) in step order, non-finite values left out: the loss of the run's training
+    steps (`train`) and of its validation evaluations (`eval`), and the mean over layers of the
+    finished values' cosine between positions (`value_cosine`, beta_1.2's dials; empty for
+    the other arms)."""
+    steps, evals, dials = _logged(run_dir)
+    curves = {name: [(step, float(records[step]["loss"])) for step in sorted(records)
+                     if _finite(records[step]["loss"]) is not None]
+              for name, records in (("train", steps), ("eval", evals))}
+    cosine = []
+    for step in sorted(dials):
+        layers = [value for key, value in dials[step].items()
+                  if key.startswith("diversity/") and key.endswith("/value_cosine")
+                  and _finite(value) is not None]
+        if layers:
+            cosine.append((step, sum(layers) / len(layers)))
+    curves["value_cosine"] = cosine
+    return curves
 
 
 def _finite(value: float | None) -> float | None:
@@ -261,6 +281,7 @@ def launch_trainer(settings: Settings, args: list[str], run_dir: Path) -> float:
         try:
             process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "OMP_NUM_THREADS": str(settings.threads)},
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             if received:  # signalled while it started
                 _pass_on(process, received)

@@ -84,11 +84,18 @@ class Scale:
     """schedule.warmup_steps = this share of the batches (at least 1)."""
     logging_interval: int
     checkpoint_every: int
-    """Default checkpoint interval in steps (0: batches // 4)."""
+    """Checkpoint interval at the row's own `batches`, scaled with --batches
+    (`checkpoint_interval`; 0: a quarter of the batches)."""
     tasks: tuple[TaskSpec, ...] = field(default=())
     """The `state` suite's tasks at this scale."""
     trainer_defaults: tuple[str, ...] = ()
     """Trainer overrides applied unless --base-config gives a config file instead."""
+
+    def checkpoint_interval(self, batches: int) -> int:
+        """The checkpoint interval of a run of `batches` steps: the row's, in proportion."""
+        if not self.checkpoint_every:
+            return max(1, batches // 4)
+        return max(1, round(self.checkpoint_every * batches / self.batches))
 
     def describe(self) -> str:
         if self.name == "article":
@@ -139,6 +146,9 @@ class Arm:
     """Where it comes from: `preset X`, `config FILE`, or the suite's description."""
     fair: bool = False
     """Resolved to the reference arm's parameter count."""
+    block_size_schedule: tuple[tuple[int, int], ...] = ()
+    """The arm's block-size curriculum (its config file's train.block_size_schedule, the block
+    sizes scaled like the model's); empty: none."""
 
     def parameters(self, vocab_size: int | None = None) -> int:
         """count_parameters at `vocab_size` (None: without the embedding)."""
@@ -172,10 +182,26 @@ SUITE_ARMS: dict[str, tuple[str, ...]] = {
 
 
 # ---- scaling --------------------------------------------------------------------------------------
+EVAL_POINTS = 10
+"""Validation evaluations per run by default (the held-out curve of summary.png)."""
+
+
+def eval_interval(batches: int) -> int:
+    """The default validation interval of a run of `batches` steps: EVAL_POINTS of them."""
+    return max(1, batches // EVAL_POINTS)
+
+
 def _scaled_width(d_model: int, heads: int, factor: float) -> int:
     """d_model x factor, rounded to a multiple of 2·heads (an even head width, heads kept)."""
     unit = 2 * heads
     return max(unit, int(round(d_model * factor / unit)) * unit)
+
+
+def scaled_block_size(block_size: int, scale: Scale, seq_len: int) -> int:
+    """An article-size block size at `scale` (at most the sequence; `article`: as it is)."""
+    if scale.name == "article":
+        return block_size
+    return min(seq_len, max(1, round(block_size * scale.blocks)))
 
 
 def scale_model(config: ModelConfig, scale: Scale, seq_len: int) -> ModelConfig:
@@ -190,7 +216,7 @@ def scale_model(config: ModelConfig, scale: Scale, seq_len: int) -> ModelConfig:
         d_model=_scaled_width(config.d_model, config.num_heads, scale.width),
         hidden_dim=max(1, round(config.hidden_dim * scale.width)),
         num_layers=layers, depth_window=window, deep_token_window=deep,
-        block_size=min(seq_len, max(1, round(config.block_size * scale.blocks))),
+        block_size=scaled_block_size(config.block_size, scale, seq_len),
         max_seq_len=seq_len)
 
 
@@ -229,10 +255,10 @@ def make_fair(arm: ModelConfig, reference: ModelConfig) -> ModelConfig:
 
 
 # ---- arms -----------------------------------------------------------------------------------------
-def _arm_model(spec: str) -> tuple[str, ModelConfig, str]:
-    """(label, article-size model, source) of one --arms entry."""
+def _arm_model(spec: str) -> tuple[str, ModelConfig, str, list[list[int]]]:
+    """(label, article-size model, source, block-size curriculum) of one --arms entry."""
     if spec in preset_names():
-        return spec, get_preset(spec), f"preset {spec}"
+        return spec, get_preset(spec), f"preset {spec}", []
     path = Path(spec)
     looks_like_file = spec.endswith(".toml") or os.sep in spec
     if path.is_file() or shipped_config(spec):
@@ -241,7 +267,8 @@ def _arm_model(spec: str) -> tuple[str, ModelConfig, str]:
             config = load_config(file)
         except ConfigError as err:
             raise AblationError(f"--arms {spec}: {err}") from None
-        return Path(file).stem, config.model, f"config {file}"
+        return (Path(file).stem, config.model, f"config {file}",
+                config.train.block_size_schedule)
     if looks_like_file:
         raise AblationError(f"--arms {spec}: no such config file; pass a preset name "
                             f"({', '.join(preset_names())}) or an existing .toml file")
@@ -260,7 +287,7 @@ def build_arms(specs: list[str], scale: Scale, seq_len: int, *, reference: str |
         raise AblationError("--arms: give at least one arm (preset names or config files)")
     arms: list[Arm] = []
     for spec in specs:
-        name, model, source = _arm_model(spec)
+        name, model, source, schedule = _arm_model(spec)
         if any(a.name == name for a in arms):
             raise AblationError(f"--arms: {name} is given twice; each arm once")
         scaled = scale_model(model, scale, seq_len)
@@ -268,7 +295,10 @@ def build_arms(specs: list[str], scale: Scale, seq_len: int, *, reference: str |
         if fair:
             control = scale_model(get_preset(FAIR_CONTROL), scale, seq_len)
             scaled = make_fair(scaled, control)
-        arms.append(Arm(name, scaled, source, fair))
+        stages = tuple((step, scaled_block_size(c, scale, seq_len)) for step, c in schedule)
+        if stages:
+            source += ", curriculum " + ", ".join(f"c = {c} from step {s}" for s, c in stages)
+        arms.append(Arm(name, scaled, source, fair, stages))
     names = [a.name for a in arms]
     if reference is None:
         standard = [a.name for a in arms if a.model.arch == "standard"]
@@ -278,7 +308,8 @@ def build_arms(specs: list[str], scale: Scale, seq_len: int, *, reference: str |
     if equal_parameters:
         ref_model = next(a.model for a in arms if a.name == reference)
         arms = [a if a.name == reference else
-                Arm(a.name, make_fair(a.model, ref_model), a.source, True) for a in arms]
+                dataclasses.replace(a, model=make_fair(a.model, ref_model), fair=True)
+                for a in arms]
     return arms, reference
 
 

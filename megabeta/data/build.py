@@ -9,6 +9,7 @@ document id when asked, and blends several datasets by weight.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from megabeta.data.indexed import IndexedDataset
 from megabeta.data.packed import BlockAlignedDataset, DocumentDataset, PackedDataset
 from megabeta.data.sampler import GlobalSampler
 from megabeta.data.split import split_documents
+
+log = logging.getLogger("megabeta")
 
 ALIGN_MODES = ("packed", "block", "document")
 """How samples are cut: across document boundaries (PackedDataset), the same with every document
@@ -97,8 +100,8 @@ def build_train_val(prefixes: Sequence[str | os.PathLike], weights: Sequence[flo
     the vocabulary size, and every loss mask against its sidecar (O(tokens), off by default);
     ``align`` is ``"packed"`` (samples cut across documents), ``"block"`` (the same, each document
     starting at a multiple of ``block_size``, padded: :class:`BlockAlignedDataset`) or
-    ``"document"`` (each sample starts at a document, padded and masked past its end:
-    :class:`DocumentDataset`); ``document_mask`` adds each input's document id to the samples
+    ``"document"`` (one sample per document, padded and masked past its end; documents longer
+    than a sample are left out, and their count is logged: :class:`DocumentDataset`); ``document_mask`` adds each input's document id to the samples
     (``"block"`` needs it: the alignment only makes documents independent under the mask).
     """
     if align not in ALIGN_MODES:
@@ -128,8 +131,14 @@ def build_train_val(prefixes: Sequence[str | os.PathLike], weights: Sequence[flo
 
     def samples(source: IndexedDataset, documents: range, name: str) -> SampleDataset:
         if align == "document":
-            return DocumentDataset(source, seq_len, documents, name=name, pad_id=pad_id,
-                                   document_ids=document_mask)
+            dataset = DocumentDataset(source, seq_len, documents, name=name, pad_id=pad_id,
+                                      document_ids=document_mask)
+            if dataset.dropped:
+                log.info("data.align = document: %d of %d documents of %s (%s) are longer "
+                            "than a sample (data.seq_len + 1 = %d tokens; the longest %d) and "
+                            "are left out", dataset.dropped, len(documents),
+                            source.paths.prefix, name, seq_len + 1, dataset.longest)
+            return dataset
         if align == "block":
             return BlockAlignedDataset(source, seq_len, block_size, documents, name=name,
                                        pad_id=pad_id)

@@ -83,12 +83,13 @@ class PackedDataset:
 
 
 class DocumentDataset:
-    """Samples of ``seq_len + 1`` tokens that start at the documents of ``documents`` (a range of
-    ``source``'s documents; default all), padded with ``pad_id`` past the document's end and
-    masked there. A document longer than one sample goes on in the next ones, ``seq_len`` tokens
-    on each time (consecutive samples share a boundary token, as packed ones do), so every token
-    but a document's first is a target exactly once. Documents of one token have no target and
-    give no sample. Items are always :class:`MaskedSample` (the padding needs a mask); where the
+    """Samples of ``seq_len + 1`` tokens, one per document of ``documents`` (a range of
+    ``source``'s documents; default all), each from the document's first token, padded with
+    ``pad_id`` past the document's end and masked there. A document longer than one sample is
+    left out and counted (``dropped``): its continuation would start mid-document without its
+    premises (a task's program without its assignments), so its scored targets could not be
+    predicted from what the sample holds. Documents of one token have no target and give no
+    sample. Items are always :class:`MaskedSample` (the padding needs a mask); where the
     source has a mask it masks the document's own targets too.
 
     The padding id is irrelevant to the loss: a causal model's outputs at a document's positions
@@ -104,21 +105,23 @@ class DocumentDataset:
         # Token offsets of the documents' starts, and of the end of the last one.
         starts = source.document_starts[documents.start:documents.stop + 1]
         lengths = np.diff(starts)
-        per_document = np.maximum(0, -(-(lengths - 1) // seq_len))
-        total = int(per_document.sum())
-        if total == 0:
+        fits = lengths <= seq_len + 1
+        self.dropped = int((~fits).sum())
+        """Documents longer than one sample (``seq_len + 1`` tokens), left out."""
+        self.longest = int(lengths.max()) if len(lengths) else 0
+        owner = np.flatnonzero(fits & (lengths >= 2))
+        if len(owner) == 0:
             part = f" ({name})" if name else ""
-            raise DataError(f"{source.paths.bin}{part}: no document of at least 2 tokens, so no "
-                            "sample has a target; add data, change the split, or use "
-                            "data.align = \"packed\"")
-        owner = np.repeat(np.arange(len(lengths)), per_document)
-        within = np.arange(total) - np.repeat(np.cumsum(per_document) - per_document, per_document)
+            raise DataError(f"{source.paths.bin}{part}: no document of 2 to seq_len + 1 = "
+                            f"{seq_len + 1} tokens ({self.dropped} longer, the longest "
+                            f"{self.longest}), so no sample; raise data.seq_len, add data, "
+                            "change the split, or use data.align = \"packed\"")
         self.source = source
         self.seq_len = seq_len
         self.pad_id = pad_id
         self.documents = documents
         self.has_documents = document_ids
-        self._starts = starts[owner] + within * seq_len
+        self._starts = starts[owner]
         self._ends = starts[owner + 1]
 
     def __len__(self) -> int:
@@ -149,7 +152,7 @@ class DocumentDataset:
 
     @property
     def fingerprint(self) -> str:
-        return _fingerprint(self.source, f"document:{self.documents.start}:"
+        return _fingerprint(self.source, f"whole-document:{self.documents.start}:"
                             f"{self.documents.stop}:{self.seq_len}:{self.pad_id}")
 
 

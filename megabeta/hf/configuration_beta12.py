@@ -29,7 +29,7 @@ class Beta12Config(PretrainedConfig):
                  block_size=32, lambda_max=2.0, depth_bias=True, layer_enc=True, self_slot=True,
                  qk_norm=False, deep_token_window=0, tie_word_embeddings=True,
                  rope_theta=10000.0, rms_norm_eps=1e-6, loops=2, initializer_range=0.02,
-                 use_cache=True, **kwargs):
+                 init_embed_scale=1.0, init_branch_scale=1.0, use_cache=True, **kwargs):
         if arch not in ARCHS:
             raise ValueError(f"beta12 config: arch = {arch!r} is not one of {', '.join(ARCHS)}")
         if num_key_value_heads is None:
@@ -67,6 +67,8 @@ class Beta12Config(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.loops = loops
         self.initializer_range = initializer_range
+        self.init_embed_scale = init_embed_scale
+        self.init_branch_scale = init_branch_scale
         self.tie_word_embeddings = tie_word_embeddings
         self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

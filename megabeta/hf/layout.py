@@ -42,6 +42,8 @@ CONFIG_KEYS: dict[str, str] = {
     "norm_eps": "rms_norm_eps",
     "loops": "loops",
     "init_std": "initializer_range",
+    "init_embed_scale": "init_embed_scale",
+    "init_branch_scale": "init_branch_scale",
 }
 """`ModelConfig` field -> `config.json` key, for every field that defines the model (all but
 `init_from`, which says where a run's weights came from)."""

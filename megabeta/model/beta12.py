@@ -84,7 +84,9 @@ class Beta12Transformer(DecoderLM):
                           cos.view(blocks, cell, -1), sin.view(blocks, cell, -1), dropout,
                           pass_documents)
 
-        key = (batch, padded, x.dtype, compute, starts is None, grad, dropout)
+        # The block size is in the key: a curriculum (train.block_size_schedule) changes it
+        # between passes, and with it the plan a set of graphs was recorded for.
+        key = (batch, padded, c, x.dtype, compute, starts is None, grad, dropout)
         hidden = self.executor.run(key, x, weights.tensors(), starts, make_driver)
         return self.head(hidden[:, :length], targets)
 

@@ -13,7 +13,8 @@ from typing import Any
 
 ARCHS = ("beta12", "standard", "looped")
 
-RESUMABLE_FIELDS = ("dropout", "max_seq_len", "init_std", "init_from")
+RESUMABLE_FIELDS = ("dropout", "max_seq_len", "init_std", "init_embed_scale", "init_branch_scale",
+                    "init_from")
 """Fields a resumed run may change: a training hyperparameter, a length limit, and the
 initialisation (the loaded weights replace it). Every other field shapes the parameters or the
 function, and resuming refuses a change of it."""
@@ -77,6 +78,10 @@ class ModelConfig:
     """`looped` arm only: times the weight-tied layer stack is applied."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+    init_embed_scale: float = 1.0
+    """The token embedding's initial standard deviation is init_std times this (its effect on the finished-value collapse: docs/research.md)."""
+    init_branch_scale: float = 1.0
+    """The residual branches' output projections (W_O, SwiGLU's w2) start at init_std/√(2L) times this."""
     init_from: str = ""
     """Start from the weights of this model (a folder of `megabeta export --format hf`, e.g. from the Hub, an export .safetensors or a checkpoint directory) instead of init_std's; its fields are the defaults of the others."""
 
@@ -123,6 +128,9 @@ class ModelConfig:
         need(self.norm_eps > 0, "norm_eps", "must be positive")
         need(isinstance(self.loops, int) and self.loops >= 1, "loops", "must be an integer >= 1")
         need(self.init_std > 0, "init_std", "must be positive")
+        need(self.init_embed_scale > 0, "init_embed_scale", "must be positive (1 = init_std)")
+        need(self.init_branch_scale >= 0, "init_branch_scale",
+             "must be >= 0 (1 = init_std/√(2L); 0 starts every branch at zero)")
 
     def source_layers(self, layer: int) -> list[int]:
         """M(l) = {l, l+s, l+2s, …} ∩ [l, top(l)] with top(l) = min(l+k, L-1) (spec §3)."""

@@ -62,12 +62,7 @@ class Executor:
         unit = run_unit
         if execution.compile:
             unit = torch.compile(run_unit, fullgraph=True, dynamic=False)
-            # One graph per kind of unit and grad mode (`WavePlan.kinds`): a wavefront of L
-            # layers has at most about 3L + 2 kinds, more than dynamo's default limit of
-            # recompiles of one function.
-            limit = 2 * (3 * layers + 2)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                       limit)
+            self.allow_block_sizes(1)
         self.settings = PassSettings(recompute=execution.activation_checkpoint != "none",
                                      by_hand=not execution.compile, unit=unit)
         self.graphs = (PassGraphs(capture or CudaCapture()) if graphs else None)
@@ -76,6 +71,14 @@ class Executor:
             else residual_branches)
         """The control arms' residual branches (compiled with dynamic shapes: decoding feeds
         one token at a time)."""
+
+    def allow_block_sizes(self, count: int) -> None:
+        """Let the compiled unit hold its graphs for `count` block sizes (a curriculum's stages,
+        train.block_size_schedule): one graph per kind of unit, grad mode and block size. A
+        wavefront of L layers has at most about 3L + 2 kinds, more than dynamo's default limit
+        of recompiles of one function."""
+        limit = 2 * (3 * self.layers + 2) * count
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
 
     def with_capture(self, capture: Capture) -> "Executor":
         """This executor with its CUDA graphs recorded by `capture` (tests: `EagerCapture`)."""

@@ -86,12 +86,17 @@ class DecoderLM(nn.Module):
 
     # ---- parameters -----------------------------------------------------------------------------
     def init_weights(self) -> None:
-        """Normal(0, init_std) matrices, residual projections scaled by 1/√(2L); norms 1; extras 0."""
-        std = self.config.init_std
-        depth_scale = 1.0 / math.sqrt(2 * self.config.num_layers)
+        """Normal(0, init_std) matrices; the embedding's times init_embed_scale, the residual
+        projections' times init_branch_scale/√(2L); norms 1; extras 0 (spec §2: the layer
+        encodings and biases start at zero; the rest the spec leaves to us)."""
+        c = self.config
+        std = c.init_std
+        depth_scale = c.init_branch_scale / math.sqrt(2 * c.num_layers)
         for name, p in self.named_parameters():
             if name.endswith(("wo.weight", "w2.weight")):
                 nn.init.normal_(p, std=std * depth_scale)
+            elif name == "tok_embeddings.weight":
+                nn.init.normal_(p, std=std * c.init_embed_scale)
             elif p.dim() == 2:
                 nn.init.normal_(p, std=std)
             elif name.endswith("norm.weight"):

@@ -43,6 +43,13 @@ NAMES = tuple(a + b for a in ascii_lowercase for b in ascii_lowercase)
 """Variable names: two lowercase letters (676)."""
 
 
+def check_values(values: int) -> None:
+    """ValueError naming --values unless the constants 0 … values-1 are single digits."""
+    if not 2 <= values <= 10:
+        raise ValueError(f"--values {values}: must be in 2 … 10 (the constants are single "
+                         "digits)")
+
+
 @dataclass(frozen=True)
 class Chains:
     """Options of the chains task; ValueError naming the flag when one is out of range."""
@@ -56,9 +63,7 @@ class Chains:
             raise ValueError(f"--hops {self.hops}: must be >= 1 (copies per chain)")
         if self.chains < 1:
             raise ValueError(f"--chains {self.chains}: must be >= 1")
-        if not 2 <= self.values <= 10:
-            raise ValueError(f"--values {self.values}: must be in 2 … 10 (the constants are "
-                             "single digits)")
+        check_values(self.values)
         if self.chains * (self.hops + 1) > len(NAMES):
             raise ValueError(f"--chains {self.chains} x (--hops {self.hops} + 1) = "
                              f"{self.chains * (self.hops + 1)} variables, more than the "

@@ -50,6 +50,9 @@ MAKE_EPILOG = """tasks:
                 each, its prefix product g_i o ... o g_1 is scored: "21345>" -> "21345".
                 Chance 1/120 (S5), 1/60 (A5); an answer counts only if all five digits are right.
   parity        --length random bits, then their parity: "0110100=" -> "1". Chance 1/2.
+  retrieval     --pairs variables assigned digits, then --queries of them asked for:
+                "ab=3 / qd=7 / ... / ?ab=" -> "3". Chance 1/--values. With a small
+                vocabulary the assignments span many of beta_1.2's blocks.
 
 The variant's options are in its task name (e.g. chains-n8-k2-v10), under which
 `megabeta tasks eval` reports it. Each task's module (megabeta/tasks/) documents its format.
@@ -65,7 +68,10 @@ OPTION_HELP = {
     "hops": "chains: copies per chain, the serial depth asked for (default: 8)",
     "chains": "chains: chains per document, all interleaved and all queried; more lower the "
               "shortcut of guessing among the document's constants (default: 2)",
-    "values": "chains: the constants are the digits 0 … VALUES-1, 2 to 10 (default: 10)",
+    "values": "chains, retrieval: the constants are the digits 0 … VALUES-1, 2 to 10 "
+              "(default: 10)",
+    "pairs": "retrieval: variables assigned per document (default: 16)",
+    "queries": "retrieval: variables asked for per document, at most --pairs (default: 4)",
     "group": "permutations: S5 or A5 (default: S5)",
     "length": "permutations: elements per document (default: 10); parity: bits per document "
               "(default: 16)",
@@ -111,6 +117,8 @@ def _make_parser(subparsers) -> None:
     options.add_argument("--hops", type=int, help=OPTION_HELP["hops"])
     options.add_argument("--chains", type=int, help=OPTION_HELP["chains"])
     options.add_argument("--values", type=int, help=OPTION_HELP["values"])
+    options.add_argument("--pairs", type=int, help=OPTION_HELP["pairs"])
+    options.add_argument("--queries", type=int, help=OPTION_HELP["queries"])
     options.add_argument("--group", choices=("S5", "A5"), help=OPTION_HELP["group"])
     options.add_argument("--length", type=int, help=OPTION_HELP["length"])
     parser.set_defaults(run=_make, parser=parser)

@@ -20,6 +20,7 @@ from megabeta.tasks.chains import Chains
 from megabeta.tasks.document import TaskDocument
 from megabeta.tasks.parity import Parity
 from megabeta.tasks.permutations import Permutations
+from megabeta.tasks.retrieval import Retrieval
 
 
 class Task(Protocol):
@@ -34,7 +35,8 @@ class Task(Protocol):
     def generate(self, rng: np.random.Generator) -> TaskDocument: ...
 
 
-TASKS: dict[str, type] = {"chains": Chains, "permutations": Permutations, "parity": Parity}
+TASKS: dict[str, type] = {"chains": Chains, "permutations": Permutations, "parity": Parity,
+                          "retrieval": Retrieval}
 """`--task` name -> the options dataclass of that task (keyword arguments = its flags)."""
 
 

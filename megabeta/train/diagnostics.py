@@ -10,7 +10,9 @@ Per step, in this order (step: the 1-based number the metrics log after it):
     enter("optimizer"); engine.step(..., accept)
     end(step, data_s, step_s)        profiler range ends; step and data-wait times added
     spike() -> Spike | None          the step's spike, if any (reported by `report_spike`)
-    on_log(step, probe) -> records   every log interval: stragglers, memory split, dials
+    on_log(step, probe) -> records   every log interval: stragglers, memory split, per-layer
+                                     gradient norms (taken in gate's accept), dials (and the
+                                     finished-value collapse warning)
 
 and `enter(phase)` around evaluation and checkpoints, `out_of_memory(step)`, `close()`.
 Each part is built only when its `[profile]` / `[monitor]` settings turn it on; the others
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from megabeta.train.dials import beta_dials, has_dials
+from megabeta.train.dials import beta_dials, collapse_warning, has_dials
 from megabeta.train.monitor import (
     IntervalTimes,
     Spike,
@@ -37,6 +39,7 @@ from megabeta.train.monitor import (
     describe_spike,
     find_straggler,
     gather_times,
+    layer_grad_norms,
     straggler_metrics,
 )
 from megabeta.train.profiling import (
@@ -85,6 +88,8 @@ class Diagnostics:
         self.activations: ActivationCounter | None = None
         self.grads = 0
         self._gate: StepGate | None = None
+        self.log_interval = config.logging.interval
+        self.layer_norms: dict[str, float] = {}
 
     # ---- per step -------------------------------------------------------------------------------
     def begin(self, step: int) -> None:
@@ -112,7 +117,16 @@ class Diagnostics:
         if step == self.first_step:
             self.grads = gradient_bytes(self.model)
         self._gate = self.stability.gate(step, loss, self.model)
-        return self._gate.accept
+        if not (self.config.layer_grad_norms and step % self.log_interval == 0):
+            return self._gate.accept
+        gate = self._gate
+
+        def accept(grad_norm: float) -> bool:
+            # While the step's gradients exist (a collective under FSDP: every rank gates).
+            self.layer_norms = layer_grad_norms(self.model, grad_norm)
+            return gate.accept(grad_norm)
+
+        return accept
 
     def end(self, step: int, data_seconds: float, step_seconds: float, *,
             last: bool = False) -> None:
@@ -150,11 +164,17 @@ class Diagnostics:
                          ", ".join(f"{k.removesuffix('_gib')} {v:.4g} GiB"
                                    for k, v in split.items()))
             records.append(("memory", split, {}))
+        if self.layer_norms:
+            records.append(("grad_norm", self.layer_norms, {}))
+            self.layer_norms = {}
         if self.dials:
             start = time.perf_counter()
             scalars, histograms = beta_dials(self.model, probe if self.shares else None)
             scalars["seconds"] = time.perf_counter() - start
             records.append(("dials", scalars, histograms))
+            collapsed = collapse_warning(scalars, self.config.collapse_cosine)
+            if collapsed and self.rank == 0:
+                log.warning("step %d: %s", step, collapsed)
         return records
 
     # ---- endings --------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from megabeta.infer.evaluate import evaluate
 from megabeta.model import ConfigError, ModelConfig, build_model, count_parameters
 from megabeta.model.flops import training_flops
 from megabeta.parallel.env import choose_device, init_distributed
+from megabeta.train.curriculum import block_size_at, training_block_size
 from megabeta.train.diagnostics import Diagnostics
 from megabeta.model.documents import require_document_mask_support
 from megabeta.train.downstream import build_downstream
@@ -147,6 +148,12 @@ class Trainer:
         self.engine = build_engine(
             model, config, self.device, grad_accumulation=self.grad_accumulation,
             resharding=resume is not None and resume[1].world_size != self.env.world_size)
+        if config.train.block_size_schedule:
+            # The executor on the model's device (chosen when it was placed there).
+            self.engine.model.executor.allow_block_sizes(len(config.train.block_size_schedule))
+            log.info("block-size curriculum (train.block_size_schedule): %s",
+                     ", ".join(f"c = {c} from step {s}"
+                               for s, c in config.train.block_size_schedule))
         self.state = TrainState(backend=config.parallel.backend, world_size=self.env.world_size,
                                 model_config=asdict(config.model),
                                 tokenizer=self.data.tokenizer_record(config.data.tokenizer),
@@ -305,7 +312,8 @@ class Trainer:
                 if probe is None:
                     probe = self._probe(micro_batches[0])
                 diagnostics.enter("forward_backward")
-                with diagnostics.measuring():
+                block_size = block_size_at(config.train.block_size_schedule, self.state.step)
+                with diagnostics.measuring(), training_block_size(self.engine.model, block_size):
                     loss = accumulate_step(self.engine, micro_batches, self.device,
                                            self.env.world_size)
                 accept = diagnostics.gate(step, loss)
@@ -338,6 +346,7 @@ class Trainer:
                             "tokens": self.state.tokens_seen,
                             "samples": self.sampler.samples_consumed,
                             "skipped": self.state.skipped_steps,
+                            **({"block_size": block_size} if block_size is not None else {}),
                             **({"spike": 1} if spike is not None else {})}
                     metrics.log(step, last)
                 if step % config.logging.interval == 0:

@@ -4,6 +4,7 @@ made through `megabeta tasks make`, and a document's lines and answers read back
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from megabeta.cli import main
@@ -16,6 +17,8 @@ VARIANTS = {
     "A5": ["--task=permutations", "--group=A5", "--length=12"],
     "parity": ["--task=parity"],
     "parity-L5": ["--task=parity", "--length=5"],
+    "retrieval": ["--task=retrieval"],
+    "retrieval-p40-q6-v5": ["--task=retrieval", "--pairs=40", "--queries=6", "--values=5"],
 }
 SOLVED = 300
 """Documents of each variant whose every answer the solvers check."""
@@ -44,3 +47,27 @@ def prompts(record: dict) -> tuple[list[str], list[str]]:
     assert not segments[0]["loss"] and not segments[-1]["loss"]
     text = "".join("" if s["loss"] else s["text"] for s in segments)
     return [line for line in text.split("\n") if line], scored
+
+
+def solve_chains(prompt_lines: list[str]) -> tuple[list[str], dict]:
+    """Run the program line by line; the value of each query, and what the program was like."""
+    value, depth, copied = {}, {}, set()
+    answers, query_depths = [], []
+    for line in prompt_lines:
+        if match := re.fullmatch(r"([a-z]{2})=(\d|[a-z]{2})", line):
+            name, source = match.groups()
+            assert name not in value, f"{name} assigned twice"
+            if source.isdigit():
+                value[name], depth[name] = source, 0
+            else:
+                assert source in value, f"{source} copied before it is assigned"
+                value[name], depth[name] = value[source], depth[source] + 1
+                copied.add(source)
+        else:
+            name = re.fullmatch(r"\?([a-z]{2})=", line).group(1)
+            answers.append(value[name])
+            query_depths.append(depth[name])
+    ends = set(value) - copied
+    constants = sum(d == 0 for d in depth.values())
+    return answers, {"depths": query_depths, "ends": ends, "constants": constants,
+                     "values": {int(v) for v in value.values()}}

@@ -167,14 +167,18 @@ def test_block_alignment_adds_no_padding_when_documents_fill_blocks(tmp_path):
         np.testing.assert_array_equal(block[k].tokens, packed[k].tokens)
 
 
-def test_document_aligned_samples_give_the_padding_its_own_id(prefixes):
-    data = build(prefixes[:1], "document")
+def test_document_aligned_samples_give_the_padding_its_own_id(prefixes, caplog):
+    with caplog.at_level("INFO", logger="megabeta"):
+        data = build(prefixes[:1], "document")
     expected = []
-    for doc in raw_documents(prefixes[0], 0.1):
-        for first in range(0, len(doc) - 1, SEQ):  # a continuation every SEQ tokens
-            chunk = doc[first:first + SEQ + 1]
-            expected.append((chunk, (np.arange(SEQ) >= len(chunk)).astype(np.int32)))
+    documents = raw_documents(prefixes[0], 0.1)
+    for doc in documents:
+        if 2 <= len(doc) <= SEQ + 1:  # longer ones are left out: no continuation samples
+            expected.append((doc, (np.arange(SEQ) >= len(doc)).astype(np.int32)))
     assert len(data.train) == len(expected)
+    assert data.train.dropped == sum(len(doc) > SEQ + 1 for doc in documents) > 0
+    assert f"{data.train.dropped} of {len(documents)} documents" in caplog.text
+    assert "left out" in caplog.text
     real = sum(min(len(chunk), SEQ) for chunk, _ in expected)
     assert data.train.padding_share == pytest.approx(1.0 - real / (len(expected) * SEQ))
     for k, (chunk, ids) in enumerate(expected):
@@ -288,3 +292,12 @@ def test_new_options_are_documented_in_help_config():
 
     text = describe_fields()
     assert "data.document_mask" in text and "`block`" in text
+
+
+def test_document_alignment_refuses_data_whose_documents_are_all_longer(tmp_path):
+    with IndexedDatasetWriter(tmp_path / "long", np.uint16) as writer:
+        writer.add_documents(np.full(3 * 50, 7, dtype=np.uint16), np.array([50, 50, 50]))
+        writer.commit({"tokenizer": {"vocab_size": 100}})
+    with pytest.raises(DataError, match=r"no document of 2 to seq_len \+ 1 = 33 tokens \(3 "
+                                        r"longer, the longest 50\).*data\.seq_len"):
+        build_train_val([tmp_path / "long"], seq_len=SEQ, align="document")

@@ -9,33 +9,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from support.tasks_helpers import prompts, records
+from support.tasks_helpers import prompts, records, solve_chains
 
 from megabeta.tasks.chains import Chains
-
-
-def solve_chains(prompt_lines: list[str]) -> tuple[list[str], dict]:
-    """Run the program line by line; the value of each query, and what the program was like."""
-    value, depth, copied = {}, {}, set()
-    answers, query_depths = [], []
-    for line in prompt_lines:
-        if match := re.fullmatch(r"([a-z]{2})=(\d|[a-z]{2})", line):
-            name, source = match.groups()
-            assert name not in value, f"{name} assigned twice"
-            if source.isdigit():
-                value[name], depth[name] = source, 0
-            else:
-                assert source in value, f"{source} copied before it is assigned"
-                value[name], depth[name] = value[source], depth[source] + 1
-                copied.add(source)
-        else:
-            name = re.fullmatch(r"\?([a-z]{2})=", line).group(1)
-            answers.append(value[name])
-            query_depths.append(depth[name])
-    ends = set(value) - copied
-    constants = sum(d == 0 for d in depth.values())
-    return answers, {"depths": query_depths, "ends": ends, "constants": constants,
-                     "values": {int(v) for v in value.values()}}
 
 
 @pytest.mark.parametrize("name", ["chains-n8", "chains-n32", "chains-n3-k5-v4"])

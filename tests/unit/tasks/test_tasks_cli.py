@@ -35,6 +35,8 @@ def test_make_refuses_to_overwrite_and_leaves_no_temporary(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--task=parity", "--hops=3"], "--hops: applies to --task chains, not --task parity"),
     (["--task=chains", "--group=A5"], "--group: applies to --task permutations"),
+    (["--task=retrieval", "--pairs=3", "--queries=4"], "--queries 4: must be in 1 … --pairs 3"),
+    (["--task=chains", "--pairs=3"], "--pairs: applies to --task retrieval, not --task chains"),
     (["--task=chains", "--hops=0"], "--hops 0: must be >= 1"),
     (["--task=chains", "--values=11"], "--values 11: must be in 2"),
     (["--task=chains", "--hops=200", "--chains=4"], "lower --chains or --hops"),

@@ -130,7 +130,15 @@ def test_memory_split_and_dials_are_logged(tiny_data, tmp_path) -> None:
         shares = [v for k, v in dials.items() if k.startswith(f"mass/layer{layer}/")]
         assert sum(shares) == pytest.approx(1.0, abs=1e-5)
         assert f"b_sigma/layer{layer}" in dials and f"e_K_norm/layer{layer}" in dials
+        assert 0 < dials[f"diversity/layer{layer}/value_varying"] <= 1
+        assert f"entropy/layer{layer}/finished" in dials and f"top_key/layer{layer}" in dials
     assert dials["seconds"] > 0
+    # Per-layer gradient norms at every log step, before clipping: they make up the total.
+    norms = next(r for r in records if r.get("split") == "grad_norm")
+    step = next(r for r in records if "split" not in r and r["step"] == norms["step"])
+    assert {"layers.0", "layers.1", "other"} <= set(norms)
+    assert math.sqrt(sum(v * v for k, v in norms.items() if k not in ("step", "split"))) == \
+        pytest.approx(step["grad_norm"], rel=1e-4)
     assert not (tmp_path / "profile").exists()  # profile.steps empty: no profiler, no traces
     off = tmp_path / "off"
     Trainer(load_config(TINY_CONFIG, [*TINY_OVERRIDES, f"--data.path={prefix}",
