@@ -209,9 +209,11 @@ def test_trainer_trains_on_masked_document_aligned_data(masked_prefix, tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) for r in records) and math.isfinite(last["eval_loss"])
     assert all(scored < numel for scored, numel, _ in seen)  # padding and prompts are masked
-    # Two micro-batches a step, weighted by their scored targets.
+    # Two micro-batches a step, weighted by their scored targets (a step with none: weights 0,
+    # not 0/0).
+    assert sum(scored for scored, _, _ in seen) > 0
     for first, second in zip(seen[::2], seen[1::2]):
-        total = first[0] + second[0]
+        total = max(first[0] + second[0], 1)
         assert (first[2], second[2]) == (first[0] / total, second[0] / total)
     with pytest.raises(ConfigError, match="data.align = 'lines': must be packed, block or document"):
         load_config(TINY_CONFIG, [*TINY_OVERRIDES, "--data.align=lines"]).validate()
