@@ -197,8 +197,6 @@ class Run:
     budget: Budget
     unavailable: dict[str, str] = field(default_factory=dict)
     """Execution settings of SETTINGS that cannot be selected here, with the reason."""
-    timings: dict = field(default_factory=dict)
-    """The speed section's timings by (arm, tokens, batch, mode)."""
 
     @property
     def quick(self) -> bool:
@@ -515,7 +513,6 @@ def section_speed(run: Run) -> None:
                          f"{per_seq / 2**30:.2f} GiB a sequence: micro-batch {batch}")
         if batch > 1 or length == long:
             time_arm(arm, length, batch, mode)
-    run.timings = timings
     label = f"profile of {beta} {short} tokens batch 1 eager"
     why = run.budget.why_not(4 * timings[(beta, short, 1, "eager")].seconds
                              if (beta, short, 1, "eager") in timings else 30.0)
@@ -538,7 +535,7 @@ def section_targets(run: Run) -> None:
     report, key, args = run.report, "targets", run.args
     short, long = args.lengths
     beta = "beta_1.2 t19_flash"
-    rows = [r for r in run.report.sections["speed"]["rows"]]
+    rows = run.report.sections["speed"]["rows"]
 
     def find(arm: str, length: int, mode: str | None = None, batch: int | None = None):
         found = [r for r in rows if r["arm"] == arm and r["tokens"] == length

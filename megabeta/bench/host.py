@@ -21,11 +21,12 @@ time per cell = the difference over the extra cells (the once-per-step work canc
 - graphed (`execution.cuda_graphs`): the whole pass two CUDA graphs, replayed once each per
   micro-step (model/graphs.py). On a CPU the stand-in capture runs the pass eagerly, so its
   host time is not measured here: the replays per micro-step at both lengths are counted (on a
-  GPU each replay costs about 10 us of host time, plus its copies in and out).
+  GPU a replay's host cost is assumed at about 10 us, plus its copies in and out: the roofline's
+  GRAPH_REPLAY_S, not measured here).
 
 Launches per micro-step (kernel-launching operators plus Triton launches, `bench dispatch`'s
-count, `kernels.ops.DispatchCount`; compiled: the Triton launches alone, a dispatch mode cannot watch a compiled graph) are
-printed for the longer step.
+`count_step`; compiled: the Triton launches alone, as a dispatch mode cannot watch a compiled
+graph) are printed for the longer step.
 """
 
 from __future__ import annotations
@@ -44,9 +45,8 @@ import torch
 # no kernel runs either way.
 os.environ["TRITON_INTERPRET"] = "1"
 
-from megabeta.bench.dispatch import counting_config  # noqa: E402
+from megabeta.bench.dispatch import count_step, counting_config  # noqa: E402
 from megabeta.kernels import ops  # noqa: E402
-from megabeta.kernels.ops import DispatchCount  # noqa: E402
 from megabeta.model import ExecutionConfig, build_model  # noqa: E402
 from megabeta.model.executor import Executor  # noqa: E402
 from megabeta.model.graphs import EagerCapture  # noqa: E402
@@ -111,11 +111,7 @@ def measure(mode: str, *, blocks: tuple[int, int] = (4, 12), block_size: int = 3
             _step(model, inputs[1], bf16)
         result["triton_launches"] = count.total
     else:
-        model.zero_grad(set_to_none=True)
-        with DispatchCount(run_kernels=False) as count, \
-                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            model(inputs[1], inputs[1]).backward()
-        result["launches"] = count.total
+        result["launches"] = count_step(model, inputs[1], run_kernels=False, bf16=bf16).total
     result["cells"] = blocks[1] * layers
     return result
 

@@ -245,7 +245,7 @@ class _Kernel:
     bwd_n: int
     block_d: int
     hist_m: int = 16
-    """The history gradients' query tile (`triton_attention._history_meta`)."""
+    """The history gradients' query tile (`triton_attention.HISTORY_BLOCK_M`, `of`)."""
 
     @property
     def hist_n(self) -> int:
@@ -257,12 +257,13 @@ class _Kernel:
         # Lazily: the kernels' module imports triton.
         import torch
 
-        from megabeta.kernels.triton_attention import cuda_tiles
+        from megabeta.kernels.triton_attention import HISTORY_BLOCK_M, cuda_tiles
 
         block_d = max(16, 1 << (head_dim - 1).bit_length())
         fwd = cuda_tiles(block_d, torch.bfloat16, backward=False)
         bwd = cuda_tiles(block_d, torch.bfloat16, backward=True)
-        return _Kernel(fwd.block_m, fwd.block_n, bwd.block_m, bwd.block_n, block_d)
+        return _Kernel(fwd.block_m, fwd.block_n, bwd.block_m, bwd.block_n, block_d,
+                       HISTORY_BLOCK_M)
 
 
 def _cdiv(a: int, b: int) -> int:

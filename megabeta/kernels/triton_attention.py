@@ -166,6 +166,10 @@ def _unpipelined(device: torch.device) -> dict:
     return dict(num_stages=1) if _cuda(device) else {}
 
 
+HISTORY_BLOCK_M = 16
+"""The history gradients' query tile on a CUDA GPU (`_history_meta`)."""
+
+
 def _history_meta(meta: dict, device: torch.device) -> dict:
     """The history gradients' kernel: the backward's key tiles, query tiles of 16 rows, on 4
     warps without software pipelining (a key-side program holds the dK and dV accumulators for
@@ -173,7 +177,7 @@ def _history_meta(meta: dict, device: torch.device) -> dict:
     spilled, with 32-row query tiles or pipelining too)."""
     if not _cuda(device):
         return meta
-    return {**meta, "BLOCK_M": 16, "num_warps": 4, **_unpipelined(device)}
+    return {**meta, "BLOCK_M": HISTORY_BLOCK_M, "num_warps": 4, **_unpipelined(device)}
 
 
 def _reduce_warps(meta: dict, device: torch.device) -> dict:
@@ -1069,5 +1073,5 @@ if triton is not None:
     history_attention.register("triton", forward=_forward_impl, backward=_backward_impl)
 
 
-__all__ = ["GPU_SMS", "Tiles", "available", "cuda_tiles", "history_gradients", "readers",
+__all__ = ["GPU_SMS", "HISTORY_BLOCK_M", "Tiles", "available", "cuda_tiles", "history_gradients", "readers",
            "splits", "target_sms"]
