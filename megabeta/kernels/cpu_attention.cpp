@@ -31,6 +31,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -227,11 +228,18 @@ struct Call {
             ldk, T(0), s, nj);
     const T inf = std::numeric_limits<T>::infinity();
     if (group) {
+      // Vectorized: these tiles hold nearly every score of a long sequence.
+      using V = at::vec::Vectorized<T>;
       const T bias = shift_of(i, group->g, h);
+      const V shift(bias);
       for (int r = 0; r < m; ++r) {
         T* row = s + r * nj;
-        const int64_t hidden = std::clamp<int64_t>(bound(i, b, r0 + r) - j0, 0, nj);
-        for (int c = 0; c < nj; ++c) row[c] = c < hidden ? -inf : row[c] - bias;
+        const int hidden = static_cast<int>(std::clamp<int64_t>(bound(i, b, r0 + r) - j0, 0, nj));
+        std::fill(row, row + hidden, -inf);
+        if (bias == T(0)) continue;
+        int c = hidden;
+        for (; c + V::size() <= nj; c += V::size()) (V::loadu(row + c) - shift).store(row + c);
+        for (; c < nj; ++c) row[c] -= bias;
       }
       return;
     }
@@ -436,12 +444,17 @@ void check_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "history attention (cpu): lower must be int64 [cells, B, n]");
 }
 
-// Runs `task(cell, batch row, head)` over every (cell, batch row, head or KV head) in parallel.
+// Runs `task(cell, batch row, head)` over every (cell, batch row, head or KV head) in parallel,
+// each thread taking the next task when it finishes one: the cells of a wave are of different
+// blocks, so their key sets differ in length, and equal shares of the tasks would leave the
+// threads with the shorter cells waiting at the end.
 template <typename Task>
 void parallel(int64_t cells, int64_t batch, int64_t heads, Task task) {
   const int64_t total = cells * batch * heads;
-  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t = next++; t < total; t = next++) {
       task(t / (batch * heads), t / heads % batch, t % heads);
     }
   });

@@ -27,7 +27,7 @@ import torch._dynamo
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from megabeta.model.attention.backend import AttentionBackend
+from megabeta.model.attention.backend import AttentionBackend, Capabilities
 from megabeta.model.config import ConfigError
 from megabeta.model.execution import ExecutionConfig
 from megabeta.model.graphs import Capture, CudaCapture, PassGraphs
@@ -64,7 +64,8 @@ class Executor:
             unit = torch.compile(run_unit, fullgraph=True, dynamic=False)
             self.allow_block_sizes(1)
         self.settings = PassSettings(recompute=execution.activation_checkpoint != "none",
-                                     by_hand=not execution.compile, unit=unit)
+                                     weight_gradients=_weight_gradients(execution, caps, device),
+                                     unit=unit)
         self.graphs = (PassGraphs(capture or CudaCapture()) if graphs else None)
         self.branches: Callable[..., tuple[Tensor, Tensor]] = (
             torch.compile(residual_branches, dynamic=True) if execution.compile
@@ -104,6 +105,19 @@ class Executor:
         if self.settings.recompute and torch.is_grad_enabled():
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
+
+
+def _weight_gradients(execution: ExecutionConfig, caps: Capabilities,
+                      device: torch.device) -> str:
+    """How a pass forms its weight stacks' gradients (`StackedWeight`): by autograd in a
+    compiled unit; else by hand, once per pass where the kernels run on a GPU (launches and
+    float32 traffic per call are what it pays for), once per call on a CPU (memory bandwidth
+    is: the pass form copies every row it kept). A backend whose kernels run on a GPU
+    (triton, on a CPU only interpreted) takes the GPU's form on any device, so that what the
+    CPU counts of its launches is what a GPU launches."""
+    if execution.compile:
+        return "autograd"
+    return "pass" if "cuda" in (caps.devices or {device.type}) else "call"
 
 
 __all__ = ["Executor"]

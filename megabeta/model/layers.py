@@ -107,33 +107,82 @@ class StackedWeight:
     calls (every block, wave or loop). A layer's own weight is a stack of one; beta12 stacks every
     layer's in reverse layer order, and a wave's cells multiply by a strided view of the stack.
 
-    Its gradient is formed one of two ways:
+    Its gradient is formed one of three ways (`gradients`):
 
-    - by autograd (`by_hand=False`): the control arms, whose layers run once per pass, and units
-      traced by torch.compile;
-    - by hand (`by_hand=True`, beta12's eager and captured passes): each call's backward keeps
-      its input rows and its output-gradient rows (`calls`), and `gradient()` forms the stack's
-      gradient with ONE batched matmul over the pass. Per (block, layer) cell that saves a
-      matmul of c rows into the float32 gradient and its add (and, under autocast, a cast):
-      at t19_flash's shapes a read-modify-write of 30 M float32 numbers per cell, 0.5 TB a
-      16K-token step, where the pass's matmul writes them once. A call whose output takes no
-      part in the loss (the last block's finished K/V) never runs backward and adds nothing.
+    - `"autograd"`: the control arms, whose layers run once per pass, and units traced by
+      torch.compile;
+    - `"pass"` (beta12 on a GPU): each call's backward keeps its input rows and its
+      output-gradient rows (`calls`), and `gradient()` forms the stack's gradient with ONE
+      batched matmul over the pass. Per (block, layer) cell that saves a matmul of c rows into
+      the float32 gradient and its add (and, under autocast, a cast): at t19_flash's shapes a
+      read-modify-write of 30 M float32 numbers per cell, 0.5 TB a 16K-token step, where the
+      pass's matmul writes them once;
+    - `"call"` (beta12 on a CPU): each call's backward adds its rows' product into the
+      gradient at once (one batched matmul a call, `baddbmm_` into the call's view of the
+      stack). A CPU pays no launch, and its memory bandwidth is what the pass form spends
+      most: concatenating every row of the pass costs about as long as the matmul itself, and
+      the rows are most of a pass's memory (model/memory.py).
+
+    By hand, a call whose output takes no part in the loss (the last block's finished K/V)
+    never runs backward and adds nothing.
     """
 
-    def __init__(self, stack: Tensor, *, by_hand: bool = False) -> None:
+    def __init__(self, stack: Tensor, *, gradients: str = "autograd") -> None:
+        if gradients not in WEIGHT_GRADIENTS:
+            raise ValueError(f"StackedWeight: gradients must be one of {WEIGHT_GRADIENTS}, "
+                             f"got {gradients!r}")
         self.weight = stack
-        self.by_hand = by_hand
+        self.gradients = gradients
         self.calls: list[tuple[slice, Tensor, Tensor]] = []
-        """By hand: each call that ran backward, `(entries, inputs [n, M, in], output
+        """`"pass"`: each call that ran backward, `(entries, inputs [n, M, in], output
         gradients [n, M, out])`."""
+        self.sum: Tensor | None = None
+        """`"call"`: the gradient of the calls that ran backward so far."""
         self.bias_of: StackedWeight | None = None
-        """By hand, for a bias stack: the weight stack whose calls it was added in."""
+        """`"pass"`, for a bias stack: the weight stack whose calls it was added in."""
+
+    @property
+    def by_hand(self) -> bool:
+        """Whether the pass forms this stack's gradient (`"pass"` or `"call"`), not autograd."""
+        return self.gradients != "autograd"
 
     @classmethod
     def one(cls, weight: Tensor) -> "StackedWeight":
         """A single weight (`[out, in]`, or a bias `[out]`) as a stack of one (a view), its
         gradient by autograd."""
         return cls(weight.unsqueeze(0))
+
+    def backward_call(self, sel: slice, x: Tensor, dy: Tensor,
+                      bias: "StackedWeight | None") -> None:
+        """A by-hand call's share of the gradients: entries `sel` read rows `x [n, M, in]` and
+        got `dy [n, M, out]` (and `bias`, the call's bias stack, the rows of dy)."""
+        if self.gradients == "pass":
+            self.calls.append((sel, x, dy))
+            if bias is not None:
+                bias.bias_of = self
+            return
+        self._add(sel, lambda view: view.baddbmm_(dy.transpose(1, 2), x),
+                  lambda: torch.bmm(dy.transpose(1, 2), x))
+        if bias is not None:
+            bias._add(sel, lambda view: view.add_(dy.sum(1)), lambda: dy.sum(1))
+
+    def _add(self, sel: slice, in_place: Callable[[Tensor], Any],
+             product: Callable[[], Tensor]) -> None:
+        """`"call"`: add a call's product into the sum's entries `sel` (in place where the
+        rows are in the sum's dtype; a 16-bit pass sums in float32)."""
+        if self.sum is None:
+            self.sum = self.weight.new_zeros(
+                self.weight.shape, dtype=torch.promote_types(self.weight.dtype, torch.float32))
+        view = self.sum[sel]
+        if self.sum.dtype == self.weight.dtype:
+            in_place(view)
+        else:
+            view += product()
+
+    def forget(self) -> None:
+        """Let go of what the calls kept (formed, or a replayed capture's earlier backward)."""
+        self.calls.clear()
+        self.sum = None
 
     def _entry_rows(self, which: int) -> list[list[Tensor]]:
         """Per stack entry, the rows its calls kept: inputs (`which=1`) or output gradients (2)."""
@@ -144,8 +193,9 @@ class StackedWeight:
         return rows
 
     def gradient(self) -> Tensor | None:
-        """The by-hand gradient `[S, out, in]` of the whole stack from its calls' rows (None: no
-        call ran backward)."""
+        """The by-hand gradient `[S, out, in]` of the whole stack (None: no call ran backward)."""
+        if self.gradients == "call":
+            return None if self.sum is None else self.sum.to(self.weight.dtype)
         if not self.calls:
             return None
         inputs, grads = self._entry_rows(1), self._entry_rows(2)
@@ -163,10 +213,16 @@ class StackedWeight:
     def bias_gradient(self) -> Tensor | None:
         """The by-hand gradient `[S, out]` of a bias stack read by calls of another stack
         (`stacked_linear`'s `bias`): the sum of their output-gradient rows."""
+        if self.gradients == "call":
+            return None if self.sum is None else self.sum.to(self.weight.dtype)
         if self.bias_of is None or not self.bias_of.calls:
             return None
         return torch.stack([torch.cat(g).sum(0) if g else self.weight.new_zeros(self.weight.shape[1:])
                             for g in self.bias_of._entry_rows(2)])
+
+
+WEIGHT_GRADIENTS = ("autograd", "pass", "call")
+"""How a stack's gradient is formed (`StackedWeight`)."""
 
 
 def stacked_linear(x: Tensor, weight: StackedWeight, sel: slice,
@@ -192,9 +248,9 @@ def linear(x: Tensor, weight: StackedWeight, bias: StackedWeight | None = None, 
 
 
 class _ByHandLinear(torch.autograd.Function):
-    """`stacked_linear` of a by-hand stack: backward keeps the input rows and the output
-    gradient's rows in the stack (`StackedWeight.calls`) and returns the input's gradient only
-    (the pass returns the stacks' gradients, `StackedWeight.gradient`)."""
+    """`stacked_linear` of a by-hand stack: backward hands the input rows and the output
+    gradient's rows to the stack (`StackedWeight.backward_call`) and returns the input's
+    gradient only (the pass returns the stacks' gradients, `StackedWeight.gradient`)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, stack: Tensor, bias: Tensor | None, sel: slice,
@@ -217,9 +273,7 @@ class _ByHandLinear(torch.autograd.Function):
         # Detached: the stack is shared by every call of the pass, so rows that kept their
         # graph would tie the stack to the graph and the graph to the stack, a cycle through
         # autograd's nodes that Python's collector cannot free (each step's graph would leak).
-        ctx.weight.calls.append((ctx.sel, ctx.x.detach(), dy))
-        if ctx.bias is not None:
-            ctx.bias.bias_of = ctx.weight
+        ctx.weight.backward_call(ctx.sel, ctx.x.detach(), dy, ctx.bias)
         dx = torch.bmm(dy, w) if ctx.needs_input_grad[0] else None
         del ctx.x
         return dx, None, None, None, None, None
@@ -311,13 +365,13 @@ class Projection:
         bias = None if self.bias is None else self.bias.weight
         return [t for t in (self.weight.weight, bias, self.head_norm) if t is not None]
 
-    def with_tensors(self, tensors: Iterator[Tensor], *, by_hand: bool) -> "Projection":
+    def with_tensors(self, tensors: Iterator[Tensor], *, gradients: str) -> "Projection":
         """This projection reading the next of `tensors` (in `tensors()`'s order) instead, its
         stacks' gradients formed by hand or not (`StackedWeight`)."""
         other = copy.copy(self)
-        other.weight = StackedWeight(next(tensors), by_hand=by_hand)
+        other.weight = StackedWeight(next(tensors), gradients=gradients)
         if self.bias is not None:
-            other.bias = StackedWeight(next(tensors), by_hand=by_hand)
+            other.bias = StackedWeight(next(tensors), gradients=gradients)
         if self.head_norm is not None:
             other.head_norm = next(tensors)
         return other

@@ -12,24 +12,26 @@ What a beta12 pass holds for each sequence until its backward ends (model/passes
   each row's gradient once, `KeyLayout.deferred`; float32 where readers add into them);
 - the Triton backend's reader buffers (queries, output gradients `[L, H, T, d_h]` and float32
   lse, shifts and delta) from which the history's gradients are formed once per row;
-- the weight-gradient rows: the by-hand weight stacks keep every call's input rows and output
-  gradient rows until the pass ends, where one matmul per stack forms its gradient
-  (layers.StackedWeight), so T x L x sum(d_in + d_out) values, and at the end one stack's rows
-  concatenated again (the largest stack counted);
+- the weight-gradient rows: where the by-hand weight stacks form their gradients once per pass
+  (`weight_gradients="pass"`, a GPU's form, layers.StackedWeight) they keep every call's input
+  rows and output gradient rows until the pass ends, so T x L x sum(d_in + d_out) values, and at
+  the end one stack's rows concatenated again (the largest stack counted); formed per call (a
+  CPU's form) they keep none, and the stacks' float32 gradient sums are fixed;
 - the embeddings, the final hidden states and their gradients in the parameters' dtype.
 
-That is the peak at the backward's end. At the forward's end the pass holds instead the units'
-saved inputs (with recomputation: the blocks' embeddings, on the wavefront each wave's carried
-state) or without it every cell's autograd graph; the larger of the two phases is the step's.
+That is the peak at the backward's end, with recomputation plus the graph of the unit being
+recomputed (a block's cells, or a wave's). At the forward's end the pass holds instead the
+units' saved inputs (with recomputation: the blocks' embeddings, on the wavefront each wave's
+carried state) or without it every cell's autograd graph (a layer's activations a token, as the
+control arms', and the finished K/V projection's rows); the larger phase is the step's.
 
 Fixed: parameters, gradients and AdamW's two moments (divided by `shards` where ZeRO or FSDP
 shard them), the pass's weight stacks cast once to the matmuls' dtype and their gradients, and
 the loss's logits for one chunk of LOSS_CHUNK rows. The control arms keep one residual stream per
 layer with recomputation (`layer`), or every layer's activations without.
 
-Not counted: allocator fragmentation and the CUDA context (the headroom of `largest_batch`), a
-unit's transient working set during its recomputation (a block's or wave's rows: small next to
-a sequence's history), communication buffers.
+Not counted: allocator fragmentation and the CUDA context (the headroom of `largest_batch`),
+communication buffers.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class StepMemory:
 
 def step_memory(config: ModelConfig, execution: ExecutionConfig, seq_len: int, *,
                 act_bytes: int = 2, param_bytes: int = 4, shards: int = 1,
-                deferred: bool = True, readers: bool = True,
+                deferred: bool = True, readers: bool = True, weight_gradients: str = "pass",
                 vocab_size: int | None = None) -> StepMemory:
     """The memory of a micro-step (module doc) at `seq_len` tokens a sequence.
 
@@ -83,7 +85,8 @@ def step_memory(config: ModelConfig, execution: ExecutionConfig, seq_len: int, *
     `param_bytes`: the parameters' (4: float32, 2: FSDP's bf16 parameters); `shards`: ranks the
     parameters, gradients and optimizer state are sharded over; `deferred`, `readers`: the
     attention backend forms each history row's gradient once (triton, cpu) from reader buffers
-    (triton)."""
+    (triton); `weight_gradients`: how the pass forms its weight gradients ("pass" or "call",
+    model/executor.py chooses by device)."""
     vocab = config.vocab_size if config.vocab_size > 0 else (vocab_size or 0)
     d, hd, L = config.d_model, config.head_dim, config.num_layers
     heads, kv, H = config.num_heads, config.num_kv_heads, config.hidden_dim
@@ -110,11 +113,13 @@ def step_memory(config: ModelConfig, execution: ExecutionConfig, seq_len: int, *
             for i, (d_in, d_out) in enumerate(matmul_shapes(config, layer, start < last)):
                 stacks[i] = stacks.get(i, 0) + n * (d_in + d_out) * act_bytes
     rows = sum(stacks.values())
-    # The forward's end: the units' saved inputs, or without recomputation their graphs (about
-    # the weight matmuls' rows again: the tensors autograd saves are those rows).
+    # What autograd keeps of one cell per token: a layer's activations (as the control arms'),
+    # and the finished K/V projection's rows.
+    cell = _layer_activations(config) * act_bytes + 2 * d * 4 + (d + 2 * kv * hd) * act_bytes
+    # The forward's end: the units' saved inputs, or without recomputation every cell's graph.
     forward = dict(held)
     if execution.activation_checkpoint == "none":
-        forward["cell graphs"] = rows
+        forward["cell graphs"] = T * L * cell
     else:
         forward["unit inputs"] = streams
         if execution.schedule == "wavefront":
@@ -124,11 +129,19 @@ def step_memory(config: ModelConfig, execution: ExecutionConfig, seq_len: int, *
     # The backward's end: every unit has run backward (its saved inputs gone) and the weight
     # stacks' gradients are formed from their rows, one stack's concatenated at a time.
     backward = dict(held)
+    if execution.activation_checkpoint != "none":
+        # The unit being recomputed: a block's cells, or a wave's (about L / p of them).
+        cells = (L if execution.schedule == "block"
+                 else -(-L // period(execution.schedule, L, config.depth_window)))
+        backward["one unit's graph"] = config.block_size * cells * cell
     backward["history gradients"] = history * (act_bytes if deferred else max(act_bytes, 4))
     if readers:
         groups = config.depth_window + 1
         backward["attention readers"] = L * T * heads * (2 * hd * act_bytes + 4 * (groups + 1))
-    backward["weight-gradient rows"] = rows + max(stacks.values())
+    if weight_gradients == "pass":
+        backward["weight-gradient rows"] = rows + max(stacks.values())
+    else:
+        fixed["weight-gradient sums"] = layer_params * 4
     per = max(forward, backward, key=lambda parts: sum(parts.values()))
     return StepMemory(fixed, per)
 

@@ -75,7 +75,7 @@ class PassWeights:
                           if attentions[0].self_bias is not None else None)
         self.shift = _shifts(config, attentions)
         self.rows: BiasRows | None = None
-        self.by_hand = False
+        self.gradient_form = "autograd"
         self.batch = self.length = 0
 
     def index(self, layer: int) -> int:
@@ -97,7 +97,7 @@ class PassWeights:
         """The score biases of the layers `cells` of the stacks, and where their gradient rows
         go (a by-hand pass under autograd, for a backend that leaves them: `rows_wanted`)."""
         rows = None
-        if rows_wanted and self.by_hand and torch.is_grad_enabled():
+        if rows_wanted and self.gradient_form != "autograd" and torch.is_grad_enabled():
             if self.rows is None:
                 self.rows = BiasRows.zeros(self.layers, self.shift.shape[1], self.batch,
                                            self.shift.shape[2], self.length, self.shift)
@@ -114,24 +114,26 @@ class PassWeights:
             w.weight for w in (self.out, self.gate_up, self.down)] + [
             t for t in (self.self_bias, self.shift) if t is not None]
 
-    def with_tensors(self, tensors: list[Tensor], *, by_hand: bool, batch: int,
+    def with_tensors(self, tensors: list[Tensor], *, gradients: str, batch: int,
                      length: int) -> "PassWeights":
         """These weights reading `tensors` (in `tensors()`'s order) instead, for a pass of
-        `batch` sequences of `length` (padded) tokens; `by_hand`: the stacks' gradients and the
-        bias rows kept by hand (`gradients`)."""
+        `batch` sequences of `length` (padded) tokens; `gradients`: how the stacks' gradients
+        are formed (`StackedWeight`; by hand, `"pass"` or `"call"`, the bias rows are kept by
+        hand too and `gradients()` hands them back)."""
         it: Iterator[Tensor] = iter(tensors)
         other = copy.copy(self)
-        other.plain = [p.with_tensors(it, by_hand=by_hand) for p in self.plain]
-        other.next, other.last_finished = (None if p is None else p.with_tensors(it, by_hand=by_hand)
-                                           for p in (self.next, self.last_finished))
-        other.out, other.gate_up, other.down = (StackedWeight(next(it), by_hand=by_hand)
+        other.plain = [p.with_tensors(it, gradients=gradients) for p in self.plain]
+        other.next, other.last_finished = (
+            None if p is None else p.with_tensors(it, gradients=gradients)
+            for p in (self.next, self.last_finished))
+        other.out, other.gate_up, other.down = (StackedWeight(next(it), gradients=gradients)
                                                 for _ in range(3))
         if self.self_bias is not None:
             other.self_bias = next(it)
         other.shift = next(it)
         if next(it, None) is not None:
             raise ValueError("PassWeights.with_tensors: more tensors than the weights read")
-        other.by_hand, other.batch, other.length = by_hand, batch, length
+        other.gradient_form, other.batch, other.length = gradients, batch, length
         other.rows = None
         return other
 
@@ -142,7 +144,7 @@ class PassWeights:
     def start_backward(self) -> None:
         """Forget what an earlier backward of the pass kept by hand (a replayed capture)."""
         for stack in self._stacks():
-            stack.calls.clear()
+            stack.forget()
         if self.rows is not None:
             self.rows.shift.zero_()
             self.rows.diag.zero_()
@@ -154,7 +156,7 @@ class PassWeights:
         grads = [g for p in self._projections() for g in p.gradients()]
         grads += [w.gradient() for w in (self.out, self.gate_up, self.down)]
         for stack in self._stacks():
-            stack.calls.clear()
+            stack.forget()
         shift = self_bias = None
         if self.rows is not None:
             shift, self_bias = self.rows.gradients()

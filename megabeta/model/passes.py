@@ -93,8 +93,9 @@ class PassSettings:
 
     recompute: bool
     """Recompute each unit in backward (`activation_checkpoint`)."""
-    by_hand: bool
-    """By-hand weight gradients (`PassWeights`); off in traced units."""
+    weight_gradients: str
+    """How the weight stacks' gradients are formed (`StackedWeight`): by hand, once per pass
+    (`"pass"`) or per call (`"call"`); `"autograd"` in traced units."""
     unit: UnitFn = run_unit
     """`run_unit`, or compiled."""
 
@@ -140,7 +141,7 @@ class Driver:
         self._leaves = [t.detach().requires_grad_(t.is_floating_point()) if keep else t
                         for t in tensors]
         self._weights = weights = self.template.with_tensors(
-            self._leaves, by_hand=self.settings.by_hand, batch=batch, length=length)
+            self._leaves, gradients=self.settings.weight_gradients, batch=batch, length=length)
         self._saved = []
         self._autocast = _autocast_state(x.device)
         blocks = list(x.split(c, dim=1)) if length > c else [x]

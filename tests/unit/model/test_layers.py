@@ -82,15 +82,17 @@ def test_one_layers_weight_is_f_linear(dtype: torch.dtype, autocast: bool) -> No
     torch.testing.assert_close(b.grad, want_b, **tol)
 
 
+@pytest.mark.parametrize("form", ["pass", "call"])
 @pytest.mark.parametrize("even", [True, False], ids=["even", "uneven"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_by_hand_stacks_form_the_passes_gradient_in_one_product(dtype: torch.dtype,
-                                                                even: bool) -> None:
-    """By-hand stacks (beta12's passes): calls on strided views of one stack keep their input
-    and output-gradient rows; one product over the pass gives the stack's and the bias's
-    gradients, as autograd gives them through plain batched matmuls (in bf16: one rounding of
-    the pass's sum). A call whose output takes no part in the loss adds nothing; entries that
-    saw unequal numbers of rows (`uneven`) take the per-entry path."""
+def test_by_hand_stacks_form_the_passes_gradient(dtype: torch.dtype, even: bool,
+                                                 form: str) -> None:
+    """By-hand stacks (beta12's passes): calls on strided views of one stack give the stack's
+    and the bias's gradients as autograd gives them through plain batched matmuls, whether the
+    calls keep their rows for one product over the pass (`pass`; in bf16 one rounding of the
+    pass's sum) or each adds its product at once (`call`; bf16 products summed in float32). A
+    call whose output takes no part in the loss adds nothing; entries that saw unequal numbers
+    of rows (`uneven`) take the pass form's per-entry path."""
     gen = torch.Generator().manual_seed(1)
     layers, rows = 4, 6
     w = torch.randn(layers, 5, 3, generator=gen, dtype=torch.float64).to(dtype)
@@ -101,7 +103,7 @@ def test_by_hand_stacks_form_the_passes_gradient_in_one_product(dtype: torch.dty
         calls = calls[:-1]
     xs = [torch.randn(len(range(layers)[sel]), rows, 3, generator=gen,
                       dtype=torch.float64).to(dtype) for sel in calls]
-    stack, bias = StackedWeight(w, by_hand=True), StackedWeight(b, by_hand=True)
+    stack, bias = StackedWeight(w, gradients=form), StackedWeight(b, gradients=form)
     ws, bs = w.clone().requires_grad_(), b.clone().requires_grad_()
     leaves = [x.clone().requires_grad_() for x in xs]
     loss = want = 0
