@@ -55,6 +55,8 @@ class Settings:
     checkpoint: bool = False
     t19_len: int = 2048
     dispatches_only: bool = False
+    profile: int = 0
+    """Operators listed per arm from one profiled step after the timing (0: none)."""
     shape: dict[str, Any] = field(default_factory=dict)
     """Model fields both arms of the paired speed take instead of their presets' (a smaller
     model for a quick run); the dispatch counts keep the presets' structure."""
@@ -74,6 +76,9 @@ class Figures:
     """Per preset, per schedule: kernel-launching dispatches of one step."""
     t19: dict[str, float] = field(default_factory=dict)
     """t19_flash s/step per schedule (empty: not measured)."""
+    leaders: dict[str, list[tuple[str, float, int]]] = field(default_factory=dict)
+    """Per arm, the operators with the most self time in one profiled step: (name, seconds,
+    calls) (empty: not profiled)."""
 
     def dispatch_ratio(self, preset: str) -> float:
         counts = self.dispatches[preset]
@@ -133,6 +138,17 @@ def paired(arms: dict[str, Callable[[], float]], rounds: int) -> dict[str, float
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def profiled(step: Callable[[], float], top: int) -> list[tuple[str, float, int]]:
+    """The `top` operators by self time in one step under torch.profiler: (name, seconds,
+    calls)."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        step()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in events]
+
+
 def dispatches(preset: str, settings: Settings, device: torch.device, *,
                one_cell: bool = False) -> dict[str, int]:
     """Kernel-launching operators of one training step per schedule (16 blocks of 32). Triton
@@ -173,13 +189,16 @@ def measure(settings: Settings, device: torch.device) -> Figures:
     tokens = torch.randint(0, s.vocab, (s.batch, s.seq_len + 1),
                            generator=torch.Generator().manual_seed(0)).to(device)
     seconds = paired({name: _step(m, tokens) for name, m in models.items()}, s.rounds)
+    leaders = ({name: profiled(_step(m, tokens), s.profile) for name, m in models.items()}
+               if s.profile else {})
     del models
     flops = {"standard": training_flops(get_preset(s.control, **shape), s.seq_len)}
     flops["block"] = flops["wavefront"] = training_flops(get_preset(s.preset, **beta),
                                                          s.seq_len)
     rate = {name: s.batch * flops[name] / t for name, t in seconds.items()}
     figures = Figures(seconds, rate, {name: r / rate["standard"] for name, r in rate.items()},
-                      {p: dispatches(p, s, device) for p in (s.preset, "t19_flash")})
+                      {p: dispatches(p, s, device) for p in (s.preset, "t19_flash")},
+                      leaders=leaders)
     if s.t19_len:
         t19 = dict(s.shape, vocab_size=s.vocab, max_seq_len=s.t19_len)
         pair = {name: _model("t19_flash", _execution(name, s, True), device, **t19)
@@ -239,6 +258,10 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="only count the dispatches (e.g. the GPU path on a CPU, its "
                              "Triton launches counted, not run: TRITON_INTERPRET=1 ... "
                              "--attention triton --elementwise-kernels triton)")
+    parser.add_argument("--profile", type=int, default=d.profile, metavar="N",
+                        help="after the timing, profile one step of each arm and list its N "
+                             "operators with the most self time (host time: on a GPU the "
+                             "kernels run asynchronously)")
     return Settings(**vars(parser.parse_args(argv)))
 
 
@@ -271,6 +294,12 @@ def main(argv: list[str] | None = None) -> None:
     print()
     for line in verdicts(settings, figures):
         print(f"- {line}")
+    for name, leaders in figures.leaders.items():
+        print(f"\n## {name}: operators by self time, one profiled step")
+        print("| operator | s | share of the step | calls |")
+        print("|---|---|---|---|")
+        for op, seconds, calls in leaders:
+            print(f"| {op[:60]} | {seconds:.3f} | {seconds / figures.seconds[name]:.0%} | {calls} |")
 
 
 if __name__ == "__main__":
