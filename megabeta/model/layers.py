@@ -161,23 +161,21 @@ class StackedWeight:
             if bias is not None:
                 bias.bias_of = self
             return
-        self._add(sel, lambda view: view.baddbmm_(dy.transpose(1, 2), x),
-                  lambda: torch.bmm(dy.transpose(1, 2), x))
+        total = self._total()[sel]
+        if total.dtype == x.dtype:
+            total.baddbmm_(dy.transpose(1, 2), x)
+        else:  # a 16-bit pass sums in float32
+            total.add_(torch.bmm(dy.transpose(1, 2), x))
         if bias is not None:
-            bias._add(sel, lambda view: view.add_(dy.sum(1)), lambda: dy.sum(1))
+            bias._total()[sel].add_(dy.sum(1))
 
-    def _add(self, sel: slice, in_place: Callable[[Tensor], Any],
-             product: Callable[[], Tensor]) -> None:
-        """`"call"`: add a call's product into the sum's entries `sel` (in place where the
-        rows are in the sum's dtype; a 16-bit pass sums in float32)."""
+    def _total(self) -> Tensor:
+        """`"call"`: the sum of the calls' products so far (zeros before the first), in
+        float32 at least."""
         if self.sum is None:
             self.sum = self.weight.new_zeros(
                 self.weight.shape, dtype=torch.promote_types(self.weight.dtype, torch.float32))
-        view = self.sum[sel]
-        if self.sum.dtype == self.weight.dtype:
-            in_place(view)
-        else:
-            view += product()
+        return self.sum
 
     def forget(self) -> None:
         """Let go of what the calls kept (formed, or a replayed capture's earlier backward)."""
