@@ -21,6 +21,19 @@ needs_cpu_kernels = pytest.mark.skipif(not cpu_attention.build(),
                                        reason="the fused C++ kernels do not build here")
 
 
+@pytest.mark.parametrize("attention,compile_,form", [
+    ("reference", False, "call"), ("triton", False, "pass"), ("triton", True, "autograd"),
+    pytest.param("cpu", False, "call", marks=needs_cpu_kernels),
+    pytest.param("cpu", True, "autograd", marks=needs_cpu_kernels)])
+def test_the_weight_gradients_form_follows_where_the_kernels_run(attention: str, compile_: bool,
+                                                                 form: str) -> None:
+    """By hand once per pass where the attention kernels run on a GPU (triton, even
+    interpreted on a CPU: its counts are the GPU's), per call on a CPU, by autograd in a
+    compiled unit (layers.StackedWeight)."""
+    model = tiny_model(attention=attention, compile=compile_)
+    assert model.executor.settings.weight_gradients == form
+
+
 @pytest.mark.parametrize("schedule,unit", [("block", "block"), ("wavefront", "wave")])
 def test_cuda_graphs_need_the_schedules_recomputation(schedule: str, unit: str) -> None:
     ExecutionConfig(cuda_graphs=True, schedule=schedule, activation_checkpoint=unit)
