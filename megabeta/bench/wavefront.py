@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> None:
         print("| operator | s | share of the step | calls |")
         print("|---|---|---|---|")
         for op, seconds, calls in leaders:
-            print(f"| {op[:60]} | {seconds:.3f} | {seconds / figures.seconds[name]:.0%} | {calls} |")
+            share = seconds / figures.seconds[name]
+            print(f"| {op[:60]} | {seconds:.3f} | {share:.0%} | {calls} |")
 
 
 if __name__ == "__main__":

@@ -228,18 +228,11 @@ struct Call {
             ldk, T(0), s, nj);
     const T inf = std::numeric_limits<T>::infinity();
     if (group) {
-      // Vectorized: these tiles hold nearly every score of a long sequence.
-      using V = at::vec::Vectorized<T>;
       const T bias = shift_of(i, group->g, h);
-      const V shift(bias);
       for (int r = 0; r < m; ++r) {
         T* row = s + r * nj;
-        const int hidden = static_cast<int>(std::clamp<int64_t>(bound(i, b, r0 + r) - j0, 0, nj));
-        std::fill(row, row + hidden, -inf);
-        if (bias == T(0)) continue;
-        int c = hidden;
-        for (; c + V::size() <= nj; c += V::size()) (V::loadu(row + c) - shift).store(row + c);
-        for (; c < nj; ++c) row[c] -= bias;
+        const int64_t hidden = std::clamp<int64_t>(bound(i, b, r0 + r) - j0, 0, nj);
+        for (int c = 0; c < nj; ++c) row[c] = c < hidden ? -inf : row[c] - bias;
       }
       return;
     }

@@ -87,6 +87,9 @@ def step_memory(config: ModelConfig, execution: ExecutionConfig, seq_len: int, *
     attention backend forms each history row's gradient once (triton, cpu) from reader buffers
     (triton); `weight_gradients`: how the pass forms its weight gradients ("pass" or "call",
     model/executor.py chooses by device)."""
+    if weight_gradients not in ("pass", "call"):
+        raise ValueError(f"step_memory: weight_gradients must be 'pass' or 'call', got "
+                         f"{weight_gradients!r}")
     vocab = config.vocab_size if config.vocab_size > 0 else (vocab_size or 0)
     d, hd, L = config.d_model, config.head_dim, config.num_layers
     heads, kv, H = config.num_heads, config.num_kv_heads, config.hidden_dim

@@ -92,3 +92,8 @@ def test_the_largest_batch_fills_the_headroom_and_no_more() -> None:
     short = step_memory(config, ExecutionConfig(activation_checkpoint="block"), 4096)
     assert short.sequence_bytes * 4 <= step.sequence_bytes * 1.01
     assert short.largest_batch(capacity) >= 4 * batch
+
+
+def test_an_unknown_weight_gradient_form_is_refused() -> None:
+    with pytest.raises(ValueError, match="weight_gradients must be 'pass' or 'call'"):
+        step_memory(get_preset("t19_flash"), ExecutionConfig(), 4096, weight_gradients="rows")
