@@ -6,17 +6,24 @@
 // than the queries and query r is own key nk - n + r) and its finished groups: rows [lo, hi) of
 // source layer m of the history buffers `[L, B, H_kv, T, d]`, score minus the group's depth
 // shift λ_h·(m - l). One online softmax over all of it, tile by tile (flash attention): per
-// (cell, batch row, head, tile of 64 queries), tiles of 512 keys, BLAS for the products, AVX2
-// vectors (at::vec, Sleef's exp) for the row operations. Nothing per key is kept for backward
-// but the output and the log-sum-exp.
+// (cell, batch row, head, tile of queries), tiles of 128 keys. Nothing per key is kept for
+// backward but the output and the log-sum-exp.
+//
+// The products are register-blocked AVX2 loops (at::vec), not BLAS: a beta_1.2 cell has only
+// c = 32 queries a head, and BLAS copied each cold K/V tile into its panels for 32 rows. A query
+// tile lies across the lanes of four vectors (32 float32 queries; one vector where the cells are
+// that short, as in decoding), and scores, probabilities and their gradients are held key by
+// key, `[keys][queries]`: S = K·Qᵀ and dP = V·dOᵀ take a key row's scalars against the
+// queries' vectors, O += P·V and dQ += dS·K take a feature column's, and the softmax's row
+// operations (max, exp with Sleef, rescale) are vector operations across queries.
 //
 // Backward, per (cell, batch row, KV head): for every query head it serves and query tile, each
 // key tile's P = exp(S - lse) and dS = P ∘ (dO·Vᵀ - D), D = rowsum(dO ∘ O); then
 // dQ += scale·dS·K, and dK += scale·dSᵀ·Q, dV += Pᵀ·dO into the own keys' gradients or, for a
-// group, straight into the history's gradient buffers (BLAS with beta = 1: in place). One task
-// owns its KV head's rows: no two tasks write the same gradient (the cells of a wave read
-// disjoint source layers). Per query row it also sums each group's dS (the gradient of the
-// group's shift, hence of λ) and the diagonal's (b_σ's).
+// group, straight into the history's gradient buffers (in place). One task owns its KV head's
+// rows: no two tasks write the same gradient (the cells of a wave read disjoint source layers).
+// Per query row it also sums each group's dS (the gradient of the group's shift, hence of λ)
+// and the diagonal's (b_σ's).
 //
 // Document masks (spec §7): each query row may carry a lower bound, the position of the first
 // key its document lets it read. Key tiles wholly below a query tile's smallest bound are
@@ -36,100 +43,167 @@
 #include <limits>
 #include <vector>
 
-extern "C" {
-// BLAS (column-major, 32-bit integers), exported by libtorch_cpu's MKL.
-void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
-            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-            const float* beta, float* c, const int* ldc);
-void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
-            const double* alpha, const double* a, const int* lda, const double* b,
-            const int* ldb, const double* beta, double* c, const int* ldc);
-}
-
 namespace {
 
-// Row-major C[m x n] = alpha·op(A)·op(B) + beta·C, op(A) being m x k: BLAS computes the
-// column-major transpose, Cᵀ = op(B)ᵀ·op(A)ᵀ.
-template <typename T>
-void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha, const T* a, int lda,
-          const T* b, int ldb, T beta, T* c, int ldc) {
-  if (m == 0 || n == 0) return;
-  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
-  if constexpr (std::is_same_v<T, float>) {
-    sgemm_(&tb, &ta, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
-  } else {
-    dgemm_(&tb, &ta, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
-  }
-}
+using at::vec::Vectorized;
 
-template <typename T>
-T row_max(const T* x, int n) {
-  using V = at::vec::Vectorized<T>;
-  int i = 0;
-  T m = -std::numeric_limits<T>::infinity();
-  if (n >= V::size()) {
-    V acc = V::loadu(x);
-    for (i = V::size(); i + V::size() <= n; i += V::size()) {
-      acc = at::vec::maximum(acc, V::loadu(x + i));
+// A tile of queries lies across the lanes of QV vectors (W = Vectorized<T>::size() queries
+// each): scores, probabilities and their gradients are held key by key, `[keys][Q]`, so that
+// every row operation of the softmax is a vector operation across queries.
+template <typename T, int QV>
+struct Lanes {
+  using V = Vectorized<T>;
+  static constexpr int W = V::size();
+  static constexpr int Q = QV * W;
+  // Rows of the products' register block: KB x QV accumulators, QV loads and KB broadcasts
+  // per step (AVX2's 16 registers).
+  static constexpr int KB = QV == 1 ? 8 : 3;
+};
+
+// out[j][:] = Σ_c a[j][c] · bt[c][:] for the rows j of one register block (a's rows `lda`
+// apart; bt `[d][Q]`): a tile's scores from its keys and the queries' transpose.
+template <typename T, int QV, int KB>
+inline void rows_by_lanes_block(const T* a, int64_t lda, const T* bt, int d, T* out) {
+  using L = Lanes<T, QV>;
+  using V = typename L::V;
+  V acc[KB][QV];
+#pragma GCC unroll 8
+  for (int k = 0; k < KB; ++k)
+#pragma GCC unroll 4
+    for (int v = 0; v < QV; ++v) acc[k][v] = V(T(0));
+  for (int c = 0; c < d; ++c) {
+    V b[QV];
+#pragma GCC unroll 4
+    for (int v = 0; v < QV; ++v) b[v] = V::loadu(bt + c * L::Q + v * L::W);
+#pragma GCC unroll 8
+    for (int k = 0; k < KB; ++k) {
+      const V x(a[k * lda + c]);
+#pragma GCC unroll 4
+      for (int v = 0; v < QV; ++v) acc[k][v] = at::vec::fmadd(x, b[v], acc[k][v]);
     }
-    m = at::vec::vec_reduce_all<T>([](V& a, V& b) { return at::vec::maximum(a, b); }, acc);
   }
-  for (; i < n; ++i) m = std::max(m, x[i]);
-  return m;
+#pragma GCC unroll 8
+  for (int k = 0; k < KB; ++k)
+#pragma GCC unroll 4
+    for (int v = 0; v < QV; ++v) acc[k][v].store(out + k * L::Q + v * L::W);
 }
 
-// x[i] = exp(x[i] - shift); returns Σ x[i] (-inf entries give 0).
-template <typename T>
-T exp_row(T* x, int n, T shift) {
-  using V = at::vec::Vectorized<T>;
-  const V h(shift);
-  V acc(T(0));
-  int i = 0;
-  for (; i + V::size() <= n; i += V::size()) {
-    V e = (V::loadu(x + i) - h).exp_u20();
-    e.store(x + i);
-    acc = acc + e;
+// out[j][:] = Σ_c a[j][c] · bt[c][:] for j < nj: S = K·Qᵀ, dP = V·dOᵀ (key-major).
+template <typename T, int QV>
+void rows_by_lanes(const T* a, int64_t lda, int nj, const T* bt, int d, T* out) {
+  using L = Lanes<T, QV>;
+  int j = 0;
+  for (; j + L::KB <= nj; j += L::KB) {
+    rows_by_lanes_block<T, QV, L::KB>(a + j * lda, lda, bt, d, out + j * L::Q);
   }
-  T sum = at::vec::vec_reduce_all<T>([](V& a, V& b) { return a + b; }, acc);
-  for (; i < n; ++i) sum += x[i] = std::exp(x[i] - shift);
-  return sum;
+  for (; j < nj; ++j) rows_by_lanes_block<T, QV, 1>(a + j * lda, lda, bt, d, out + j * L::Q);
 }
 
-// ds[i] = p[i]·(ds[i] - d) (the score gradient); returns Σ ds[i].
-template <typename T>
-T score_grad_row(T* ds, const T* p, int n, T d) {
-  using V = at::vec::Vectorized<T>;
-  const V dv(d);
-  V acc(T(0));
-  int i = 0;
-  for (; i + V::size() <= n; i += V::size()) {
-    V g = V::loadu(p + i) * (V::loadu(ds + i) - dv);
-    g.store(ds + i);
-    acc = acc + g;
+// ct[c][:] += Σ_j a[j][c] · pt[j][:] for the columns c of one register block.
+template <typename T, int QV, int KB>
+inline void lanes_by_rows_block(const T* pt, int nj, const T* a, int64_t lda, T* ct) {
+  using L = Lanes<T, QV>;
+  using V = typename L::V;
+  V acc[KB][QV];
+#pragma GCC unroll 8
+  for (int k = 0; k < KB; ++k)
+#pragma GCC unroll 4
+    for (int v = 0; v < QV; ++v) acc[k][v] = V::loadu(ct + k * L::Q + v * L::W);
+  for (int j = 0; j < nj; ++j) {
+    V p[QV];
+#pragma GCC unroll 4
+    for (int v = 0; v < QV; ++v) p[v] = V::loadu(pt + j * L::Q + v * L::W);
+#pragma GCC unroll 8
+    for (int k = 0; k < KB; ++k) {
+      const V x(a[j * lda + k]);
+#pragma GCC unroll 4
+      for (int v = 0; v < QV; ++v) acc[k][v] = at::vec::fmadd(x, p[v], acc[k][v]);
+    }
   }
-  T sum = at::vec::vec_reduce_all<T>([](V& a, V& b) { return a + b; }, acc);
-  for (; i < n; ++i) sum += ds[i] = p[i] * (ds[i] - d);
-  return sum;
+#pragma GCC unroll 8
+  for (int k = 0; k < KB; ++k)
+#pragma GCC unroll 4
+    for (int v = 0; v < QV; ++v) acc[k][v].store(ct + k * L::Q + v * L::W);
 }
 
-constexpr int64_t kQueryTile = 64;
-constexpr int64_t kKeyTile = 512;
-constexpr double kInf = std::numeric_limits<double>::infinity();
+// ct[c][:] += Σ_j a[j][c] · pt[j][:] for c < d (ct `[d][Q]`): O += P·V, dQ += dS·K,
+// transposed.
+template <typename T, int QV>
+void lanes_by_rows(const T* pt, int nj, const T* a, int64_t lda, int d, T* ct) {
+  using L = Lanes<T, QV>;
+  int c = 0;
+  for (; c + L::KB <= d; c += L::KB) {
+    lanes_by_rows_block<T, QV, L::KB>(pt, nj, a + c, lda, ct + c * L::Q);
+  }
+  for (; c < d; ++c) lanes_by_rows_block<T, QV, 1>(pt, nj, a + c, lda, ct + c * L::Q);
+}
 
-// Scratch a thread's tasks reuse: grown to the largest tile a task needs.
+// dst[j][c] += Σ_r pt[j][r] · e[r][c] for a block of KB rows and FV vectors of columns (e
+// `[Q][d]`, dst's rows `ldd` apart).
+template <typename T, int QV, int KB, int FV>
+inline void add_rows_block(const T* pt, const T* e, int d, T* dst, int64_t ldd) {
+  using L = Lanes<T, QV>;
+  using V = typename L::V;
+  V acc[KB][FV];
+#pragma GCC unroll 4
+  for (int k = 0; k < KB; ++k)
+#pragma GCC unroll 4
+    for (int f = 0; f < FV; ++f) acc[k][f] = V::loadu(dst + k * ldd + f * L::W);
+  for (int r = 0; r < L::Q; ++r) {
+    V x[FV];
+#pragma GCC unroll 4
+    for (int f = 0; f < FV; ++f) x[f] = V::loadu(e + r * d + f * L::W);
+#pragma GCC unroll 4
+    for (int k = 0; k < KB; ++k) {
+      const V p(pt[k * L::Q + r]);
+#pragma GCC unroll 4
+      for (int f = 0; f < FV; ++f) acc[k][f] = at::vec::fmadd(p, x[f], acc[k][f]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < KB; ++k)
+#pragma GCC unroll 4
+    for (int f = 0; f < FV; ++f) acc[k][f].store(dst + k * ldd + f * L::W);
+}
+
+// dst[j][c] += Σ_r pt[j][r] · e[r][c] for j < nj, c < d: dV += Pᵀ·dO and dK += dSᵀ·Q, in
+// place in the own keys' or the history's gradient rows.
+template <typename T, int QV, int KB>
+void add_rows_of(const T* pt, const T* e, int d, T* dst, int64_t ldd) {
+  using L = Lanes<T, QV>;
+  int c = 0;
+  for (; c + 4 * L::W <= d; c += 4 * L::W) add_rows_block<T, QV, KB, 4>(pt, e + c, d, dst + c, ldd);
+  for (; c + L::W <= d; c += L::W) add_rows_block<T, QV, KB, 1>(pt, e + c, d, dst + c, ldd);
+  for (; c < d; ++c) {
+    for (int k = 0; k < KB; ++k) {
+      T sum = dst[k * ldd + c];
+      for (int r = 0; r < L::Q; ++r) sum += pt[k * L::Q + r] * e[r * d + c];
+      dst[k * ldd + c] = sum;
+    }
+  }
+}
+
+template <typename T, int QV>
+void add_rows(const T* pt, int nj, const T* e, int d, T* dst, int64_t ldd) {
+  using L = Lanes<T, QV>;
+  int j = 0;
+  for (; j + 3 <= nj; j += 3) add_rows_of<T, QV, 3>(pt + j * L::Q, e, d, dst + j * ldd, ldd);
+  for (; j < nj; ++j) add_rows_of<T, QV, 1>(pt + j * L::Q, e, d, dst + j * ldd, ldd);
+}
+
+constexpr int64_t kKeyTile = 128;  // keys a tile: its scores and their gradients stay in L1
+
+// Scratch a thread's tasks reuse, carved into `[d][Q]` and `[keys][Q]` pieces.
 template <typename T>
 struct Scratch {
-  std::vector<T> s, p, acc, m, l;
-  void fit(size_t ns, size_t np, size_t nacc, size_t nrows) {
-    if (s.size() < ns) s.resize(ns);
-    if (p.size() < np) p.resize(np);
-    if (acc.size() < nacc) acc.resize(nacc);
-    if (m.size() < nrows) m.resize(nrows);
-    if (l.size() < nrows) l.resize(nrows);
+  std::vector<T> data;
+  T* fit(size_t n) {
+    if (data.size() < n) data.resize(n);
+    return data.data();
   }
 };
 
-// A `[..., rows, d]` tensor read through its strides; the row stride is BLAS's leading
+// A `[..., rows, d]` tensor read through its strides; the row stride is the leading
 // dimension (a dimension of size 1 may carry any stride and becomes d).
 template <typename T>
 struct Rows {
@@ -143,12 +217,23 @@ struct Rows {
     if (t.size(-2) == 1) st[st.size() - 2] = t.size(-1);
   }
   int64_t ld() const { return st[st.size() - 2]; }
+  T* at4(int64_t a, int64_t b, int64_t c, int64_t r) const {
+    return data + a * st[0] + b * st[1] + c * st[2] + r * st[3];
+  }
 };
 
 // One finished group of a cell: rows [lo, hi) of source layer `layer`, its index g among the
 // cell's groups (the shift's and row sums' column).
 struct Group {
   int64_t layer, lo, hi, g;
+};
+
+// The per-query thresholds of a query tile, one vector each per lane group: the first own key
+// and the first history row its document lets it read, and its own key (the diagonal). The
+// lanes past the block's last query see no key.
+template <typename T, int QV>
+struct Bounds {
+  typename Lanes<T, QV>::V own_lo[QV], hist_lo[QV], me[QV];
 };
 
 // Everything one call reads, with its geometry: cells of n queries at `starts[i]`, own keys nk
@@ -205,109 +290,204 @@ struct Call {
   T shift_of(int64_t i, int64_t g, int64_t h) const {
     return shift ? shift[i * shift_st[0] + g * shift_st[1] + h * shift_st[2]] : T(0);
   }
-  const T* qrow(int64_t i, int64_t b, int64_t h, int64_t r) const {
-    return q.data + i * q.st[0] + b * q.st[1] + h * q.st[2] + r * q.st[3];
-  }
-  const T* own(const Rows<T>& t, int64_t i, int64_t b, int64_t hk_, int64_t j) const {
-    return t.data + i * t.st[0] + b * t.st[1] + hk_ * t.st[2] + j * t.st[3];
-  }
-  const T* hist(const Rows<T>& t, int64_t layer, int64_t b, int64_t hk_, int64_t j) const {
-    return t.data + layer * t.st[0] + b * t.st[1] + hk_ * t.st[2] + j * t.st[3];
+  // The keys (or values) of a tile: own rows of cell i, or rows of the group's source layer.
+  const T* rows_of(const Rows<T>& own, const Rows<T>& hist, const Group* group, int64_t i,
+                   int64_t b, int64_t hk_, int64_t j0) const {
+    return group ? hist.at4(group->layer, b, hk_, j0) : own.at4(i, b, hk_, j0);
   }
 
-  // The scores of queries [r0, r0 + m) of cell i over one key tile, biased and masked (-inf
-  // where hidden), into s [m x nj]: own keys [j0, j0 + nj) when `group` is null, else rows
-  // [j0, j0 + nj) of the group.
-  void scores(int64_t i, int64_t b, int64_t h, int64_t r0, int m, int64_t j0, int nj,
-              const Group* group, T* s) const {
-    const int64_t hk_ = h / per_kv;
-    const int d = static_cast<int>(dim);
-    const T* keys = group ? hist(hk, group->layer, b, hk_, j0) : own(k, i, b, hk_, j0);
-    const int ldk = static_cast<int>(group ? hk.ld() : k.ld());
-    gemm<T>(false, true, m, nj, d, scale, qrow(i, b, h, r0), static_cast<int>(q.ld()), keys,
-            ldk, T(0), s, nj);
-    const T inf = std::numeric_limits<T>::infinity();
+  template <int QV>
+  Bounds<T, QV> bounds(int64_t i, int64_t b, int64_t r0, int m) const {
+    using L = Lanes<T, QV>;
+    T own_lo[L::Q], hist_lo[L::Q], me[L::Q];
+    for (int r = 0; r < L::Q; ++r) {
+      const bool live = r < m;
+      const int64_t first = live ? bound(i, b, r0 + r) : 0;
+      hist_lo[r] = live ? T(first) : std::numeric_limits<T>::max();
+      own_lo[r] = live ? T(first - starts[i]) : std::numeric_limits<T>::max();
+      me[r] = T(nk - n + r0 + r);
+    }
+    Bounds<T, QV> out;
+    for (int v = 0; v < QV; ++v) {
+      out.own_lo[v] = L::V::loadu(own_lo + v * L::W);
+      out.hist_lo[v] = L::V::loadu(hist_lo + v * L::W);
+      out.me[v] = L::V::loadu(me + v * L::W);
+    }
+    return out;
+  }
+
+  // Biases and masks the scores st `[nj][Q]` of keys [j0, j0 + nj) in place (-inf where
+  // hidden): a group's minus its shift, the own keys causal with b_σ on the diagonal.
+  template <int QV>
+  void mask(T* st, int nj, int64_t j0, const Group* group, int64_t i, int64_t h,
+            const Bounds<T, QV>& bd) const {
+    using L = Lanes<T, QV>;
+    using V = typename L::V;
+    const V hidden_score(-std::numeric_limits<T>::infinity());
     if (group) {
-      const T bias = shift_of(i, group->g, h);
-      for (int r = 0; r < m; ++r) {
-        T* row = s + r * nj;
-        const int64_t hidden = std::clamp<int64_t>(bound(i, b, r0 + r) - j0, 0, nj);
-        for (int c = 0; c < nj; ++c) row[c] = c < hidden ? -inf : row[c] - bias;
+      const V bias(shift_of(i, group->g, h));
+      for (int j = 0; j < nj; ++j) {
+        const V key(T(j0 + j));
+        for (int v = 0; v < QV; ++v) {
+          T* s = st + j * L::Q + v * L::W;
+          V::blendv(V::loadu(s) - bias, hidden_score, key < bd.hist_lo[v]).store(s);
+        }
       }
       return;
     }
-    const int64_t offset = nk - n, start = starts[i];
-    const T sb = self_bias ? self_bias[i * self_st] : T(0);
-    for (int r = 0; r < m; ++r) {
-      T* row = s + r * nj;
-      const int64_t me = offset + r0 + r;  // this query's own key
-      const int64_t hidden = std::clamp<int64_t>(bound(i, b, r0 + r) - start - j0, 0, nj);
-      for (int c = 0; c < nj; ++c) {
-        const int64_t j = j0 + c;
-        if (c < hidden || j > me) row[c] = -inf;
-        else if (j == me) row[c] += sb;
+    const V sb(self_bias ? self_bias[i * self_st] : T(0)), zero(T(0));
+    for (int j = 0; j < nj; ++j) {
+      const V key(T(j0 + j));
+      for (int v = 0; v < QV; ++v) {
+        T* s = st + j * L::Q + v * L::W;
+        const V x = V::loadu(s) + V::blendv(zero, sb, key == bd.me[v]);
+        V::blendv(x, hidden_score, (key < bd.own_lo[v]) | (key > bd.me[v])).store(s);
       }
     }
   }
 
-  // The key tiles a query tile reads: own keys first, then each group's rows, from the tile's
-  // least bound on. `fn(group or null, j0, nj)`.
+  // The key tiles a query tile of head h reads: own keys first, then each group's rows, from
+  // the tile's least bound on. `fn(group or null, j0, nj)`. The next history tile's keys and
+  // values are prefetched into L2 while one is computed: they are read once per query tile,
+  // cold (the history is larger than the caches), and the hardware's prefetchers follow one
+  // group's rows too late.
   template <typename Fn>
-  void tiles(int64_t i, int64_t b, int64_t r0, int m, Fn fn) const {
+  void tiles(int64_t i, int64_t b, int64_t h, int64_t r0, int m, Fn fn) const {
+    struct Tile {
+      const Group* group;
+      int64_t j0;
+      int nj;
+    };
+    std::vector<Tile> list;
     const int64_t least = least_bound(i, b, r0, m);
     const int64_t own_end = std::min(nk, nk - n + r0 + m);
     for (int64_t j0 = std::max<int64_t>(0, least - starts[i]); j0 < own_end; j0 += kKeyTile) {
-      fn(static_cast<const Group*>(nullptr), j0, static_cast<int>(std::min(kKeyTile, own_end - j0)));
+      list.push_back({nullptr, j0, static_cast<int>(std::min(kKeyTile, own_end - j0))});
     }
     for (const Group& group : groups[i]) {
       for (int64_t j0 = std::max(group.lo, least); j0 < group.hi; j0 += kKeyTile) {
-        fn(&group, j0, static_cast<int>(std::min(kKeyTile, group.hi - j0)));
+        list.push_back({&group, j0, static_cast<int>(std::min(kKeyTile, group.hi - j0))});
+      }
+    }
+    const int64_t hk_ = h / per_kv;
+    for (size_t t = 0; t < list.size(); ++t) {
+      if (t + 1 < list.size() && list[t + 1].group) {
+        const Tile& next = list[t + 1];
+        for (const Rows<T>* rows : {&hk, &hv}) {
+          for (int j = 0; j < next.nj; ++j) {
+            const char* row = reinterpret_cast<const char*>(
+                rows->at4(next.group->layer, b, hk_, next.j0 + j));
+            for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(T)); byte += 64) {
+              __builtin_prefetch(row + byte, 0, 2);
+            }
+          }
+        }
+      }
+      fn(list[t].group, list[t].j0, list[t].nj);
+    }
+  }
+
+  // Rows [r0, r0 + m) of a `[cells, B, H, n, d]` tensor at (i, b, h) into the lanes of
+  // `[d][Q]` (transposed) or `[Q][d]`, times `factor`; the lanes past m are zeros.
+  template <int QV>
+  void gather(const Rows<T>& t, int64_t i, int64_t b, int64_t h, int64_t r0, int m, T factor,
+              T* lanes, T* rows) const {
+    using L = Lanes<T, QV>;
+    const int d = static_cast<int>(dim);
+    if (lanes) std::fill(lanes, lanes + d * L::Q, T(0));
+    if (rows) std::fill(rows, rows + d * L::Q, T(0));
+    for (int r = 0; r < m; ++r) {
+      const T* x = t.at4(i, b, h, r0 + r);
+      for (int c = 0; c < d; ++c) {
+        if (lanes) lanes[c * L::Q + r] = factor * x[c];
+        if (rows) rows[r * d + c] = factor * x[c];
       }
     }
   }
 };
 
-template <typename T>
+template <typename T, int QV>
+using VecOf = typename Lanes<T, QV>::V;
+
+// Per lane group, the maximum of st `[nj][Q]` down its keys.
+template <typename T, int QV>
+void lane_max(const T* st, int nj, VecOf<T, QV>* mx) {
+  using L = Lanes<T, QV>;
+  for (int j = 0; j < nj; ++j) {
+    for (int v = 0; v < QV; ++v) {
+      mx[v] = at::vec::maximum(mx[v], L::V::loadu(st + j * L::Q + v * L::W));
+    }
+  }
+}
+
+// st = exp(st - shift) per lane (-inf gives 0); adds each lane's sum into `sum`.
+template <typename T, int QV>
+void lane_exp(T* st, int nj, const VecOf<T, QV>* shift, VecOf<T, QV>* sum) {
+  using L = Lanes<T, QV>;
+  for (int j = 0; j < nj; ++j) {
+    for (int v = 0; v < QV; ++v) {
+      T* s = st + j * L::Q + v * L::W;
+      const auto e = (L::V::loadu(s) - shift[v]).exp_u20();
+      e.store(s);
+      if (sum) sum[v] = sum[v] + e;
+    }
+  }
+}
+
+template <typename T, int QV>
 void forward_task(const Call<T>& call, int64_t i, int64_t b, int64_t h, int64_t r0, Rows<T>& out,
                   T* lse, const std::vector<int64_t>& lse_st, Scratch<T>& sc) {
-  const int m = static_cast<int>(std::min(kQueryTile, call.n - r0));
+  using L = Lanes<T, QV>;
+  using V = typename L::V;
+  const int m = static_cast<int>(std::min<int64_t>(L::Q, call.n - r0));
   const int d = static_cast<int>(call.dim);
-  sc.fit(m * kKeyTile, 0, m * d, m);
-  T *s = sc.s.data(), *acc = sc.acc.data(), *mx = sc.m.data(), *l = sc.l.data();
+  T* qt = sc.fit(2 * d * L::Q + kKeyTile * L::Q);
+  T *ot = qt + d * L::Q, *st = ot + d * L::Q;
+  call.template gather<QV>(call.q, i, b, h, r0, m, call.scale, qt, nullptr);
+  std::fill(ot, ot + d * L::Q, T(0));
+  const Bounds<T, QV> bd = call.template bounds<QV>(i, b, r0, m);
   const T inf = std::numeric_limits<T>::infinity();
-  std::fill(acc, acc + m * d, T(0));
-  std::fill(mx, mx + m, -inf);
-  std::fill(l, l + m, T(0));
+  V mx[QV], l[QV];
+  for (int v = 0; v < QV; ++v) {
+    mx[v] = V(-inf);
+    l[v] = V(T(0));
+  }
   const int64_t hk_ = h / call.per_kv;
-  call.tiles(i, b, r0, m, [&](const Group* group, int64_t j0, int nj) {
-    call.scores(i, b, h, r0, m, j0, nj, group, s);
-    for (int r = 0; r < m; ++r) {
-      T* row = s + r * nj;
-      const T tile_max = row_max<T>(row, nj);
-      if (tile_max == -inf) {
-        std::fill(row, row + nj, T(0));
-        continue;
-      }
-      const T now = std::max(mx[r], tile_max);
-      const T alpha = mx[r] == -inf ? T(0) : std::exp(mx[r] - now);
-      l[r] = l[r] * alpha + exp_row<T>(row, nj, now);
-      mx[r] = now;
-      if (alpha != T(1)) {
-        T* a = acc + r * d;
-        for (int c = 0; c < d; ++c) a[c] *= alpha;
+  call.tiles(i, b, h, r0, m, [&](const Group* group, int64_t j0, int nj) {
+    const T* keys = call.rows_of(call.k, call.hk, group, i, b, hk_, j0);
+    const T* values = call.rows_of(call.v, call.hv, group, i, b, hk_, j0);
+    rows_by_lanes<T, QV>(keys, group ? call.hk.ld() : call.k.ld(), nj, qt, d, st);
+    call.template mask<QV>(st, nj, j0, group, i, h, bd);
+    V now[QV], alpha[QV];
+    for (int v = 0; v < QV; ++v) now[v] = mx[v];
+    lane_max<T, QV>(st, nj, now);
+    for (int v = 0; v < QV; ++v) {
+      // A lane that has seen no key yet keeps a zero shift: exp(-inf - 0) = 0.
+      now[v] = V::blendv(now[v], V(T(0)), now[v] == V(-inf));
+      alpha[v] = (mx[v] - now[v]).exp();
+      l[v] = l[v] * alpha[v];
+      mx[v] = now[v];
+    }
+    lane_exp<T, QV>(st, nj, now, l);
+    for (int c = 0; c < d; ++c) {
+      for (int v = 0; v < QV; ++v) {
+        T* o = ot + c * L::Q + v * L::W;
+        (V::loadu(o) * alpha[v]).store(o);
       }
     }
-    const T* values = group ? call.hist(call.hv, group->layer, b, hk_, j0)
-                            : call.own(call.v, i, b, hk_, j0);
-    const int ldv = static_cast<int>(group ? call.hv.ld() : call.v.ld());
-    gemm<T>(false, false, m, d, nj, T(1), s, nj, values, ldv, T(1), acc, d);
+    lanes_by_rows<T, QV>(st, nj, values, group ? call.hv.ld() : call.v.ld(), d, ot);
   });
+  T mxs[L::Q], ls[L::Q];
+  for (int v = 0; v < QV; ++v) {
+    mx[v].store(mxs + v * L::W);
+    l[v].store(ls + v * L::W);
+  }
   for (int r = 0; r < m; ++r) {
-    T* o = out.data + i * out.st[0] + b * out.st[1] + h * out.st[2] + (r0 + r) * out.st[3];
-    const T inv = T(1) / l[r];
-    for (int c = 0; c < d; ++c) o[c] = acc[r * d + c] * inv;
+    T* o = out.at4(i, b, h, r0 + r);
+    const T inv = T(1) / ls[r];
+    for (int c = 0; c < d; ++c) o[c] = ot[c * L::Q + r] * inv;
     lse[i * lse_st[0] + b * lse_st[1] + h * lse_st[2] + (r0 + r) * lse_st[3]] =
-        mx[r] + std::log(l[r]);
+        mxs[r] + std::log(ls[r]);
   }
 }
 
@@ -322,85 +502,99 @@ struct Grads {
   std::vector<int64_t> diag_st;
 };
 
-template <typename T>
+template <typename T, int QV>
 void backward_task(const Call<T>& call, const Grads<T>& g, int64_t i, int64_t b, int64_t hk_,
                    Scratch<T>& sc) {
+  using L = Lanes<T, QV>;
+  using V = typename L::V;
   const int d = static_cast<int>(call.dim);
-  const T inf = std::numeric_limits<T>::infinity();
-  std::vector<T> delta(kQueryTile);
+  const int64_t tile = d * L::Q;
+  T* qt = sc.fit(5 * tile + 2 * kKeyTile * L::Q);
+  T *gt = qt + tile, *qr = gt + tile, *gr = qr + tile, *dqt = gr + tile;
+  T *st = dqt + tile, *dst = st + kKeyTile * L::Q;
   for (int64_t h = hk_ * call.per_kv; h < (hk_ + 1) * call.per_kv; ++h) {
-    for (int64_t r0 = 0; r0 < call.n; r0 += kQueryTile) {
-      const int m = static_cast<int>(std::min(kQueryTile, call.n - r0));
-      sc.fit(m * kKeyTile, m * kKeyTile, 0, 0);
-      T *s = sc.s.data(), *ds = sc.p.data();
-      const T* q = call.qrow(i, b, h, r0);
-      const T* go = g.grad.data + i * g.grad.st[0] + b * g.grad.st[1] + h * g.grad.st[2] +
-                    r0 * g.grad.st[3];
-      T* dq = g.dq.data + i * g.dq.st[0] + b * g.dq.st[1] + h * g.dq.st[2] + r0 * g.dq.st[3];
-      const int ldq = static_cast<int>(call.q.ld()), ldg = static_cast<int>(g.grad.ld());
-      const int lddq = static_cast<int>(g.dq.ld());
+    for (int64_t r0 = 0; r0 < call.n; r0 += L::Q) {
+      const int m = static_cast<int>(std::min<int64_t>(L::Q, call.n - r0));
+      call.template gather<QV>(call.q, i, b, h, r0, m, call.scale, qt, qr);
+      call.template gather<QV>(g.grad, i, b, h, r0, m, T(1), gt, gr);
+      std::fill(dqt, dqt + tile, T(0));
+      const Bounds<T, QV> bd = call.template bounds<QV>(i, b, r0, m);
+      // Per lane D = rowsum(dO ∘ O) and the lse (the lanes past m: zeros, and they see no key).
+      T delta_s[L::Q] = {}, lse_s[L::Q] = {};
       for (int r = 0; r < m; ++r) {
-        const T* o = g.out.data + i * g.out.st[0] + b * g.out.st[1] + h * g.out.st[2] +
-                     (r0 + r) * g.out.st[3];
-        const T* gr = go + r * g.grad.ld();
+        const T* o = g.out.at4(i, b, h, r0 + r);
         T sum = 0;
-        for (int c = 0; c < d; ++c) sum += gr[c] * o[c];
-        delta[r] = sum;
+        for (int c = 0; c < d; ++c) sum += gr[r * d + c] * o[c];
+        delta_s[r] = sum;
+        lse_s[r] = g.lse[i * g.lse_st[0] + b * g.lse_st[1] + h * g.lse_st[2] +
+                         (r0 + r) * g.lse_st[3]];
       }
-      const T* lse = g.lse + i * g.lse_st[0] + b * g.lse_st[1] + h * g.lse_st[2];
-      call.tiles(i, b, r0, m, [&](const Group* group, int64_t j0, int nj) {
-        call.scores(i, b, h, r0, m, j0, nj, group, s);
-        for (int r = 0; r < m; ++r) exp_row<T>(s + r * nj, nj, lse[(r0 + r) * g.lse_st[3]]);
-        const T* keys = group ? call.hist(call.hk, group->layer, b, hk_, j0)
-                              : call.own(call.k, i, b, hk_, j0);
-        const T* values = group ? call.hist(call.hv, group->layer, b, hk_, j0)
-                                : call.own(call.v, i, b, hk_, j0);
-        const int ldk = static_cast<int>(group ? call.hk.ld() : call.k.ld());
-        const int ldv = static_cast<int>(group ? call.hv.ld() : call.v.ld());
-        // dP = dO·Vᵀ, then dS = P ∘ (dP - D) in place, with its row sums.
-        gemm<T>(false, true, m, nj, d, T(1), go, ldg, values, ldv, T(0), ds, nj);
-        for (int r = 0; r < m; ++r) {
-          const T sum = score_grad_row<T>(ds + r * nj, s + r * nj, nj, delta[r]);
-          if (group && g.rows) {
-            g.rows[i * g.rows_st[0] + group->g * g.rows_st[1] + b * g.rows_st[2] +
-                   h * g.rows_st[3] + (r0 + r) * g.rows_st[4]] += sum;
+      V delta[QV], lse[QV];
+      for (int v = 0; v < QV; ++v) {
+        delta[v] = V::loadu(delta_s + v * L::W);
+        lse[v] = V::loadu(lse_s + v * L::W);
+      }
+      call.tiles(i, b, h, r0, m, [&](const Group* group, int64_t j0, int nj) {
+        const T* keys = call.rows_of(call.k, call.hk, group, i, b, hk_, j0);
+        const T* values = call.rows_of(call.v, call.hv, group, i, b, hk_, j0);
+        const int64_t ldk = group ? call.hk.ld() : call.k.ld();
+        // P = exp(S - lse), dP = dO·Vᵀ, then dS = P ∘ (dP - D) in place, with its sums.
+        rows_by_lanes<T, QV>(keys, ldk, nj, qt, d, st);
+        call.template mask<QV>(st, nj, j0, group, i, h, bd);
+        lane_exp<T, QV>(st, nj, lse, nullptr);
+        rows_by_lanes<T, QV>(values, group ? call.hv.ld() : call.v.ld(), nj, gt, d, dst);
+        V sum[QV];
+        for (int v = 0; v < QV; ++v) sum[v] = V(T(0));
+        for (int j = 0; j < nj; ++j) {
+          for (int v = 0; v < QV; ++v) {
+            T* ds = dst + j * L::Q + v * L::W;
+            const V x = V::loadu(st + j * L::Q + v * L::W) * (V::loadu(ds) - delta[v]);
+            x.store(ds);
+            sum[v] = sum[v] + x;
           }
-          if (!group && g.diag) {
+        }
+        if (group && g.rows) {
+          T sums[L::Q];
+          for (int v = 0; v < QV; ++v) sum[v].store(sums + v * L::W);
+          for (int r = 0; r < m; ++r) {
+            g.rows[i * g.rows_st[0] + group->g * g.rows_st[1] + b * g.rows_st[2] +
+                   h * g.rows_st[3] + (r0 + r) * g.rows_st[4]] += sums[r];
+          }
+        }
+        if (!group && g.diag) {
+          for (int r = 0; r < m; ++r) {
             const int64_t me = call.nk - call.n + r0 + r - j0;
             if (me >= 0 && me < nj) {
               g.diag[i * g.diag_st[0] + b * g.diag_st[1] + h * g.diag_st[2] +
-                     (r0 + r) * g.diag_st[3]] += ds[r * nj + me];
+                     (r0 + r) * g.diag_st[3]] += dst[me * L::Q + r];
             }
           }
         }
-        gemm<T>(false, false, m, d, nj, call.scale, ds, nj, keys, ldk, T(1), dq, lddq);
-        T* dk = nullptr;
-        T* dv = nullptr;
-        int lddk = 0, lddv = 0;
-        if (group) {
-          if (g.ghk.data) {
-            const auto& a = g.ghk.st;
-            const auto& bb = g.ghv.st;
-            dk = g.ghk.data + group->layer * a[0] + b * a[1] + hk_ * a[2] + j0 * a[3];
-            dv = g.ghv.data + group->layer * bb[0] + b * bb[1] + hk_ * bb[2] + j0 * bb[3];
-            lddk = static_cast<int>(g.ghk.ld());
-            lddv = static_cast<int>(g.ghv.ld());
-          }
-        } else if (g.dk.data) {
-          const auto& a = g.dk.st;
-          const auto& bb = g.dv.st;
-          dk = g.dk.data + i * a[0] + b * a[1] + hk_ * a[2] + j0 * a[3];
-          dv = g.dv.data + i * bb[0] + b * bb[1] + hk_ * bb[2] + j0 * bb[3];
-          lddk = static_cast<int>(g.dk.ld());
-          lddv = static_cast<int>(g.dv.ld());
+        lanes_by_rows<T, QV>(dst, nj, keys, ldk, d, dqt);
+        const Rows<T>& dk = group ? g.ghk : g.dk;
+        const Rows<T>& dv = group ? g.ghv : g.dv;
+        if (dk.data) {
+          const int64_t a = group ? group->layer : i;
+          add_rows<T, QV>(st, nj, gr, d, dv.at4(a, b, hk_, j0), dv.ld());
+          add_rows<T, QV>(dst, nj, qr, d, dk.at4(a, b, hk_, j0), dk.ld());
         }
-        if (dk) {
-          gemm<T>(true, false, nj, d, m, T(1), s, nj, go, ldg, T(1), dv, lddv);
-          gemm<T>(true, false, nj, d, m, call.scale, ds, nj, q, ldq, T(1), dk, lddk);
-        }
-        (void)inf;
       });
+      for (int r = 0; r < m; ++r) {
+        T* dq = g.dq.at4(i, b, h, r0 + r);
+        for (int c = 0; c < d; ++c) dq[c] = call.scale * dqt[c * L::Q + r];
+      }
     }
+  }
+}
+
+// Query tiles of one vector where the cells are that short (decoding, small blocks), else
+// of four.
+template <typename T, typename Fn>
+void with_lanes(int64_t n, Fn fn) {
+  if (n <= Vectorized<T>::size()) {
+    fn(std::integral_constant<int, 1>{});
+  } else {
+    fn(std::integral_constant<int, 4>{});
   }
 }
 
@@ -470,11 +664,14 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
     Rows<scalar_t> o(out);
     scalar_t* l = lse.data_ptr<scalar_t>();
     const std::vector<int64_t> lst = lse.strides().vec();
-    const int64_t tiles = (call.n + kQueryTile - 1) / kQueryTile;
-    parallel(call.cells, call.batch, call.heads * tiles, [&](int64_t i, int64_t b, int64_t ht) {
-      thread_local Scratch<scalar_t> scratch;
-      forward_task<scalar_t>(call, i, b, ht / tiles, ht % tiles * kQueryTile, o, l, lst,
-                             scratch);
+    with_lanes<scalar_t>(call.n, [&](auto lanes) {
+      constexpr int QV = decltype(lanes)::value;
+      constexpr int64_t Q = Lanes<scalar_t, QV>::Q;
+      const int64_t tiles = (call.n + Q - 1) / Q;
+      parallel(call.cells, call.batch, call.heads * tiles, [&](int64_t i, int64_t b, int64_t ht) {
+        thread_local Scratch<scalar_t> scratch;
+        forward_task<scalar_t, QV>(call, i, b, ht / tiles, ht % tiles * Q, o, l, lst, scratch);
+      });
     });
   });
   return {out, lse};
@@ -521,9 +718,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     }
     g.diag = diag.data_ptr<scalar_t>();
     g.diag_st = diag.strides().vec();
-    parallel(call.cells, call.batch, call.kv_heads, [&](int64_t i, int64_t b, int64_t hk) {
-      thread_local Scratch<scalar_t> scratch;
-      backward_task<scalar_t>(call, g, i, b, hk, scratch);
+    with_lanes<scalar_t>(call.n, [&](auto lanes) {
+      constexpr int QV = decltype(lanes)::value;
+      parallel(call.cells, call.batch, call.kv_heads, [&](int64_t i, int64_t b, int64_t hk) {
+        thread_local Scratch<scalar_t> scratch;
+        backward_task<scalar_t, QV>(call, g, i, b, hk, scratch);
+      });
     });
   });
   return {dq, dk, dv, rows, diag};

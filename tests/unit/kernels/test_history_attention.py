@@ -74,6 +74,9 @@ CASES = {
     # A wave: two cells on consecutive blocks, layers 3 and 0 (period 3).
     "wave": Case(n=6, start=30, layer=0, cells=2, documents=True),
     "decode_prefix": Case(n=1, start=24, prefix=5),
+    # The CPU kernels' query tiles (32 float32 or 16 float64 lanes) and key tiles (128 keys)
+    # crossed, at a width of 64 (whole vectors) and documents.
+    "long": Case(n=40, start=160, length=200, width=64, batch=2, documents=True),
 }
 
 
@@ -213,6 +216,7 @@ def _rows() -> list:
     rows = []
     if cpu_attention.build():
         rows.append(pytest.param("cpu", torch.float64, "cpu", id="cpu-float64"))
+        rows.append(pytest.param("cpu", torch.float32, "cpu", id="cpu-float32"))
     rows.append(pytest.param("triton", torch.float32, "cpu", id="triton-interpreter-float32"))
     for dtype in (torch.float32, torch.bfloat16):
         rows.append(pytest.param("triton", dtype, "cuda", marks=pytest.mark.gpu,
