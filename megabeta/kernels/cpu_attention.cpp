@@ -138,6 +138,20 @@ void lanes_by_rows(const T* pt, int nj, const T* a, int64_t lda, int d, T* ct) {
   for (; c < d; ++c) lanes_by_rows_block<T, QV, 1>(pt, nj, a + c, lda, ct + c * L::Q);
 }
 
+// Fetches rows [0, nj) (`ld` apart, d wide) into L1. `lanes_by_rows` walks a tile's rows a
+// few columns at a time, and its first touch of each line would wait on L2 (the hardware's
+// prefetchers do not follow that stride); issued before the softmax's row operations, the
+// lines arrive while those run.
+template <typename T>
+void prefetch_l1(const T* rows, int nj, int64_t ld, int d) {
+  for (int j = 0; j < nj; ++j) {
+    const char* row = reinterpret_cast<const char*>(rows + j * ld);
+    for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(T)); byte += 64) {
+      __builtin_prefetch(row + byte, 0, 3);
+    }
+  }
+}
+
 // dst[j][c] += Σ_r pt[j][r] · e[r][c] for a block of KB rows and FV vectors of columns (e
 // `[Q][d]`, dst's rows `ldd` apart).
 template <typename T, int QV, int KB, int FV>
@@ -370,19 +384,19 @@ struct Call {
       }
     }
     const int64_t hk_ = h / per_kv;
-    for (size_t t = 0; t < list.size(); ++t) {
-      if (t + 1 < list.size() && list[t + 1].group) {
-        const Tile& next = list[t + 1];
-        for (const Rows<T>* rows : {&hk, &hv}) {
-          for (int j = 0; j < next.nj; ++j) {
-            const char* row = reinterpret_cast<const char*>(
-                rows->at4(next.group->layer, b, hk_, next.j0 + j));
-            for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(T)); byte += 64) {
-              __builtin_prefetch(row + byte, 0, 2);
-            }
-          }
+    const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+    auto prefetch = [&](size_t t) {
+      if (t >= list.size() || !list[t].group) return;
+      for (const Rows<T>* rows : {&hk, &hv}) {
+        for (int j = 0; j < list[t].nj; ++j) {
+          const char* row = reinterpret_cast<const char*>(
+              rows->at4(list[t].group->layer, b, hk_, list[t].j0 + j));
+          for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
         }
       }
+    };
+    for (size_t t = 0; t < list.size(); ++t) {
+      prefetch(t + 1);
       fn(list[t].group, list[t].j0, list[t].nj);
     }
   }
@@ -456,7 +470,9 @@ void forward_task(const Call<T>& call, int64_t i, int64_t b, int64_t h, int64_t 
   call.tiles(i, b, h, r0, m, [&](const Group* group, int64_t j0, int nj) {
     const T* keys = call.rows_of(call.k, call.hk, group, i, b, hk_, j0);
     const T* values = call.rows_of(call.v, call.hv, group, i, b, hk_, j0);
+    const int64_t ldv = group ? call.hv.ld() : call.v.ld();
     rows_by_lanes<T, QV>(keys, group ? call.hk.ld() : call.k.ld(), nj, qt, d, st);
+    prefetch_l1(values, nj, ldv, d);
     call.template mask<QV>(st, nj, j0, group, i, h, bd);
     V now[QV], alpha[QV];
     for (int v = 0; v < QV; ++v) now[v] = mx[v];
@@ -475,7 +491,7 @@ void forward_task(const Call<T>& call, int64_t i, int64_t b, int64_t h, int64_t 
         (V::loadu(o) * alpha[v]).store(o);
       }
     }
-    lanes_by_rows<T, QV>(st, nj, values, group ? call.hv.ld() : call.v.ld(), d, ot);
+    lanes_by_rows<T, QV>(st, nj, values, ldv, d, ot);
   });
   T mxs[L::Q], ls[L::Q];
   for (int v = 0; v < QV; ++v) {
@@ -543,6 +559,7 @@ void backward_task(const Call<T>& call, const Grads<T>& g, int64_t i, int64_t b,
         call.template mask<QV>(st, nj, j0, group, i, h, bd);
         lane_exp<T, QV>(st, nj, lse, nullptr);
         rows_by_lanes<T, QV>(values, group ? call.hv.ld() : call.v.ld(), nj, gt, d, dst);
+        prefetch_l1(keys, nj, ldk, d);
         V sum[QV];
         for (int v = 0; v < QV; ++v) sum[v] = V(T(0));
         for (int j = 0; j < nj; ++j) {

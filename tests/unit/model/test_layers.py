@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megabeta.model.layers import (StackedWeight, apply_rope, linear, rms_normalize,
-                                   rope_tables, stacked_linear)
+from megabeta.kernels.ops import DispatchCount
+from megabeta.model.layers import (StackedWeight, apply_rope, batched_matmul, linear,
+                                   rms_normalize, rope_tables, stacked_linear)
 
 
 def _heads(*shape: int) -> torch.Tensor:
@@ -122,3 +123,33 @@ def test_by_hand_stacks_form_the_passes_gradient(dtype: torch.dtype, even: bool,
                                    dtype=dtype), w[sel]) for i, sel in enumerate(calls)]
     for x, want_dx in zip(leaves, want_x):
         torch.testing.assert_close(x.grad, want_dx, **tol)
+
+
+@pytest.mark.parametrize("entries", [1, 2, 3, 5])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_batched_matmul_is_each_entrys_product(entries: int, bias: bool) -> None:
+    """Per entry, with or without a bias, whether the entries go as one batched matmul or one
+    matmul each (2 threads: odd counts go per entry); a transposed stack view as the weights
+    are read; under autograd the batched form, with its gradient."""
+    gen = torch.Generator().manual_seed(entries)
+    a = torch.randn(entries, 5, 7, generator=gen, dtype=torch.float64)
+    stack = torch.randn(entries + 1, 3, 7, generator=gen, dtype=torch.float64)
+    b = stack[1:].transpose(1, 2)
+    c = torch.randn(entries, 3, generator=gen, dtype=torch.float64) if bias else None
+    want = torch.stack([a[i] @ b[i] + (c[i] if bias else 0) for i in range(entries)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad(), DispatchCount() as count:
+            torch.testing.assert_close(batched_matmul(a, b, c), want, rtol=1e-12, atol=1e-12)
+        per_entry = entries % 2 == 1 and entries > 1
+        assert sum(count.by_op[op] for op in ("mm", "addmm")) == \
+            (entries if per_entry else 0), count.by_op
+        leaf = a.clone().requires_grad_()
+        got = batched_matmul(leaf, b, c)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        got.sum().backward()
+        torch.testing.assert_close(leaf.grad, b.sum(2)[:, None].expand_as(a), rtol=1e-12,
+                                   atol=1e-12)
+    finally:
+        torch.set_num_threads(threads)
