@@ -121,7 +121,8 @@ class StackedWeight:
       gradient at once (one batched matmul a call, `baddbmm_` into the call's view of the
       stack). A CPU pays no launch, and its memory bandwidth is what the pass form spends
       most: concatenating every row of the pass costs about as long as the matmul itself, and
-      the rows are most of a pass's memory (model/memory.py).
+      the rows are most of a pass's memory (model/memory.py). Its calls also multiply an
+      odd number of entries one entry at a time (`batched_matmul`).
 
     By hand, a call whose output takes no part in the loss (the last block's finished K/V)
     never runs backward and adds nothing.
@@ -233,21 +234,22 @@ def stacked_linear(x: Tensor, weight: StackedWeight, sel: slice,
     w = weight.weight[sel].transpose(1, 2)
     if autocast_dtype(x.device) is None:
         x = x.to(w.dtype)
-    return batched_matmul(x, w, None if bias is None else bias.weight[sel])
+    return batched_matmul(x, w, None if bias is None else bias.weight[sel],
+                          per_entry=weight.gradients == "call")
 
 
-def batched_matmul(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+def batched_matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, *,
+                   per_entry: bool = False) -> Tensor:
     """`a [n, M, K] @ b [n, K, N]` (plus `bias [n, N]` on every row): `[n, M, N]`.
 
-    On a CPU, ATen's batched matmul gives each thread whole entries, so n entries not a
-    multiple of the threads leave a thread idle at the end (3 entries on 2 threads: 1.3x the
-    time of one matmul per entry, each threaded by BLAS). A wave's stack holds as many entries
-    as it has cells, often an odd number; there the entries go one matmul each (not where
-    autograd, autocast or torch.compile would see the loop: the by-hand calls run it)."""
+    `per_entry` (a by-hand stack of the CPU kernels, `gradients="call"`): ATen's batched
+    matmul on a CPU gives each thread whole entries, so n entries not a multiple of the
+    threads leave a thread idle at the end (3 entries on 2 threads: 1.3x the time of one
+    matmul per entry, each threaded by BLAS). A wave's stack holds as many entries as it has
+    cells, often an odd number; there the entries go one matmul each."""
     n = len(a)
-    if (a.device.type != "cpu" or n == 1 or n % torch.get_num_threads() == 0
-            or autocast_dtype(a.device) is not None or torch.compiler.is_compiling()
-            or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))):
+    if (not per_entry or n == 1 or n % torch.get_num_threads() == 0 or a.dtype != b.dtype
+            or autocast_dtype(a.device) is not None):
         if bias is None:
             return torch.bmm(a, b)
         return torch.baddbmm(bias.unsqueeze(1), a, b)
@@ -281,7 +283,8 @@ class _ByHandLinear(torch.autograd.Function):
         # pass's explicit backward owns their lifetime.
         ctx.x, ctx.sel, ctx.weight, ctx.bias = x, sel, weight, stacked_bias
         ctx.save_for_backward(w)
-        return batched_matmul(x, w.transpose(1, 2), None if bias is None else bias[sel])
+        return batched_matmul(x, w.transpose(1, 2), None if bias is None else bias[sel],
+                              per_entry=weight.gradients == "call")
 
     @staticmethod
     @once_differentiable
@@ -292,7 +295,8 @@ class _ByHandLinear(torch.autograd.Function):
         # graph would tie the stack to the graph and the graph to the stack, a cycle through
         # autograd's nodes that Python's collector cannot free (each step's graph would leak).
         ctx.weight.backward_call(ctx.sel, ctx.x.detach(), dy, ctx.bias)
-        dx = batched_matmul(dy, w) if ctx.needs_input_grad[0] else None
+        dx = (batched_matmul(dy, w, per_entry=ctx.weight.gradients == "call")
+              if ctx.needs_input_grad[0] else None)
         del ctx.x
         return dx, None, None, None, None, None
 
