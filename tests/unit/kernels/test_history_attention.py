@@ -3,7 +3,8 @@ against the float64 reference with autograd (tests/support/reference_attention.p
 set, own keys causal with b_σ on the diagonal and each group's history rows minus its shift, in
 one softmax): the output, the lse and every gradient, the history's included.
 
-The implementations are a parameter of the same tests: "cpu" (the fused C++ kernels, float64),
+The implementations are a parameter of the same tests: "cpu" (the fused C++ kernels, float64
+and float32: vectors of 4 and 8 lanes),
 "triton" under Triton's interpreter (float32, tiles of 16: the cases cross them, and the
 history splits across programs) and "triton" on a CUDA GPU (rows marked `gpu`, fp32 and bf16,
 t19_flash's shapes among them). "cpu" adds the history's gradients into its buffers in
@@ -77,6 +78,8 @@ CASES = {
     # The CPU kernels' query tiles (32 float32 or 16 float64 lanes) and key tiles (128 keys)
     # crossed, at a width of 64 (whole vectors) and documents.
     "long": Case(n=40, start=160, length=200, width=64, batch=2, documents=True),
+    # A width that is not a whole number of vectors (the products' column tails).
+    "narrow": Case(n=9, start=18, width=12),
 }
 
 
