@@ -4,13 +4,12 @@ set, own keys causal with b_σ on the diagonal and each group's history rows min
 one softmax): the output, the lse and every gradient, the history's included.
 
 The implementations are a parameter of the same tests: "cpu" (the fused C++ kernels, float64
-and float32: vectors of 4 and 8 lanes),
-"triton" under Triton's interpreter (float32, tiles of 16: the cases cross them, and the
-history splits across programs) and "triton" on a CUDA GPU (rows marked `gpu`, fp32 and bf16,
-t19_flash's shapes among them). "cpu" adds the history's gradients into its buffers in
-backward; "triton" leaves its readers' rows and forms each history row's gradient once, after
-(`triton_attention.history_gradients`): the test runs it for every block of the history as the
-pass's driver would.
+and float32: vectors of 4 and 8 lanes), "triton" under Triton's interpreter (float32, tiles of
+16: the cases cross them, and the history splits across programs) and "triton" on a CUDA GPU
+(rows marked `gpu`, fp32 and bf16, t19_flash's shapes among them). "cpu" adds the history's
+gradients into its buffers in backward; "triton" leaves its readers' rows and forms each
+history row's gradient once, after (`triton_attention.history_gradients`): the test runs it
+for every block of the history as the pass's driver would.
 """
 
 from __future__ import annotations
