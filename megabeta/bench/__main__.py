@@ -12,7 +12,8 @@ BENCHMARKS = {"model": "megabeta.bench.model", "data": "megabeta.bench.data",
               "kernels": "megabeta.bench.kernels", "roofline": "megabeta.bench.roofline",
               "trace": "megabeta.bench.trace",
               "packing": "megabeta.bench.packing", "documents": "megabeta.bench.documents",
-              "hf": "megabeta.bench.hf_export", "host": "megabeta.bench.host"}
+              "hf": "megabeta.bench.hf_export", "host": "megabeta.bench.host",
+              "attention": "megabeta.bench.attention"}
 PROG = "megabeta bench"
 
 
@@ -28,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
               "share of the roofline\n"
               "  host   the GPU path's host time per cell (no kernel run), launches per "
               "micro-step\n"
+              "  attention  the CPU attention kernels alone: a wave's cells (cold and warm "
+              "history), a standard cell\n"
               "  checkpoint  what fsync (durable commits) adds to a checkpoint save\n"
               "  wavefront  the wavefront schedule vs the block schedule and standard (paired)\n"
               "  kernels  every Triton kernel compiled for sm_80/sm_90 (no GPU): registers, "
