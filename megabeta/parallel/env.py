@@ -395,8 +395,6 @@ def _checked(launcher: str, rank: int, world: int, local_rank: int,
 
 
 _active: DistEnv | None = None
-_started = False
-"""Whether `init_distributed` started the process group (so `destroy_distributed` may end it)."""
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 600,
@@ -411,9 +409,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600,
     `group_for_one` starts a one-rank group for a single process too (FSDP2, DDP and DeepSpeed
     need one), over an in-memory store.
     """
-    global _active, _started
+    global _active
     group_up = dist.is_available() and dist.is_initialized()
-    if _active is not None and (group_up or not (_active.is_distributed or group_for_one)):
+    if _active is not None and (group_up or not _active.is_distributed):
         return _active
     env = discover()
     if group_up:  # somebody else started the group: accept it if it agrees with the launcher
@@ -436,7 +434,6 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600,
                 torch.cuda.set_device(_nccl_device(env))
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0,
                                     world_size=1, timeout=timedelta(seconds=timeout_s))
-            _started = True
     else:
         if not dist.is_available():
             raise DistEnvError(f"world size {env.world_size} needs torch.distributed, "
@@ -451,7 +448,6 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600,
         )
         dist.init_process_group(backend=backend, init_method="env://", rank=env.rank,
                                 world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
-        _started = True
         if env.is_rank0:
             log.info("process group up: %d ranks via %s, backend %s, rendezvous %s:%d",
                      env.world_size, env.launcher, backend, env.master_addr, env.master_port)
@@ -528,11 +524,8 @@ def _nccl_device(env: DistEnv) -> torch.device:
 
 
 def destroy_distributed() -> None:
-    """Leave the process group `init_distributed` started (one somebody else started is theirs
-    to end), before the interpreter's teardown: gloo's communication threads torn down at exit
-    can abort a rank whose work is done ("terminate called without an active exception"), and
-    the launcher then fails the job."""
-    global _active, _started
-    if _started and dist.is_available() and dist.is_initialized():
+    """Leave the process group (if any), so a clean exit does not hang or warn."""
+    global _active
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _active, _started = None, False
+    _active = None

@@ -46,7 +46,7 @@ from megabeta.engine.base import document_kwargs
 from megabeta.infer.evaluate import evaluate
 from megabeta.model import ConfigError, ModelConfig, build_model, count_parameters
 from megabeta.model.flops import training_flops
-from megabeta.parallel.env import choose_device, destroy_distributed, init_distributed
+from megabeta.parallel.env import choose_device, init_distributed
 from megabeta.train.curriculum import block_size_at, training_block_size
 from megabeta.train.diagnostics import Diagnostics
 from megabeta.model.documents import require_document_mask_support
@@ -430,12 +430,8 @@ class Trainer:
 
 
 def run(config: TrainConfig) -> dict[str, Any]:
-    """Train `config` on this rank; the entry point of `megabeta train`. The process group the
-    trainer started is left on the way out, whatever ended the run."""
-    try:
-        return Trainer(config).train()
-    finally:
-        destroy_distributed()
+    """Train `config` on this rank; the entry point of `megabeta train`."""
+    return Trainer(config).train()
 
 
 __all__ = ["Trainer", "TrainingStopped", "accumulate_step", "run"]

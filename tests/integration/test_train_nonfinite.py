@@ -49,27 +49,3 @@ def test_a_run_of_nonfinite_steps_stops_training(tiny_data, tmp_path) -> None:
     trainer = poisoned_trainer(tiny_data, tmp_path, range(1, 100), "--train.max_nonfinite=3")
     with pytest.raises(TrainingStopped, match="3 non-finite steps in a row.*at step 4"):
         trainer.train()
-
-
-def test_a_run_leaves_the_process_group_it_started_however_it_ends(tiny_data, tmp_path,
-                                                                   monkeypatch) -> None:
-    """`run` (the CLI's entry) ends the group the trainer started, after a stopped run as after
-    a finished one: gloo torn down in the interpreter's teardown can abort a rank."""
-    import torch.distributed as dist
-
-    from megabeta.train import loop
-
-    prefix, _ = tiny_data
-    base = [*TINY_OVERRIDES, f"--data.path={prefix}", "--checkpoint.save_at_end=false",
-            "--parallel.backend=fsdp", "--train.steps=2"]
-    loop.run(load_config(TINY_CONFIG, [*base, f"--run_dir={tmp_path / 'done'}"]))
-    assert not dist.is_initialized()
-
-    def stopped(self, *args):
-        assert dist.is_initialized()
-        raise TrainingStopped("stopped")
-
-    monkeypatch.setattr(loop.Trainer, "_loop", stopped)
-    with pytest.raises(TrainingStopped):
-        loop.run(load_config(TINY_CONFIG, [*base, f"--run_dir={tmp_path / 'stopped'}"]))
-    assert not dist.is_initialized()

@@ -174,24 +174,6 @@ def test_single_process_init_needs_no_process_group(monkeypatch: pytest.MonkeyPa
     distenv.destroy_distributed()
 
 
-def test_destroy_ends_only_the_group_it_started(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The trainer leaves the group `init_distributed` started (its exit must not tear gloo down
-    in the interpreter's teardown); a group somebody else started stays theirs."""
-    for name in [k for k in os.environ if k not in launcher_free_environ()]:
-        monkeypatch.delenv(name)
-    init_distributed("gloo", group_for_one=True)
-    assert dist.is_initialized()
-    distenv.destroy_distributed()
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        init_distributed("gloo", group_for_one=True)
-        distenv.destroy_distributed()
-        assert dist.is_initialized()
-    finally:
-        dist.destroy_process_group()
-
-
 # ---------------------------------------------------------------- choose_device() per launcher
 
 TORCHRUN_8 = {"RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8",
