@@ -711,7 +711,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
               "history attention (cpu): grad and out shaped like q");
   TORCH_CHECK(grad_hist_k.numel() == 0 || grad_hist_k.sizes() == hist_k.sizes(),
               "history attention (cpu): gradient buffers shaped like the history");
-  at::Tensor dq = at::zeros_like(q);  // laid out like q (the operator's fake says so)
+  // Laid out like q (the operator's fake says so); every row is written once.
+  at::Tensor dq = at::empty_like(q);
   at::Tensor dk = at::zeros_like(k);
   at::Tensor dv = at::zeros_like(v);
   at::Tensor rows = at::zeros({q.size(0), group_count, q.size(1), q.size(2), q.size(3)},

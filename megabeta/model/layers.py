@@ -147,6 +147,12 @@ class StackedWeight:
         """Whether the pass forms this stack's gradient (`"pass"` or `"call"`), not autograd."""
         return self.gradients != "autograd"
 
+    @property
+    def per_entry(self) -> bool:
+        """Whether its calls multiply an odd number of entries one entry at a time
+        (`batched_matmul`): the CPU kernels' form, `"call"`."""
+        return self.gradients == "call"
+
     @classmethod
     def one(cls, weight: Tensor) -> "StackedWeight":
         """A single weight (`[out, in]`, or a bias `[out]`) as a stack of one (a view), its
@@ -235,7 +241,7 @@ def stacked_linear(x: Tensor, weight: StackedWeight, sel: slice,
     if autocast_dtype(x.device) is None:
         x = x.to(w.dtype)
     return batched_matmul(x, w, None if bias is None else bias.weight[sel],
-                          per_entry=weight.gradients == "call")
+                          per_entry=weight.per_entry)
 
 
 def batched_matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, *,
@@ -244,7 +250,7 @@ def batched_matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, *,
 
     `per_entry` (a by-hand stack of the CPU kernels, `gradients="call"`): ATen's batched
     matmul on a CPU gives each thread whole entries, so n entries not a multiple of the
-    threads leave a thread idle at the end (3 entries on 2 threads: 1.3x the time of one
+    threads leave a thread idle at the end (3 entries on 2 threads: 1.3-1.7x the time of one
     matmul per entry, each threaded by BLAS). A wave's stack holds as many entries as it has
     cells, often an odd number; there the entries go one matmul each."""
     n = len(a)
@@ -284,7 +290,7 @@ class _ByHandLinear(torch.autograd.Function):
         ctx.x, ctx.sel, ctx.weight, ctx.bias = x, sel, weight, stacked_bias
         ctx.save_for_backward(w)
         return batched_matmul(x, w.transpose(1, 2), None if bias is None else bias[sel],
-                              per_entry=weight.gradients == "call")
+                              per_entry=weight.per_entry)
 
     @staticmethod
     @once_differentiable
@@ -295,7 +301,7 @@ class _ByHandLinear(torch.autograd.Function):
         # graph would tie the stack to the graph and the graph to the stack, a cycle through
         # autograd's nodes that Python's collector cannot free (each step's graph would leak).
         ctx.weight.backward_call(ctx.sel, ctx.x.detach(), dy, ctx.bias)
-        dx = (batched_matmul(dy, w, per_entry=ctx.weight.gradients == "call")
+        dx = (batched_matmul(dy, w, per_entry=ctx.weight.per_entry)
               if ctx.needs_input_grad[0] else None)
         del ctx.x
         return dx, None, None, None, None, None
