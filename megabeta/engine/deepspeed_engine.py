@@ -9,6 +9,7 @@ gradient norm is not finite by itself (its overflow check); `step` reports that 
 On CPU, DeepSpeed's communication set-up (inside `deepspeed.initialize`) JIT-compiles its C++
 shared-memory op `deepspeed_shm_comm` the first time, which takes about half a minute to a minute
 and a half and prints nothing meanwhile; rank 0 says so beforehand unless the build is cached.
+The engine loads it first, under `kernels.jit_build.build_lock`.
 """
 
 from __future__ import annotations
@@ -30,30 +31,13 @@ from megabeta.config import TrainConfig
 from megabeta.engine.base import StepResult, document_kwargs
 from megabeta.engine.optim import build_optimizer, param_groups, set_lr
 from megabeta.extras import require
+from megabeta.kernels.jit_build import build_lock, extensions_root
 from megabeta.storage.durable import fsync_path, fsync_tree, replace_durably
 
 log = logging.getLogger("megabeta")
 
 SHM_OP = "deepspeed_shm_comm"
 """DeepSpeed's CPU shared-memory collective op, JIT-built by its torch backend on first use."""
-
-
-def extensions_root() -> Path:
-    """Where torch.utils.cpp_extension builds JIT extensions: $TORCH_EXTENSIONS_DIR, else
-    <cache>/torch_extensions/py<version>_<accelerator> (torch's own rule)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        return Path(root)
-    from torch.utils.cpp_extension import get_default_build_root
-
-    if torch.version.hip is not None:
-        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
-    elif torch.version.cuda is not None:
-        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
-    else:
-        accelerator = "cpu"
-    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{python}_{accelerator}"
 
 
 def shm_build_notice(root: Path | None = None) -> str | None:
@@ -103,6 +87,20 @@ def announce_shm_build() -> None:
         log.info("%s", notice)
 
 
+def load_shm_op() -> None:
+    """Load DeepSpeed's `deepspeed_shm_comm` under `build_lock` (a lock left in its build
+    folder by a rank killed while loading it would stall every later run) when
+    `deepspeed.initialize` would build it: DeepSpeed then finds it loaded."""
+    if not _shm_build_pending():
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        with build_lock(SHM_OP):
+            builder.load(verbose=False)
+
+
 class DeepSpeedEngine:
     """`parallel.backend = "deepspeed"`; `load_universal`: resuming at another world size."""
 
@@ -147,6 +145,7 @@ class DeepSpeedEngine:
             groups = None
         if device.type == "cpu":
             announce_shm_build()  # deepspeed.initialize may JIT-compile for a minute, silently
+            load_shm_op()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=self.model, optimizer=optimizer, model_parameters=groups, config=ds_config)
 

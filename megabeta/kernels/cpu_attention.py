@@ -3,8 +3,9 @@ attention over their own keys and their finished groups, forward and backward, i
 softmax per query tile.
 
 Built with torch's JIT extension loader the first time a process needs them (about 10 s with
-g++; cached under `TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`). Where they
-cannot be built (no C++ compiler, a CPU without AVX2), attention selection takes the `reference`
+g++; cached under `TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), under
+`jit_build.build_lock`: a lock left by a run killed while loading them does not stall the next
+runs. Where they cannot be built (no C++ compiler, a CPU without AVX2), attention selection takes the `reference`
 backend instead (`build()` says whether they built; the reason is logged once). They take
 float32 and float64 (`DTYPES`).
 
@@ -27,7 +28,7 @@ import shutil
 import torch
 from torch import Tensor
 
-from megabeta.kernels import history_attention
+from megabeta.kernels import history_attention, jit_build
 from megabeta.kernels.history_attention import Cells, group_rows, row_major
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,10 @@ log = logging.getLogger(__name__)
 DTYPES = (torch.float32, torch.float64)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "cpu_attention.cpp")
+
+# at::vec's AVX2 vectors (its exp is Sleef's, exported by libtorch_cpu) and OpenMP for
+# at::parallel_for, which is inlined into the kernels.
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,12 +56,9 @@ def build() -> bool:
             from torch.utils.cpp_extension import load
 
             _put_ninja_on_path()
-            # at::vec's AVX2 vectors (its exp is Sleef's, exported by libtorch_cpu) and OpenMP
-            # for at::parallel_for, which is inlined into the kernels.
-            flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DCPU_CAPABILITY=AVX2",
-                     "-DCPU_CAPABILITY_AVX2"]
-            load(name=_build_name(flags), sources=[_SOURCE], extra_cflags=flags,
-                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            with jit_build.build_lock(build_name()):
+                load(name=build_name(), sources=[_SOURCE], extra_cflags=_FLAGS,
+                     extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             return True
         except Exception as error:  # noqa: BLE001 - any build failure means: use the fallback
             reason = f"building it failed ({type(error).__name__}: {str(error).strip()[:300]})"
@@ -65,11 +67,11 @@ def build() -> bool:
     return False
 
 
-def _build_name(flags: list[str]) -> str:
+def build_name() -> str:
     """The build's name, and so its folder in torch's extension cache: named by the source and
     flags, so that two checkouts of another version on one machine (or a run while another
     rebuilds) never load or overwrite each other's library."""
-    digest = hashlib.sha256(open(_SOURCE, "rb").read() + " ".join(flags).encode()).hexdigest()
+    digest = hashlib.sha256(open(_SOURCE, "rb").read() + " ".join(_FLAGS).encode()).hexdigest()
     return f"megabeta_cpu_attention_{digest[:12]}"
 
 
