@@ -395,6 +395,8 @@ def _checked(launcher: str, rank: int, world: int, local_rank: int,
 
 
 _active: DistEnv | None = None
+_exported: list[str] = []
+"""The variables `init_distributed` set for a one-rank group, which `destroy_distributed` unsets."""
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 600,
@@ -425,10 +427,12 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600,
     if env.world_size == 1:
         _warn_if_batch_shell(os.environ)
         if group_for_one:
-            for name in ("RANK", "LOCAL_RANK"):  # libraries (DeepSpeed) read these
-                os.environ.setdefault(name, "0")
-            for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-                os.environ.setdefault(name, "1")
+            # Libraries (DeepSpeed) read these; `destroy_distributed` takes back the ones set
+            # here, or a later library in this process (accelerate) would rendezvous by them.
+            one_rank = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+            _exported.extend(name for name in one_rank if name not in os.environ)
+            for name in _exported:
+                os.environ[name] = one_rank[name]
             backend = _resolve_backend(backend)
             if backend == "nccl":
                 torch.cuda.set_device(_nccl_device(env))
@@ -524,8 +528,11 @@ def _nccl_device(env: DistEnv) -> torch.device:
 
 
 def destroy_distributed() -> None:
-    """Leave the process group (if any), so a clean exit does not hang or warn."""
+    """Leave the process group (if any), so a clean exit does not hang or warn, and unset the
+    variables set for a one-rank group."""
     global _active
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _active = None
+    while _exported:
+        os.environ.pop(_exported.pop(), None)

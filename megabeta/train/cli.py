@@ -47,10 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.help_config:
         print(describe_fields())
         return 0
+    from megabeta.parallel.env import destroy_distributed
+    from megabeta.train.loop import TrainingStopped, run
+
     try:
         config = load_config(args.config, overrides, read_model=initial_model_config)
-        from megabeta.train.loop import TrainingStopped, run
-
         run(config)
     except (ConfigError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -58,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
+    finally:
+        # The process ends here: its group goes before the interpreter's teardown, where gloo's
+        # threads torn down at exit could abort a rank whose work is done ("terminate called
+        # without an active exception"), and the launcher would fail the job.
+        destroy_distributed()
     return 0
 
 

@@ -174,6 +174,25 @@ def test_single_process_init_needs_no_process_group(monkeypatch: pytest.MonkeyPa
     distenv.destroy_distributed()
 
 
+def test_a_one_rank_group_takes_back_the_variables_it_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`group_for_one` exports RANK, WORLD_SIZE and the local pair for libraries; leaving the
+    group unsets those it set (accelerate, later in the process, would rendezvous by them) and
+    keeps one the user had set."""
+    for name in [k for k in os.environ if k not in launcher_free_environ()]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # the user's: kept
+    monkeypatch.setattr(distenv, "_active", None)
+    before = dict(os.environ)
+    init_distributed("gloo", group_for_one=True)
+    try:
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert [os.environ.get(n) for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE")] == ["0", "0", "1"]
+    finally:
+        distenv.destroy_distributed()
+    assert not dist.is_initialized()
+    assert dict(os.environ) == before
+
+
 # ---------------------------------------------------------------- choose_device() per launcher
 
 TORCHRUN_8 = {"RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8",
