@@ -413,7 +413,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600,
     """
     global _active
     group_up = dist.is_available() and dist.is_initialized()
-    if _active is not None and (group_up or not _active.is_distributed):
+    # Cached, unless a one-rank group is asked for now that an earlier caller went without.
+    if _active is not None and (group_up or not (_active.is_distributed or group_for_one)):
         return _active
     env = discover()
     if group_up:  # somebody else started the group: accept it if it agrees with the launcher

@@ -175,15 +175,17 @@ def test_single_process_init_needs_no_process_group(monkeypatch: pytest.MonkeyPa
 
 
 def test_a_one_rank_group_takes_back_the_variables_it_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`group_for_one` exports RANK, WORLD_SIZE and the local pair for libraries; leaving the
-    group unsets those it set (accelerate, later in the process, would rendezvous by them) and
+    """`group_for_one` starts a one-rank group, also after an earlier caller went without one,
+    and exports RANK, WORLD_SIZE and the local pair for libraries; leaving the group unsets
+    those it set (accelerate, later in the process, would rendezvous by them) and
     keeps one the user had set."""
     for name in [k for k in os.environ if k not in launcher_free_environ()]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # the user's: kept
     monkeypatch.setattr(distenv, "_active", None)
     before = dict(os.environ)
-    init_distributed("gloo", group_for_one=True)
+    assert not init_distributed("gloo").is_distributed and not dist.is_initialized()
+    init_distributed("gloo", group_for_one=True)  # asked for after a caller that went without
     try:
         assert dist.is_initialized() and dist.get_world_size() == 1
         assert [os.environ.get(n) for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE")] == ["0", "0", "1"]
