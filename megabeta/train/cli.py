@@ -52,17 +52,18 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load_config(args.config, overrides, read_model=initial_model_config)
-        run(config)
+        result = run(config)
     except (ConfigError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except TrainingStopped as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
-    finally:
-        # The process ends here: its group goes before the interpreter's teardown, where gloo's
-        # threads torn down at exit could abort a rank whose work is done ("terminate called
-        # without an active exception"), and the launcher would fail the job.
+    if not result.get("preempted"):
+        # A finished run's group goes before the interpreter's teardown, where gloo's threads
+        # torn down at exit could abort a rank whose work is done ("terminate called without
+        # an active exception") and fail the job. A preempted run's processes are the
+        # scheduler's to end (a requeue signals them at once).
         destroy_distributed()
     return 0
 

@@ -385,6 +385,7 @@ class Trainer:
                     self.checkpoints.finalize()
                     if not exit_now:
                         maybe_requeue(config.checkpoint.requeue)
+                        last["preempted"] = True
                     return last
                 if config.checkpoint.interval and step % config.checkpoint.interval == 0 and not done:
                     diagnostics.enter("checkpoint")
