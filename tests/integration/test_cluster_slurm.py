@@ -80,8 +80,8 @@ def test_usr1_saves_requeues_and_finishes_like_an_uninterrupted_run(
     state = cluster.wait_done(job, 300, log)
     text = log.read_text()
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", text[-3000:]
-    assert "SIGUSR1 received: stopping at this step boundary" in text
-    assert f"requeued SLURM job {job}" in text and "resumed from" in text
+    assert "SIGUSR1 received: stopping at this step boundary" in text, text
+    assert f"requeued SLURM job {job}" in text and "resumed from" in text, text
     stopped = int(text.split("resumed from")[1].split("step_")[1][:8])
     assert 3 <= stopped < STEPS, "the signal must land mid-run for this test to mean anything"
     assert [r["step"] for r in train_records(run_dir)] == list(range(1, STEPS + 1))
