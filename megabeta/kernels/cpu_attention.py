@@ -5,9 +5,9 @@ softmax per query tile.
 Built with torch's JIT extension loader the first time a process needs them (about 10 s with
 g++; cached under `TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), under
 `jit_build.build_lock`: a lock left by a run killed while loading them does not stall the next
-runs. Where they cannot be built (no C++ compiler, a CPU without AVX2), attention selection takes the `reference`
-backend instead (`build()` says whether they built; the reason is logged once). They take
-float32 and float64 (`DTYPES`).
+runs. Where they cannot be built (no C++ compiler, a CPU without AVX2), attention selection
+takes the `reference` backend instead (`build()` says whether they built; the reason is logged
+once). They take float32 and float64 (`DTYPES`).
 
 They are the "cpu" implementation of `megabeta::history_attention`
 (`megabeta/kernels/history_attention.py`), registered on import: the implementation reads the
@@ -56,8 +56,9 @@ def build() -> bool:
             from torch.utils.cpp_extension import load
 
             _put_ninja_on_path()
-            with jit_build.build_lock(build_name()):
-                load(name=build_name(), sources=[_SOURCE], extra_cflags=_FLAGS,
+            name = build_name()
+            with jit_build.build_lock(name):
+                load(name=name, sources=[_SOURCE], extra_cflags=_FLAGS,
                      extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             return True
         except Exception as error:  # noqa: BLE001 - any build failure means: use the fallback

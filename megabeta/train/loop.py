@@ -269,7 +269,8 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        """Run to `train.steps` (or a stop signal). Returns the last logged metrics."""
+        """Run to `train.steps` (or a stop signal). Returns the last logged metrics, with
+        `"preempted": True` when a stop signal ended the run."""
         metrics = MetricsLogger(self.run_dir, enabled=self.env.is_rank0,
                                 trackers=lambda: build_trackers(
                                     self.run_dir, self.config.logging,
