@@ -9,10 +9,12 @@
 // (cell, batch row, head, tile of queries), tiles of 128 keys. Nothing per key is kept for
 // backward but the output and the log-sum-exp.
 //
-// The products are register-blocked AVX2 loops (at::vec), not BLAS: a beta_1.2 cell has only
-// c = 32 queries a head, and BLAS copied each cold K/V tile into its panels for 32 rows. A query
-// tile lies across the lanes of four vectors (32 float32 queries; one vector where the cells are
-// that short, as in decoding), and scores, probabilities and their gradients are held key by
+// The products are register-blocked vector loops (at::vec), not BLAS: a beta_1.2 cell has only
+// c = 32 queries a head, and BLAS copied each cold K/V tile into its panels for 32 rows. The
+// source builds for AVX2 or AVX-512 (cpu_attention.py picks by the CPU); the vector width sets
+// the tiles' shapes (`Lanes`). A query tile lies across the lanes of the vectors that hold 32
+// float32 queries (four AVX2 or two AVX-512 vectors; one vector where the cells are that short,
+// as in decoding), and scores, probabilities and their gradients are held key by
 // key, `[keys][queries]`: S = K·Qᵀ and dP = V·dOᵀ take a key row's scalars against the
 // queries' vectors, O += P·V and dQ += dS·K take a feature column's, and the softmax's row
 // operations (max, exp with Sleef, rescale) are vector operations across queries.
@@ -47,6 +49,13 @@ namespace {
 
 using at::vec::Vectorized;
 
+// Whether at::vec was built for AVX-512 (32 vector registers of 16 floats) rather than AVX2
+// (16 of 8).
+constexpr bool kWide = Vectorized<float>::size() == 16;
+
+// Vectors in a full query tile: 32 float32 queries (16 float64), a beta_1.2 cell's c.
+constexpr int kTileVectors = kWide ? 2 : 4;
+
 // A tile of queries lies across the lanes of QV vectors (W = Vectorized<T>::size() queries
 // each): scores, probabilities and their gradients are held key by key, `[keys][Q]`, so that
 // every row operation of the softmax is a vector operation across queries.
@@ -56,8 +65,10 @@ struct Lanes {
   static constexpr int W = V::size();
   static constexpr int Q = QV * W;
   // Rows of the products' register block: KB x QV accumulators, QV loads and KB broadcasts
-  // per step (AVX2's 16 registers).
-  static constexpr int KB = QV == 1 ? 8 : 3;
+  // per step (12 of AVX2's 16 registers, 16 of AVX-512's 32).
+  static constexpr int KB = QV == 1 || kWide ? 8 : 3;
+  // Rows of `add_rows`' register block, of four vectors each (12 or 24 accumulators).
+  static constexpr int AB = kWide ? 6 : 3;
 };
 
 // out[j][:] = Σ_c a[j][c] · bt[c][:] for the rows j of one register block (a's rows `lda`
@@ -153,31 +164,42 @@ void prefetch_l1(const T* rows, int nj, int64_t ld, int d) {
 }
 
 // dst[j][c] += Σ_r pt[j][r] · e[r][c] for a block of KB rows and FV vectors of columns (e
-// `[Q][d]`, dst's rows `ldd` apart).
+// `[Q][d]`, dst's rows `ldd` apart); the last vector `last` columns wide (a width that is not
+// a multiple of the vector's: t19_flash's 200 columns are 12.5 AVX-512 vectors).
 template <typename T, int QV, int KB, int FV>
-inline void add_rows_block(const T* pt, const T* e, int d, T* dst, int64_t ldd) {
+inline void add_rows_block(const T* pt, const T* e, int d, T* dst, int64_t ldd,
+                           int last = Vectorized<T>::size()) {
   using L = Lanes<T, QV>;
   using V = typename L::V;
+  auto load = [last](const T* p, int f) {
+    return f == FV - 1 && last < L::W ? V::loadu(p, last) : V::loadu(p);
+  };
   V acc[KB][FV];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int k = 0; k < KB; ++k)
 #pragma GCC unroll 4
-    for (int f = 0; f < FV; ++f) acc[k][f] = V::loadu(dst + k * ldd + f * L::W);
+    for (int f = 0; f < FV; ++f) acc[k][f] = load(dst + k * ldd + f * L::W, f);
   for (int r = 0; r < L::Q; ++r) {
     V x[FV];
 #pragma GCC unroll 4
-    for (int f = 0; f < FV; ++f) x[f] = V::loadu(e + r * d + f * L::W);
-#pragma GCC unroll 4
+    for (int f = 0; f < FV; ++f) x[f] = load(e + r * d + f * L::W, f);
+#pragma GCC unroll 8
     for (int k = 0; k < KB; ++k) {
       const V p(pt[k * L::Q + r]);
 #pragma GCC unroll 4
       for (int f = 0; f < FV; ++f) acc[k][f] = at::vec::fmadd(p, x[f], acc[k][f]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int k = 0; k < KB; ++k)
 #pragma GCC unroll 4
-    for (int f = 0; f < FV; ++f) acc[k][f].store(dst + k * ldd + f * L::W);
+    for (int f = 0; f < FV; ++f) {
+      if (f == FV - 1 && last < L::W) {
+        acc[k][f].store(dst + k * ldd + f * L::W, last);
+      } else {
+        acc[k][f].store(dst + k * ldd + f * L::W);
+      }
+    }
 }
 
 // dst[j][c] += Σ_r pt[j][r] · e[r][c] for j < nj, c < d: dV += Pᵀ·dO and dK += dSᵀ·Q, in
@@ -188,20 +210,16 @@ void add_rows_of(const T* pt, const T* e, int d, T* dst, int64_t ldd) {
   int c = 0;
   for (; c + 4 * L::W <= d; c += 4 * L::W) add_rows_block<T, QV, KB, 4>(pt, e + c, d, dst + c, ldd);
   for (; c + L::W <= d; c += L::W) add_rows_block<T, QV, KB, 1>(pt, e + c, d, dst + c, ldd);
-  for (; c < d; ++c) {
-    for (int k = 0; k < KB; ++k) {
-      T sum = dst[k * ldd + c];
-      for (int r = 0; r < L::Q; ++r) sum += pt[k * L::Q + r] * e[r * d + c];
-      dst[k * ldd + c] = sum;
-    }
-  }
+  if (c < d) add_rows_block<T, QV, KB, 1>(pt, e + c, d, dst + c, ldd, d - c);
 }
 
 template <typename T, int QV>
 void add_rows(const T* pt, int nj, const T* e, int d, T* dst, int64_t ldd) {
   using L = Lanes<T, QV>;
   int j = 0;
-  for (; j + 3 <= nj; j += 3) add_rows_of<T, QV, 3>(pt + j * L::Q, e, d, dst + j * ldd, ldd);
+  for (; j + L::AB <= nj; j += L::AB) {
+    add_rows_of<T, QV, L::AB>(pt + j * L::Q, e, d, dst + j * ldd, ldd);
+  }
   for (; j < nj; ++j) add_rows_of<T, QV, 1>(pt + j * L::Q, e, d, dst + j * ldd, ldd);
 }
 
@@ -605,13 +623,13 @@ void backward_task(const Call<T>& call, const Grads<T>& g, int64_t i, int64_t b,
 }
 
 // Query tiles of one vector where the cells are that short (decoding, small blocks), else
-// of four.
+// of a full tile's vectors.
 template <typename T, typename Fn>
 void with_lanes(int64_t n, Fn fn) {
   if (n <= Vectorized<T>::size()) {
     fn(std::integral_constant<int, 1>{});
   } else {
-    fn(std::integral_constant<int, 4>{});
+    fn(std::integral_constant<int, kTileVectors>{});
   }
 }
 

@@ -5,7 +5,8 @@ softmax per query tile.
 Built with torch's JIT extension loader the first time a process needs them (about 10 s with
 g++; cached under `TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), under
 `jit_build.build_lock`: a lock left by a run killed while loading them does not stall the next
-runs. Where they cannot be built (no C++ compiler, a CPU without AVX2), attention selection
+runs. They build for AVX-512 where torch runs its own kernels with it, else for AVX2 (`isa()`).
+Where they cannot be built (no C++ compiler, a CPU without AVX2), attention selection
 takes the `reference` backend instead (`build()` says whether they built; the reason is logged
 once). They take float32 and float64 (`DTYPES`).
 
@@ -37,28 +38,53 @@ DTYPES = (torch.float32, torch.float64)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "cpu_attention.cpp")
 
-# at::vec's AVX2 vectors (its exp is Sleef's, exported by libtorch_cpu) and OpenMP for
-# at::parallel_for, which is inlined into the kernels.
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+# at::vec's vectors (its exp is Sleef's, exported by libtorch_cpu) and OpenMP for
+# at::parallel_for, which is inlined into the kernels. AVX-512 as ATen compiles its own
+# AVX512 kernels.
+_COMMON_FLAGS = ["-O3", "-fopenmp"]
+_ISA_FLAGS = {
+    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+}
+ISAS = tuple(_ISA_FLAGS)
+"""The instruction sets the kernels build for."""
+
+
+def isa() -> str | None:
+    """The instruction set the kernels build for on this machine: torch's own CPU capability
+    (`torch.backends.cpu.get_cpu_capability()`, which `ATEN_CPU_CAPABILITY=avx2` lowers), so
+    that they run the vectors ATen's kernels run. None: neither AVX2 nor AVX-512.
+
+    AVX-512 where the CPU has it: on a 2-core AMD EPYC the kernels run 1.2-1.35x AVX2's rate
+    on a wave's cells and 1.7x on a standard cell (docs/benchmarks/2026-12-07-cpu-avx512.md)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability if capability in _ISA_FLAGS else None
+
+
+def flags(isa_name: str) -> list[str]:
+    """The compiler flags of the build for `isa_name` (one of `ISAS`)."""
+    return _COMMON_FLAGS + _ISA_FLAGS[isa_name]
 
 
 @functools.lru_cache(maxsize=None)
 def build() -> bool:
-    """Build (or find the cached build of) the kernels and register them as
-    `torch.ops.megabeta_cpu.*`; False, with the reason logged once, where they cannot be
-    built."""
+    """Build (or find the cached build of) the kernels for this machine's instruction set
+    (`isa()`) and register them as `torch.ops.megabeta_cpu.*`; False, with the reason logged
+    once, where they cannot be built."""
+    target = isa()
     if platform.machine() not in ("x86_64", "AMD64"):
         reason = f"they are written for x86-64 with AVX2, this machine is {platform.machine()}"
-    elif torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    elif target is None:
         reason = "this CPU lacks AVX2"
     else:
         try:
             from torch.utils.cpp_extension import load
 
             _put_ninja_on_path()
-            name = build_name()
+            name = build_name(target)
             with jit_build.build_lock(name):
-                load(name=name, sources=[_SOURCE], extra_cflags=_FLAGS,
+                load(name=name, sources=[_SOURCE], extra_cflags=flags(target),
                      extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             return True
         except Exception as error:  # noqa: BLE001 - any build failure means: use the fallback
@@ -68,11 +94,13 @@ def build() -> bool:
     return False
 
 
-def build_name() -> str:
-    """The build's name, and so its folder in torch's extension cache: named by the source and
-    flags, so that two checkouts of another version on one machine (or a run while another
-    rebuilds) never load or overwrite each other's library."""
-    digest = hashlib.sha256(open(_SOURCE, "rb").read() + " ".join(_FLAGS).encode()).hexdigest()
+def build_name(isa_name: str | None = None) -> str:
+    """The name of the build for `isa_name` (default: this machine's, `isa()`), and so its
+    folder in torch's extension cache: named by the source and flags, so that two checkouts
+    of another version on one machine (or a run while another rebuilds) never load or
+    overwrite each other's library."""
+    chosen = flags(isa_name or isa() or "AVX2")
+    digest = hashlib.sha256(open(_SOURCE, "rb").read() + " ".join(chosen).encode()).hexdigest()
     return f"megabeta_cpu_attention_{digest[:12]}"
 
 
