@@ -71,6 +71,44 @@ struct Lanes {
   static constexpr int AB = kWide ? 6 : 3;
 };
 
+// The next history tile's rows, fetched into L2 a few lines at a time while the current tile
+// is computed: its keys and values, and in backward the rows of the history's gradient that
+// its adds read and write. Each product's register block fetches `kDripRows` (`Call::tiles`
+// sets the streams, one Drip per thread). Issued all at once before a tile (1024 lines for
+// 128 keys and values of 64 float32), and the gradient's rows not at all, a wavefront step
+// ran 4-5 % slower: spread over the products, the fetches overlap their arithmetic
+// (docs/benchmarks/2026-12-07-cpu-avx512.md).
+struct Drip {
+  const char* base[4] = {};
+  int64_t ld[4] = {};
+  int streams = 0, row_bytes = 0, rows = 0;
+  int stream = 0, row = 0;  // the next row (stream == streams: none)
+  void set(int count, const char* const* bases, const int64_t* lds, int bytes, int nj) {
+    streams = count;
+    for (int k = 0; k < count; ++k) {
+      base[k] = bases[k];
+      ld[k] = lds[k];
+    }
+    row_bytes = bytes;
+    rows = nj;
+    stream = row = 0;
+  }
+  // Fetches the next `count` rows, every line of each.
+  void step(int count) {
+    for (; count > 0 && stream < streams; --count) {
+      const char* at = base[stream] + row * ld[stream];
+      for (int byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(at + byte, 0, 2);
+      if (++row == rows) {
+        row = 0;
+        ++stream;
+      }
+    }
+  }
+  void finish() { step(1 << 30); }
+};
+thread_local Drip drip;
+constexpr int kDripRows = 6;
+
 // out[j][:] = Σ_c a[j][c] · bt[c][:] for the rows j of one register block (a's rows `lda`
 // apart; bt `[d][Q]`): a tile's scores from its keys and the queries' transpose.
 template <typename T, int QV, int KB>
@@ -106,6 +144,7 @@ void rows_by_lanes(const T* a, int64_t lda, int nj, const T* bt, int d, T* out) 
   int j = 0;
   for (; j + L::KB <= nj; j += L::KB) {
     rows_by_lanes_block<T, QV, L::KB>(a + j * lda, lda, bt, d, out + j * L::Q);
+    drip.step(kDripRows);
   }
   for (; j < nj; ++j) rows_by_lanes_block<T, QV, 1>(a + j * lda, lda, bt, d, out + j * L::Q);
 }
@@ -145,6 +184,7 @@ void lanes_by_rows(const T* pt, int nj, const T* a, int64_t lda, int d, T* ct) {
   int c = 0;
   for (; c + L::KB <= d; c += L::KB) {
     lanes_by_rows_block<T, QV, L::KB>(pt, nj, a + c, lda, ct + c * L::Q);
+    drip.step(kDripRows);
   }
   for (; c < d; ++c) lanes_by_rows_block<T, QV, 1>(pt, nj, a + c, lda, ct + c * L::Q);
 }
@@ -219,6 +259,7 @@ void add_rows(const T* pt, int nj, const T* e, int d, T* dst, int64_t ldd) {
   int j = 0;
   for (; j + L::AB <= nj; j += L::AB) {
     add_rows_of<T, QV, L::AB>(pt + j * L::Q, e, d, dst + j * ldd, ldd);
+    drip.step(kDripRows);
   }
   for (; j < nj; ++j) add_rows_of<T, QV, 1>(pt + j * L::Q, e, d, dst + j * ldd, ldd);
 }
@@ -380,11 +421,13 @@ struct Call {
 
   // The key tiles a query tile of head h reads: own keys first, then each group's rows, from
   // the tile's least bound on. `fn(group or null, j0, nj)`. The next history tile's keys and
-  // values are prefetched into L2 while one is computed: they are read once per query tile,
+  // values (and the rows of `grad_k`, `grad_v` there: backward's history gradient) are
+  // prefetched into L2 while one is computed (`Drip`): they are read once per query tile,
   // cold (the history is larger than the caches), and the hardware's prefetchers follow one
-  // group's rows too late.
+  // group's rows too late. What the products left unfetched goes before the tile.
   template <typename Fn>
-  void tiles(int64_t i, int64_t b, int64_t h, int64_t r0, int m, Fn fn) const {
+  void tiles(int64_t i, int64_t b, int64_t h, int64_t r0, int m, Fn fn,
+             const Rows<T>* grad_k = nullptr, const Rows<T>* grad_v = nullptr) const {
     struct Tile {
       const Group* group;
       int64_t j0;
@@ -402,19 +445,21 @@ struct Call {
       }
     }
     const int64_t hk_ = h / per_kv;
-    const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
-    auto prefetch = [&](size_t t) {
-      if (t >= list.size() || !list[t].group) return;
-      for (const Rows<T>* rows : {&hk, &hv}) {
-        for (int j = 0; j < list[t].nj; ++j) {
-          const char* row = reinterpret_cast<const char*>(
-              rows->at4(list[t].group->layer, b, hk_, list[t].j0 + j));
-          for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
-        }
-      }
-    };
+    const int bytes = static_cast<int>(dim * sizeof(T));
     for (size_t t = 0; t < list.size(); ++t) {
-      prefetch(t + 1);
+      drip.finish();
+      if (t + 1 < list.size() && list[t + 1].group) {
+        const Tile& up = list[t + 1];
+        const char* bases[4];
+        int64_t lds[4];
+        int count = 0;
+        for (const Rows<T>* rows : {&hk, &hv, grad_k, grad_v}) {
+          if (!rows || !rows->data) continue;
+          bases[count] = reinterpret_cast<const char*>(rows->at4(up.group->layer, b, hk_, up.j0));
+          lds[count++] = rows->ld() * static_cast<int64_t>(sizeof(T));
+        }
+        drip.set(count, bases, lds, bytes, up.nj);
+      }
       fn(list[t].group, list[t].j0, list[t].nj);
     }
   }
@@ -613,7 +658,7 @@ void backward_task(const Call<T>& call, const Grads<T>& g, int64_t i, int64_t b,
           add_rows<T, QV>(st, nj, gr, d, dv.at4(a, b, hk_, j0), dv.ld());
           add_rows<T, QV>(dst, nj, qr, d, dk.at4(a, b, hk_, j0), dk.ld());
         }
-      });
+      }, &g.ghk, &g.ghv);
       for (int r = 0; r < m; ++r) {
         T* dq = g.dq.at4(i, b, h, r0 + r);
         for (int c = 0; c < d; ++c) dq[c] = call.scale * dqt[c * L::Q + r];
